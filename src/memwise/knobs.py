@@ -1,0 +1,122 @@
+"""Memory knobs left as ``"auto"``: where they register, and how a plan reaches them.
+
+Every primitive with a memory/compute trade-off (``scan(checkpoints=...)``, the
+``chunk_size=`` of the chunked primitives, ``accumulate_grad(microbatches=...)``) calls
+:func:`auto` when the user passed ``"auto"``. Outside :func:`memwise.fit` that returns the
+knob's documented default. Inside ``fit``'s tracing it records the knob (kind, candidates,
+predicted compute of each candidate, the user's source line) and returns the value the
+plan under test assigns to it. Knobs are identified by the order in which the trace
+reaches them, which is deterministic for a given function and argument shapes.
+
+Candidates are ordered from the fastest (most memory) to the leanest (least memory), so a
+plan is one index per knob and "more pressure" means "a larger index". This module only
+records; the search lives in ``fit.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+__all__ = ["Knob", "auto", "recording", "user_source"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One ``"auto"`` knob reached by a trace.
+
+    Attributes:
+      kind: what the knob sets: ``"checkpoints"``, ``"chunk_size"`` or ``"microbatches"``.
+      source: ``file:line`` of the user's call that left the knob as ``"auto"``.
+      candidates: allowed values, fastest (most memory) first, leanest last.
+      cost: predicted compute of each candidate, relative to candidate 0 (1.0 = no
+        overhead), nondecreasing. Scans count body evaluations; chunks count tiles.
+      default: the value used outside ``fit``.
+    """
+
+    kind: str
+    source: str
+    candidates: tuple
+    cost: tuple
+    default: Any
+
+
+class _Recorder:
+    def __init__(self, plan: Sequence[int] | None):
+        self.plan = plan
+        self.knobs: list[Knob] = []
+
+
+_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
+    "memwise_knob_recorder", default=None
+)
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_source() -> str:
+    """``file:line`` of the innermost stack frame outside memwise and JAX."""
+    for frame in reversed(traceback.extract_stack()):
+        filename = os.path.abspath(frame.filename)
+        if filename.startswith(_PACKAGE_DIR) or f"{os.sep}jax{os.sep}" in filename:
+            continue
+        if f"{os.sep}contextlib.py" in filename:
+            continue
+        return f"{frame.filename}:{frame.lineno}"
+    return "<unknown>"
+
+
+def auto(
+    kind: str,
+    *,
+    candidates: Sequence[Any],
+    cost: Sequence[float] | Callable[[Any], float],
+    default: Any,
+) -> Any:
+    """Resolve an ``"auto"`` knob: its default outside ``fit``, the plan's value inside.
+
+    Args:
+      kind: ``"checkpoints"``, ``"chunk_size"`` or ``"microbatches"``.
+      candidates: allowed values ordered fastest (most memory) first.
+      cost: predicted relative compute per candidate, or a function of a candidate.
+      default: value used when no plan is active.
+
+    Example::
+
+        chunk = knobs.auto("chunk_size", candidates=[4096, 1024, 256],
+                           cost=[1.0, 1.0, 1.1], default=1024)
+    """
+    candidates = tuple(candidates)
+    if not candidates:
+        raise ValueError(f"knob {kind!r} needs at least one candidate")
+    costs = tuple(float(cost(c)) for c in candidates) if callable(cost) else tuple(cost)
+    if len(costs) != len(candidates):
+        raise ValueError(f"knob {kind!r}: {len(costs)} costs for {len(candidates)} candidates")
+    recorder = _RECORDER.get()
+    if recorder is None:
+        return default
+    index = len(recorder.knobs)
+    recorder.knobs.append(Knob(kind, user_source(), candidates, costs, default))
+    if recorder.plan is None or index >= len(recorder.plan):
+        return default
+    return candidates[min(recorder.plan[index], len(candidates) - 1)]
+
+
+@contextlib.contextmanager
+def recording(plan: Sequence[int] | None = None) -> Iterator[list[Knob]]:
+    """Record the knobs a trace reaches; assign ``candidates[plan[i]]`` to knob ``i``.
+
+    With ``plan=None`` every knob takes its default. Yields the list of knobs, filled
+    as tracing proceeds.
+    """
+    recorder = _Recorder(plan)
+    token = _RECORDER.set(recorder)
+    try:
+        yield recorder.knobs
+    finally:
+        _RECORDER.reset(token)
