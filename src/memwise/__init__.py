@@ -1,3 +1,4 @@
 """memwise: reverse-mode differentiation in JAX that fits in memory."""
 
-from memwise import knobs
+from memwise import knobs, measure
+from memwise.measure import MemoryReport, Residual, memory_report

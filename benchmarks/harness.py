@@ -1,0 +1,212 @@
+"""Benchmark harness: compiled memory and interleaved wall-time ratios, in one run.
+
+Every benchmark script builds variants of one computation (the anchors users have today
+and memwise), and :func:`run_table` measures them together: compiled buffers from
+``memwise.measure.compiled_memory`` (deterministic, machine-independent), then the median
+wall time over ``repeats`` runs after a warm-up, the variants interleaved round by round so
+that drift of a shared machine cancels in the ratios. :func:`save` writes
+``results/NAME.json``; ``run.py`` turns all results into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from memwise.measure import compile_measured, format_bytes
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+__all__ = ["Variant", "run_table", "save", "cli", "peak_rss_bytes", "progress"]
+
+
+@dataclasses.dataclass
+class Variant:
+    """One way of computing the benchmark's result.
+
+    ``fn`` is jitted by the harness and called with ``args``; ``extra`` holds columns that
+    are not memory or time (counted evaluations, iterations, ...). ``run=False`` compiles
+    only (for programs that would not fit or take too long to run here).
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple
+    extra: dict = dataclasses.field(default_factory=dict)
+    run: bool = True
+
+
+def progress(iterable, **kwargs):
+    """tqdm progress bar when available, the plain iterable otherwise."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return iterable
+    return tqdm(iterable, file=sys.stderr, leave=False, **kwargs)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _block(out: Any) -> Any:
+    return jax.block_until_ready(out)
+
+
+def run_table(
+    title: str,
+    variants: Sequence[Variant],
+    *,
+    baseline: str,
+    repeats: int = 5,
+    quick: bool = False,
+    time: bool = True,  # noqa: A002 - a column switch, not the module
+) -> dict:
+    """Measures ``variants``: compiled memory of each, interleaved median wall times.
+
+    Returns a table dict ``{"title", "baseline", "rows": [...]}``; each row has
+    ``variant``, ``temp_bytes``, ``peak_bytes``, ``argument_bytes``, ``output_bytes``,
+    ``compile_s``, ``time_s`` (median, or None), ``time_ratio`` (to ``baseline``) and the
+    variant's ``extra`` columns.
+    """
+    names = [v.name for v in variants]
+    if baseline not in names:
+        raise ValueError(f"baseline {baseline!r} is not one of the variants {names}")
+    repeats = 1 if quick else max(repeats, 5)
+    rows, compiled = [], {}
+    for variant in progress(variants, desc=f"compile {title}"):
+        start = _now()
+        exe, memory = compile_measured(variant.fn, *variant.args)
+        compile_s = _now() - start
+        compiled[variant.name] = exe
+        rows.append(
+            {
+                "variant": variant.name,
+                "temp_bytes": memory.temp_bytes,
+                "peak_bytes": memory.peak_bytes,
+                "argument_bytes": memory.argument_bytes,
+                "output_bytes": memory.output_bytes,
+                "compile_s": compile_s,
+                "time_s": None,
+                "time_ratio": None,
+                **variant.extra,
+            }
+        )
+    timed = [v for v in variants if v.run] if time else []
+    samples: dict[str, list[float]] = {v.name: [] for v in timed}
+    for variant in timed:  # warm-up
+        _block(compiled[variant.name](*variant.args))
+    for _ in progress(range(repeats), desc=f"time {title}"):
+        for variant in timed:
+            start = _now()
+            _block(compiled[variant.name](*variant.args))
+            samples[variant.name].append(_now() - start)
+    for row in rows:
+        if samples.get(row["variant"]):
+            row["time_s"] = statistics.median(samples[row["variant"]])
+    base = next(r for r in rows if r["variant"] == baseline)
+    for row in rows:
+        if row["time_s"] is not None and base["time_s"]:
+            row["time_ratio"] = row["time_s"] / base["time_s"]
+    return {"title": title, "baseline": baseline, "repeats": repeats, "rows": rows}
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def machine() -> dict:
+    import numpy
+
+    versions = {"python": platform.python_version(), "jax": jax.__version__,
+                "numpy": numpy.__version__}
+    for name in ("jaxlib", "flax", "equinox", "ott"):
+        try:
+            module = __import__(name)
+            versions[name] = getattr(module, "__version__", "?")
+        except ImportError:
+            pass
+    import os
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "versions": versions,
+    }
+
+
+def save(name: str, tables: Sequence[dict], notes: str = "", quick: bool = False) -> Path:
+    """Writes ``results/NAME.json`` with the tables, the machine and library versions."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {
+        "name": name,
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "notes": notes,
+        "tables": list(tables),
+    }
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def print_table(table: dict) -> None:
+    print(markdown_table(table))
+
+
+_SKIP = {"variant", "temp_bytes", "peak_bytes", "argument_bytes", "output_bytes",
+         "compile_s", "time_s", "time_ratio"}
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown_table(table: dict) -> str:
+    """One result table as Markdown: memory, time ratio, then the extra columns."""
+    extra_keys: list[str] = []
+    for row in table["rows"]:
+        extra_keys += [k for k in row if k not in _SKIP and k not in extra_keys]
+    header = ["variant", "temp", "peak", "time / " + table["baseline"], "compile s", *extra_keys]
+    lines = [f"**{table['title']}**", "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for row in table["rows"]:
+        cells = [
+            row["variant"],
+            format_bytes(row["temp_bytes"]),
+            format_bytes(row["peak_bytes"]),
+            "-" if row["time_ratio"] is None else f"{row['time_ratio']:.2f}x",
+            f"{row['compile_s']:.1f}",
+            *(_cell(row.get(k)) for k in extra_keys),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cli(main: Callable[..., Any]) -> None:
+    """Entry point of a benchmark script: ``python benchmarks/NAME.py [--quick]``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, one timing round")
+    main(quick=parser.parse_args().quick)

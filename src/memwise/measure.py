@@ -1,0 +1,470 @@
+"""Where a program's memory goes, read from the compiler before anything runs.
+
+XLA assigns every buffer of a compiled program ahead of time, so
+``jax.jit(f).lower(*args).compile().memory_analysis()`` states exactly how many bytes of
+arguments, outputs and temporaries the program will hold, without executing it. This
+module is the one place memwise reads those numbers (:func:`compiled_memory`), and adds
+what the compiler cannot say: which arrays the backward pass of ``jax.grad`` keeps
+(``residuals``, from ``jax.ad_checkpoint``'s saved-residual analysis) and the line of user
+code that produced each of them (:func:`memory_report`).
+
+Peak memory is XLA's ``peak_memory_in_bytes`` where jaxlib reports it (it also counts
+constants baked into the program), else argument + output - alias + temp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "CompiledMemory",
+    "MemoryReport",
+    "Residual",
+    "compile_measured",
+    "compiled_memory",
+    "memory_report",
+]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Buffer sizes of one compiled program, in bytes, exactly as XLA reports them.
+
+    ``code_bytes`` is XLA's generated code size (0 on backends that do not report it);
+    ``program_bytes`` is the size of the lowered StableHLO text, which grows with arrays
+    baked into the program as constants; ``constant_bytes`` is the total size of those
+    constants (closed-over arrays that ``jit`` could not pass as arguments).
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    code_bytes: int
+    program_bytes: int
+    constant_bytes: int
+
+    @classmethod
+    def from_compiled(
+        cls, compiled: Any, *, program_bytes: int = 0, constant_bytes: int = 0
+    ) -> CompiledMemory:
+        """Reads the stats of a ``jax.stages.Compiled``."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise RuntimeError(
+                "this backend does not report memory_analysis(); memwise needs it to "
+                "measure compiled memory"
+            )
+        argument = int(stats.argument_size_in_bytes)
+        output = int(stats.output_size_in_bytes)
+        alias = int(stats.alias_size_in_bytes)
+        temp = int(stats.temp_size_in_bytes)
+        reported_peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+        peak = reported_peak if reported_peak > 0 else argument + output - alias + temp
+        return cls(
+            argument_bytes=argument,
+            output_bytes=output,
+            alias_bytes=alias,
+            temp_bytes=temp,
+            peak_bytes=peak,
+            code_bytes=int(getattr(stats, "generated_code_size_in_bytes", 0) or 0),
+            program_bytes=program_bytes,
+            constant_bytes=constant_bytes,
+        )
+
+
+def _check_fn_and_argnums(fn: Any, args: Sequence[Any], argnums: int | Sequence[int]):
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or not all(isinstance(i, int) for i in nums):
+        raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
+    for i in nums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(
+                f"argnums={argnums!r} is out of range for {len(args)} positional "
+                f"argument(s); pass argnums between 0 and {len(args) - 1}"
+            )
+    return tuple(i % len(args) for i in nums)
+
+
+def _check_differentiable(fn: Callable, args: Sequence[Any], kwargs: dict, argnums):
+    out = jax.eval_shape(fn, *args, **kwargs)
+    leaves = jax.tree_util.tree_leaves(out)
+    if len(leaves) != 1 or leaves[0].shape != ():
+        shapes = [tuple(leaf.shape) for leaf in leaves]
+        raise TypeError(
+            "grad=True needs fn to return one scalar; it returned "
+            f"{jax.tree_util.tree_structure(out)} with shapes {shapes}. Reduce the output "
+            "(e.g. jnp.sum) or measure fn itself with grad=False"
+        )
+    if not jnp.issubdtype(leaves[0].dtype, jnp.inexact):
+        raise TypeError(
+            f"grad=True needs a float output, fn returned {leaves[0].dtype}; "
+            "cast the loss to a float dtype"
+        )
+    for i in argnums:
+        for leaf in jax.tree_util.tree_leaves(args[i]):
+            dtype = jnp.result_type(leaf)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                raise TypeError(
+                    f"argument {i} has a leaf of dtype {dtype}, which cannot be "
+                    "differentiated; choose float arguments with argnums"
+                )
+
+
+def _target(fn: Callable, grad: bool, argnums: tuple[int, ...]) -> Callable:
+    if not grad:
+        return fn
+    return jax.grad(fn, argnums=argnums[0] if len(argnums) == 1 else argnums)
+
+
+def compile_measured(
+    fn: Callable,
+    *args: Any,
+    grad: bool = False,
+    argnums: int | Sequence[int] = 0,
+    **kwargs: Any,
+) -> tuple[Any, CompiledMemory]:
+    """Compiles ``fn`` (or ``jax.grad(fn, argnums)``) for ``args``: (executable, memory).
+
+    The executable is a ``jax.stages.Compiled`` to call with the same arguments; use it
+    when the program is also to be run, so it is compiled once.
+    """
+    nums = _check_fn_and_argnums(fn, args, argnums)
+    if grad:
+        _check_differentiable(fn, args, kwargs, nums)
+    traced = jax.jit(_target(fn, grad, nums)).trace(*args, **kwargs)
+    constant_bytes = sum(
+        int(np.asarray(c).nbytes) if hasattr(c, "shape") else 0 for c in traced.jaxpr.consts
+    )
+    lowered = traced.lower()
+    compiled = lowered.compile()
+    memory = CompiledMemory.from_compiled(
+        compiled, program_bytes=len(lowered.as_text()), constant_bytes=constant_bytes
+    )
+    return compiled, memory
+
+
+def compiled_memory(
+    fn: Callable,
+    *args: Any,
+    grad: bool = False,
+    argnums: int | Sequence[int] = 0,
+    **kwargs: Any,
+) -> CompiledMemory:
+    """Compiles ``fn`` (or ``jax.grad(fn, argnums)``) for ``args`` and returns its buffers.
+
+    Nothing runs: arguments may be ``jax.ShapeDtypeStruct``s. This is the one function
+    memwise uses to measure memory, in tests, benchmarks and ``fit``.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> mem = mw.measure.compiled_memory(lambda x: jnp.sum(jnp.sin(x) ** 2),
+        ...                                  jnp.ones(1000), grad=True)
+        >>> mem.temp_bytes >= 0
+        True
+    """
+    return compile_measured(fn, *args, grad=grad, argnums=argnums, **kwargs)[1]
+
+
+# ----------------------------------------------------------------------------------------
+# Saved residuals
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """Arrays the backward pass keeps that come from one source.
+
+    ``source`` is ``file:line`` of the user code that produced them, or
+    ``argument 'name'``; ``count`` arrays were grouped under it, ``shape``/``dtype`` are
+    those of the largest, ``nbytes`` their total, ``what`` the producing operations.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    source: str
+    count: int = 1
+    what: str = ""
+
+
+_OUTPUT_RE = re.compile(r"^(?:output of|named) (?P<what>.+?) from (?P<where>.+)$")
+_WHERE_RE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::\d+)?(?: \((?P<func>.*)\))?$")
+
+
+def _parse_source(description: str) -> tuple[str, str]:
+    """('file:line' or "argument 'x'", what) from a JAX saved-residual description."""
+    if description.startswith("from the argument"):
+        name = description.removeprefix("from the argument").strip()
+        return f"argument {name!r}", "argument"
+    match = _OUTPUT_RE.match(description)
+    if match is None:
+        return description, ""
+    where = _WHERE_RE.match(match["where"])
+    location = f"{where['file']}:{where['line']}" if where else match["where"]
+    return location, match["what"]
+
+
+@contextlib.contextmanager
+def _user_frames_only() -> Iterator[None]:
+    # JAX records the innermost *user* frame of each operation; while tracing for the
+    # report, count memwise's own files as library code so that residuals created inside
+    # mw.scan / mw.chunked_map point at the user's line that called them.
+    from jax._src import source_info_util  # private: kept to this one place
+
+    source_info_util.register_exclusion(_PACKAGE_DIR)
+    try:
+        yield
+    finally:
+        paths = source_info_util._exclude_paths
+        if _PACKAGE_DIR in paths:
+            paths.remove(_PACKAGE_DIR)
+        source_info_util._exclude_path_regex.cache_clear()
+        source_info_util.is_user_filename.cache_clear()
+
+
+def saved_residuals(
+    fn: Callable, *args: Any, argnums: Sequence[int] = (0,), **kwargs: Any
+) -> list[tuple[Any, str]]:
+    """What ``jax.grad(fn, argnums)`` keeps for its backward pass: (aval, description).
+
+    The same analysis as ``jax.ad_checkpoint.print_saved_residuals`` (only the printing
+    variant is public in JAX 0.10), restricted to the arguments in ``argnums``: the others
+    stay inputs of the traced program, so they are listed when the backward needs them and
+    nothing is listed that only their (unrequested) gradient would need.
+    """
+    from jax._src import ad_checkpoint, api_util  # private: kept to this one place
+
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+
+    def vjp_of_selected(*flat):
+        all_args, all_kwargs = jax.tree_util.tree_unflatten(tree, flat)
+
+        def selected(*diff):
+            full = list(all_args)
+            for i, value in zip(argnums, diff):
+                full[i] = value
+            return fn(*full, **all_kwargs)
+
+        return jax.vjp(selected, *(all_args[i] for i in argnums))
+
+    with _user_frames_only():
+        closed, out_shape = jax.make_jaxpr(vjp_of_selected, return_shape=True)(*leaves)
+    n_residuals = jax.tree_util.tree_structure(out_shape[1]).num_leaves
+    debug = api_util.debug_info("memory_report", fn, args, kwargs)
+    jaxpr = closed.jaxpr.replace(
+        outvars=closed.jaxpr.outvars[len(closed.jaxpr.outvars) - n_residuals :],
+        debug_info=debug._replace(result_paths=None),
+    )
+    names = debug.arg_names or ("",) * len(jaxpr.invars)
+    return ad_checkpoint._saved_residuals(jaxpr, names)
+
+
+def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
+    groups: dict[str, list[tuple[Any, str]]] = {}
+    for aval, description in raw:
+        source, what = _parse_source(description)
+        groups.setdefault(source, []).append((aval, what))
+    residuals = []
+    for source, members in groups.items():
+        sizes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a, _ in members]
+        largest = members[int(np.argmax(sizes))][0]
+        whats = sorted({w for _, w in members if w})
+        residuals.append(
+            Residual(
+                shape=tuple(int(d) for d in largest.shape),
+                dtype=str(np.dtype(largest.dtype)),
+                nbytes=int(sum(sizes)),
+                source=source,
+                count=len(members),
+                what=", ".join(whats),
+            )
+        )
+    residuals.sort(key=lambda r: (-r.nbytes, r.source))
+    return residuals
+
+
+# ----------------------------------------------------------------------------------------
+# The report
+
+
+def format_bytes(n: int | float) -> str:
+    """1536 -> '1.5 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+_CONSTANT_WARNING_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Compiled memory of a program and what its backward pass keeps. See memory_report."""
+
+    name: str
+    grad: bool
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    code_bytes: int
+    program_bytes: int
+    constant_bytes: int
+    residuals: tuple[Residual, ...]
+
+    @property
+    def residual_bytes(self) -> int:
+        return sum(r.nbytes for r in self.residuals)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict of every field."""
+        out = dataclasses.asdict(self)
+        out["residuals"] = [dataclasses.asdict(r) for r in self.residuals]
+        out["residual_bytes"] = self.residual_bytes
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_text(self, max_rows: int = 20) -> str:
+        """An aligned table: compiled totals, then residuals by source, largest first."""
+        kind = "gradient of " if self.grad else ""
+        lines = [f"memory report: {kind}{self.name}  (compiled, not run)"]
+        totals = [
+            ("peak", self.peak_bytes),
+            ("arguments", self.argument_bytes),
+            ("outputs", self.output_bytes),
+            ("aliased", self.alias_bytes),
+            ("temporaries", self.temp_bytes),
+            ("constants", self.constant_bytes),
+        ]
+        width = max(len(k) for k, _ in totals)
+        for key, value in totals:
+            lines.append(f"  {key:<{width}}  {format_bytes(value):>10}  ({value:,} B)")
+        if self.constant_bytes >= _CONSTANT_WARNING_BYTES:
+            lines.append(
+                f"  warning: {format_bytes(self.constant_bytes)} of arrays are baked into the "
+                "program as constants (closed-over arrays); pass them as arguments "
+                "(e.g. mw.linearize keeps parameters as pytree leaves)"
+            )
+        if self.grad:
+            lines.append("")
+            if not self.residuals:
+                lines.append("  the backward pass keeps no residuals")
+            else:
+                rows = [
+                    (
+                        format_bytes(r.nbytes),
+                        str(r.count),
+                        f"{r.dtype}{list(r.shape)}",
+                        r.what,
+                        r.source,
+                    )
+                    for r in self.residuals[:max_rows]
+                ]
+                header = ("kept", "n", "largest", "op", "source")
+                widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+                fmt = "  {:>%d}  {:>%d}  {:<%d}  {:<%d}  {}" % tuple(widths[:4])
+                lines.append(f"  residuals kept for the backward pass ({format_bytes(self.residual_bytes)} in all):")
+                lines.append(fmt.format(*header))
+                lines.extend(fmt.format(*row) for row in rows)
+                hidden = len(self.residuals) - max_rows
+                if hidden > 0:
+                    rest = sum(r.nbytes for r in self.residuals[max_rows:])
+                    lines.append(f"  ... {hidden} more sources, {format_bytes(rest)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def plot(self, path: str | os.PathLike, *, max_rows: int = 15) -> None:
+        """Horizontal bar chart of the largest residual sources (needs matplotlib)."""
+        plt = _pyplot()
+        rows = list(self.residuals[:max_rows])[::-1]
+        fig, ax = plt.subplots(figsize=(9, 1.5 + 0.4 * max(len(rows), 1)))
+        labels = [f"{os.path.basename(r.source)} ({r.what})" if r.what else r.source for r in rows]
+        ax.barh(labels, [r.nbytes / 2**20 for r in rows], color="tab:blue")
+        ax.set_xlabel("MiB kept for the backward pass")
+        ax.set_title(
+            f"{self.name}: peak {format_bytes(self.peak_bytes)}, "
+            f"temporaries {format_bytes(self.temp_bytes)}"
+        )
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:  # pragma: no cover - exercised by monkeypatching
+        raise ImportError(
+            "plotting needs matplotlib: pip install memwise[plot]"
+        ) from error
+    return plt
+
+
+def memory_report(
+    fn: Callable,
+    *args: Any,
+    grad: bool = False,
+    argnums: int | Sequence[int] = 0,
+    **kwargs: Any,
+) -> MemoryReport:
+    """Where the memory of ``fn`` (or of its gradient) goes, by compiling, never running.
+
+    Args:
+      fn: the function to measure; with ``grad=True`` it must return a float scalar.
+      *args: its arguments (arrays or ``jax.ShapeDtypeStruct``s).
+      grad: measure ``jax.grad(fn, argnums)`` and list what its backward pass keeps.
+      argnums: the arguments to differentiate with ``grad=True``.
+      **kwargs: keyword arguments passed to ``fn``.
+
+    Returns:
+      A :class:`MemoryReport`: compiled ``peak_bytes``, ``temp_bytes``,
+      ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (equal to XLA's
+      ``memory_analysis()``), ``constant_bytes`` and, with ``grad=True``, ``residuals``
+      grouped by the source line that produced them, largest first.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp, memwise as mw
+        >>> def loss(w, x):
+        ...     return jnp.sum(jnp.tanh(x @ w) ** 2)
+        >>> report = mw.memory_report(loss, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
+        >>> print(report.to_text())  # doctest: +SKIP
+    """
+    nums = _check_fn_and_argnums(fn, args, argnums)
+    memory = compiled_memory(fn, *args, grad=grad, argnums=nums, **kwargs)
+    residuals: list[Residual] = []
+    if grad:
+        residuals = _group_residuals(saved_residuals(fn, *args, argnums=nums, **kwargs))
+    return MemoryReport(
+        name=getattr(fn, "__name__", type(fn).__name__),
+        grad=grad,
+        residuals=tuple(residuals),
+        **dataclasses.asdict(memory),
+    )
