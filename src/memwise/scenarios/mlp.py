@@ -31,11 +31,11 @@ def loss(params: list[jax.Array], x: jax.Array) -> jax.Array:
     return jnp.mean(h**2)
 
 
-def _layer(h: jax.Array, w: jax.Array) -> jax.Array:
+def layer(h: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.tanh(h @ w)
 
 
-_remat_layer = jax.checkpoint(_layer, policy=jax.checkpoint_policies.dots_saveable)
+_remat_layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)
 
 
 def loss_remat(params: list[jax.Array], x: jax.Array) -> jax.Array:

@@ -1,0 +1,155 @@
+"""memory_report / compiled_memory agree with XLA byte for byte and name user lines."""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import memwise as mw
+from memwise import measure
+
+LOSS_LINE = None  # set below: the line of `jnp.tanh(h @ w)` in `mlp_loss`
+
+
+def mlp_loss(params, x):
+    h = x
+    for w in params:
+        h = jnp.tanh(h @ w)  # the residual source the report must name
+    return jnp.sum(h**2)
+
+
+with open(__file__) as _f:
+    LOSS_LINE = next(i for i, line in enumerate(_f, 1) if "the residual source" in line)
+
+
+def mlp_args(width=64, batch=32, depth=4):
+    keys = jax.random.split(jax.random.PRNGKey(0), depth)
+    params = [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys]
+    return params, jnp.ones((batch, width))
+
+
+def xla_stats(fn, *args):
+    return jax.jit(fn).lower(*args).compile().memory_analysis()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_compiled_numbers_equal_memory_analysis(grad):
+    args = mlp_args()
+    report = mw.memory_report(mlp_loss, *args, grad=grad)
+    stats = xla_stats(jax.grad(mlp_loss) if grad else mlp_loss, *args)
+    assert report.temp_bytes == stats.temp_size_in_bytes
+    assert report.argument_bytes == stats.argument_size_in_bytes
+    assert report.output_bytes == stats.output_size_in_bytes
+    assert report.alias_bytes == stats.alias_size_in_bytes
+    reported = getattr(stats, "peak_memory_in_bytes", 0) or 0
+    expected_peak = reported if reported > 0 else (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    )
+    assert report.peak_bytes == expected_peak
+
+
+def test_residuals_of_mlp_point_at_user_line():
+    params, x = mlp_args()
+    report = mw.memory_report(mlp_loss, params, x, grad=True)
+    by_source = {r.source: r for r in report.residuals}
+    line_source = f"{__file__}:{LOSS_LINE}"
+    assert line_source in by_source, report.to_text()
+    # four tanh outputs (32 x 64 f32) at least, from that one line, grouped
+    assert by_source[line_source].count >= 4
+    assert by_source[line_source].nbytes >= 4 * 32 * 64 * 4
+    # the backward of layer k needs the weights of layers 1..3 and the input x
+    assert "argument 'x'" in by_source
+    assert "argument 'params[3]'" in by_source
+    assert by_source["argument 'params[3]'"].nbytes == 64 * 64 * 4
+    # largest first
+    sizes = [r.nbytes for r in report.residuals]
+    assert sizes == sorted(sizes, reverse=True)
+    # total equals the residual avals JAX reports
+    raw = measure.saved_residuals(mlp_loss, params, x, argnums=(0,))
+    assert report.residual_bytes == sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, _ in raw)
+
+
+def test_residuals_only_for_requested_argnums():
+    params, x = mlp_args()
+    wrt_params = mw.memory_report(mlp_loss, params, x, grad=True, argnums=0)
+    wrt_both = mw.memory_report(mlp_loss, params, x, grad=True, argnums=(0, 1))
+    sources = {r.source for r in wrt_params.residuals}
+    assert "argument 'params[0]'" not in sources  # only dx would need W_0
+    assert "argument 'params[0]'" in {r.source for r in wrt_both.residuals}
+
+
+def test_residuals_inside_memwise_code_point_at_caller(tmp_path):
+    # Library frames (memwise's own files) are skipped, so the user's call site is named.
+    report = mw.memory_report(lambda x: jnp.sum(jnp.sin(x) ** 2), jnp.ones(8), grad=True)
+    assert all("memwise/measure.py" not in r.source for r in report.residuals)
+
+
+def test_constants_are_reported_and_warned():
+    weights = jnp.asarray(np.random.default_rng(0).normal(size=(1024, 512)), jnp.float32)
+
+    def closes_over(x):
+        return jnp.sum(jnp.tanh(x @ weights))
+
+    report = mw.memory_report(closes_over, jnp.ones((4, 1024)))
+    assert report.constant_bytes == weights.nbytes
+    assert "constants" in report.to_text() and "warning" in report.to_text()
+    # passed as an argument, nothing is baked in and the program text is far smaller
+    as_argument = mw.memory_report(lambda x, w: jnp.sum(jnp.tanh(x @ w)), jnp.ones((4, 1024)), weights)
+    assert as_argument.constant_bytes == 0
+    assert as_argument.program_bytes * 10 < report.program_bytes
+
+
+def test_to_text_and_to_dict():
+    report = mw.memory_report(mlp_loss, *mlp_args(), grad=True)
+    text = report.to_text()
+    for word in ("peak", "temporaries", "residuals kept", "argument 'x'", "KiB"):
+        assert word in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["peak_bytes"] == report.peak_bytes
+    assert data["residuals"][0]["nbytes"] == report.residuals[0].nbytes
+    assert data["residual_bytes"] == report.residual_bytes
+
+
+def test_plot_writes_png(tmp_path):
+    report = mw.memory_report(mlp_loss, *mlp_args(), grad=True)
+    path = tmp_path / "r.png"
+    report.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    report = mw.memory_report(mlp_loss, *mlp_args(), grad=True)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install memwise\[plot\]"):
+        report.plot(tmp_path / "r.png")
+
+
+def test_shape_dtype_structs_compile_without_data():
+    spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    memory = measure.compiled_memory(lambda x: jnp.sum(jnp.sin(x) ** 2), spec, grad=True)
+    assert memory.argument_bytes == 4096 * 4096 * 4
+    assert memory.output_bytes == 4096 * 4096 * 4
+
+
+def test_bad_inputs():
+    x = jnp.ones(3)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        mw.memory_report(42, x)
+    with pytest.raises(ValueError, match="argnums=3 is out of range"):
+        mw.memory_report(lambda a: jnp.sum(a), x, grad=True, argnums=3)
+    with pytest.raises(TypeError, match="one scalar"):
+        mw.memory_report(jnp.sin, x, grad=True)
+    with pytest.raises(TypeError, match="float output"):
+        mw.memory_report(lambda a: jnp.sum(a).astype(jnp.int32), x, grad=True)
+    with pytest.raises(TypeError, match="cannot be differentiated"):
+        mw.memory_report(lambda a: jnp.sum(a * 1.0), jnp.arange(3), grad=True)
+
+
+def test_format_bytes():
+    assert measure.format_bytes(0) == "0 B"
+    assert measure.format_bytes(1536) == "1.5 KiB"
+    assert measure.format_bytes(3 * 2**30) == "3.0 GiB"
