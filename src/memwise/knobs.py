@@ -37,6 +37,7 @@ class Knob:
       cost: predicted compute of each candidate, relative to candidate 0 (1.0 = no
         overhead), nondecreasing. Scans count body evaluations; chunks count tiles.
       default: the value used outside ``fit``.
+      label: optional name shown in plans (e.g. the region a remat policy applies to).
     """
 
     kind: str
@@ -44,6 +45,7 @@ class Knob:
     candidates: tuple
     cost: tuple
     default: Any
+    label: str = ""
 
 
 class _Recorder:
@@ -77,6 +79,7 @@ def auto(
     candidates: Sequence[Any],
     cost: Sequence[float] | Callable[[Any], float],
     default: Any,
+    label: str = "",
 ) -> Any:
     """Resolve an ``"auto"`` knob: its default outside ``fit``, the plan's value inside.
 
@@ -85,6 +88,7 @@ def auto(
       candidates: allowed values ordered fastest (most memory) first.
       cost: predicted relative compute per candidate, or a function of a candidate.
       default: value used when no plan is active.
+      label: optional name shown in plans.
 
     Example::
 
@@ -101,7 +105,7 @@ def auto(
     if recorder is None:
         return default
     index = len(recorder.knobs)
-    recorder.knobs.append(Knob(kind, user_source(), candidates, costs, default))
+    recorder.knobs.append(Knob(kind, user_source(), candidates, costs, default, label))
     if recorder.plan is None or index >= len(recorder.plan):
         return default
     return candidates[min(recorder.plan[index], len(candidates) - 1)]
