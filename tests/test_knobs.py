@@ -13,13 +13,41 @@ def test_default_outside_recording():
     assert choose() == 1024
 
 
+def trace():
+    return choose(), choose("checkpoints")
+
+
 def test_recording_assigns_plan_and_records_source():
-    with knobs.recording([2, 0]) as found:
-        first, second = choose(), choose("checkpoints")
-    assert (first, second) == (256, 4096)
-    assert [k.kind for k in found] == ["chunk_size", "checkpoints"]
-    assert found[0].source.startswith(__file__)
-    assert found[0].cost == (1.0, 1.0, 1.2)
+    with knobs.recording() as layout:
+        assert trace() == (1024, 1024)
+    assert [k.kind for k in layout] == ["chunk_size", "checkpoints"]
+    assert layout[0].source.startswith(__file__)
+    assert layout[0].cost == (1.0, 1.0, 1.2)
+    with knobs.recording([2, 0], layout):
+        assert trace() == (256, 4096)
+        # a second trace of the same function (jax.checkpoint, custom_vjp) gets the same
+        assert trace() == (256, 4096)
+
+
+def test_repeated_call_sites_are_distinct_knobs():
+    def two_calls():
+        return [choose() for _ in range(2)]
+
+    with knobs.recording() as layout:
+        two_calls()
+    assert len(layout) == 2 and layout[0].key == layout[1].key
+    with knobs.recording([0, 2], layout):
+        assert two_calls() == [4096, 256]
+        assert two_calls() == [4096, 256]
+
+
+def test_plan_needs_matching_layout():
+    with pytest.raises(ValueError, match="needs the layout"):
+        with knobs.recording([0]):
+            pass
+    with pytest.raises(ValueError, match="2 entries for 1 knobs"):
+        with knobs.recording([0, 1], [knobs.Knob("x", "f:1", (1,), (1.0,), 1)]):
+            pass
 
 
 def test_recording_without_plan_uses_defaults_and_cost_function():

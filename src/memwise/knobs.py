@@ -6,7 +6,9 @@ Every primitive with a memory/compute trade-off (``scan(checkpoints=...)``, the
 knob's documented default. Inside ``fit``'s tracing it records the knob (kind, candidates,
 predicted compute of each candidate, the user's source line) and returns the value the
 plan under test assigns to it. Knobs are identified by the order in which the trace
-reaches them, which is deterministic for a given function and argument shapes.
+reaches them: the i-th knob of a given kind, source line, label and candidates in one
+trace is the same knob in every trace of the function, even when JAX traces a function
+more than once (``jax.checkpoint``, ``custom_vjp``).
 
 Candidates are ordered from the fastest (most memory) to the leanest (least memory), so a
 plan is one index per knob and "more pressure" means "a larger index". This module only
@@ -47,10 +49,26 @@ class Knob:
     default: Any
     label: str = ""
 
+    @property
+    def key(self) -> tuple:
+        """What identifies the knob across traces (with its occurrence number)."""
+        return (self.kind, self.source, self.label, self.candidates)
+
 
 class _Recorder:
-    def __init__(self, plan: Sequence[int] | None):
-        self.plan = plan
+    def __init__(self, plan: Sequence[int] | None, layout: Sequence[Knob] | None):
+        # plan[i] is the candidate index of layout[i]; occurrences of one key are
+        # assigned in order, cyclically when a function is traced more than once.
+        self.assign: dict[tuple, list[int]] | None = None
+        if plan is not None:
+            if layout is None:
+                raise ValueError("recording(plan) needs the layout of knobs the plan indexes")
+            if len(plan) != len(layout):
+                raise ValueError(f"plan has {len(plan)} entries for {len(layout)} knobs")
+            self.assign = {}
+            for knob, index in zip(layout, plan):
+                self.assign.setdefault(knob.key, []).append(int(index))
+        self.seen: dict[tuple, int] = {}
         self.knobs: list[Knob] = []
 
 
@@ -80,6 +98,7 @@ def auto(
     cost: Sequence[float] | Callable[[Any], float],
     default: Any,
     label: str = "",
+    source: str | None = None,
 ) -> Any:
     """Resolve an ``"auto"`` knob: its default outside ``fit``, the plan's value inside.
 
@@ -89,6 +108,7 @@ def auto(
       cost: predicted relative compute per candidate, or a function of a candidate.
       default: value used when no plan is active.
       label: optional name shown in plans.
+      source: where the knob is set; by default the innermost user frame's ``file:line``.
 
     Example::
 
@@ -104,21 +124,27 @@ def auto(
     recorder = _RECORDER.get()
     if recorder is None:
         return default
-    index = len(recorder.knobs)
-    recorder.knobs.append(Knob(kind, user_source(), candidates, costs, default, label))
-    if recorder.plan is None or index >= len(recorder.plan):
+    knob = Knob(kind, source or user_source(), candidates, costs, default, label)
+    recorder.knobs.append(knob)
+    occurrence = recorder.seen.get(knob.key, 0)
+    recorder.seen[knob.key] = occurrence + 1
+    if recorder.assign is None or knob.key not in recorder.assign:
         return default
-    return candidates[min(recorder.plan[index], len(candidates) - 1)]
+    indices = recorder.assign[knob.key]
+    return candidates[indices[occurrence % len(indices)]]
 
 
 @contextlib.contextmanager
-def recording(plan: Sequence[int] | None = None) -> Iterator[list[Knob]]:
-    """Record the knobs a trace reaches; assign ``candidates[plan[i]]`` to knob ``i``.
+def recording(
+    plan: Sequence[int] | None = None, layout: Sequence[Knob] | None = None
+) -> Iterator[list[Knob]]:
+    """Record the knobs a trace reaches; give ``layout[i]`` its candidate ``plan[i]``.
 
-    With ``plan=None`` every knob takes its default. Yields the list of knobs, filled
-    as tracing proceeds.
+    ``layout`` is the list of knobs a previous recording of the same function yielded.
+    With ``plan=None`` every knob takes its default. Yields the list of knobs reached,
+    filled as tracing proceeds.
     """
-    recorder = _Recorder(plan)
+    recorder = _Recorder(plan, layout)
     token = _RECORDER.set(recorder)
     try:
         yield recorder.knobs

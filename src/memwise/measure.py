@@ -213,7 +213,9 @@ _WHERE_RE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::\d+)?(?: \((?P<func>.*)
 def _parse_source(description: str) -> tuple[str, str]:
     """('file:line' or "argument 'x'", what) from a JAX saved-residual description."""
     if description.startswith("from the argument"):
+        # leaves of one argument (params['w'], params[3], ...) are grouped under it
         name = description.removeprefix("from the argument").strip()
+        name = re.split(r"[\[.]", name, maxsplit=1)[0] or name
         return f"argument {name!r}", "argument"
     match = _OUTPUT_RE.match(description)
     if match is None:
