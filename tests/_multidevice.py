@@ -1,0 +1,36 @@
+"""Run a test body in a subprocess that sees 4 CPU devices.
+
+XLA fixes the device count when the backend starts, so tests that need a mesh run their
+code in a fresh interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``.
+Other test modules may import :func:`run_on_devices`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+N_DEVICES = 4
+
+
+def run_on_devices(code: str, *, n_devices: int = N_DEVICES, timeout: float = 300) -> str:
+    """Execute ``code`` with ``n_devices`` host devices; return stdout, fail on error."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"subprocess with {n_devices} devices failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+        )
+    return proc.stdout
