@@ -1,0 +1,287 @@
+"""Tests of memwise.ot against OTT-JAX's dense solver, a dense JAX reference, and XLA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import memwise as mw
+from memwise import ot
+from memwise.measure import compiled_memory
+
+ott = pytest.importorskip("ott")
+from ott.geometry import costs as ott_costs  # noqa: E402
+from ott.geometry import pointcloud  # noqa: E402
+from ott.problems.linear import linear_problem  # noqa: E402
+from ott.solvers.linear import sinkhorn as ott_sinkhorn  # noqa: E402
+from ott.tools import sinkhorn_divergence as ott_divergence  # noqa: E402
+
+TIGHT = dict(threshold=1e-6, max_iterations=5000)
+OTT_COSTS = {
+    "sqeuclidean": ott_costs.SqEuclidean(),
+    "euclidean": ott_costs.Euclidean(),
+    "cosine": ott_costs.Cosine(),
+}
+
+
+def clouds(seed, n=100, m=80, d=2, zeros=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(k[0], (n, d))
+    y = 0.7 * jax.random.normal(k[1], (m, d)) + 1.0
+    a = jax.random.uniform(k[2], (n,), minval=0.2)
+    b = jax.random.uniform(k[3], (m,), minval=0.2).at[:zeros].set(0.0)
+    return x, y, a / a.sum(), b / b.sum()
+
+
+def ott_reg_cost(x, y, a, b, eps, cost):
+    geom = pointcloud.PointCloud(x, y, epsilon=eps, cost_fn=OTT_COSTS[cost])
+    solver = ott_sinkhorn.Sinkhorn(use_danskin=True, **TIGHT)
+    return solver(linear_problem.LinearProblem(geom, a, b))
+
+
+def rel(u, v):
+    return float(jnp.linalg.norm(u - v) / jnp.linalg.norm(v))
+
+
+@pytest.mark.parametrize(
+    "seed,eps,cost,zeros",
+    [(1, 0.5, "sqeuclidean", 17), (2, 0.05, "euclidean", 0),
+     pytest.param(3, 0.02, "cosine", 5, marks=pytest.mark.slow)],
+)
+def test_sinkhorn_matches_ott_dense(seed, eps, cost, zeros):
+    x, y, a, b = clouds(seed, zeros=zeros, d=3 if cost == "cosine" else 2)
+    kw = dict(epsilon=eps, cost=cost, chunk_size=(48, 40), **TIGHT)
+
+    def ours(x, y, a, b):
+        out = ot.sinkhorn(x, y, a, b, **kw)
+        return out.reg_ot_cost, out
+
+    def theirs(x, y, a, b):
+        out = ott_reg_cost(x, y, a, b, eps, cost)
+        return out.reg_ot_cost, (out.f, out.converged, out.n_iters)
+
+    (_, out), (gx, gy, ga, gb) = jax.jit(
+        jax.value_and_grad(ours, (0, 1, 2, 3), has_aux=True))(x, y, a, b)
+    (ref_cost, (ref_f, ref_converged, ref_iters)), (rx, ry, ra) = jax.jit(
+        jax.value_and_grad(theirs, (0, 1, 2), has_aux=True))(x, y, a, b)
+    assert bool(out.converged) and bool(ref_converged)
+    np.testing.assert_allclose(out.reg_ot_cost, ref_cost, rtol=1e-4)
+    # OTT's potentials are ours plus eps log(weights), up to a shared constant.
+    f_ott = out.f + eps * jnp.log(a)
+    np.testing.assert_allclose(f_ott - f_ott.mean(), ref_f - ref_f.mean(), atol=1e-3)
+    assert int(out.n_iterations) <= int(ref_iters) + 1  # we check every iteration
+    assert np.all(np.asarray(out.errors[: int(out.n_iterations)]) >= 0)
+    assert np.all(np.asarray(out.errors[int(out.n_iterations):]) == -1)
+    assert rel(gx, rx) < 1e-3 and rel(gy, ry) < 1e-3
+    # The weight gradient is defined up to a constant (sum(a) == sum(b)): centred.
+    assert abs(float(ga.mean())) < 1e-6 and abs(float(gb.mean())) < 1e-6
+    assert rel(ga, ra - ra.mean()) < 1e-3
+    assert bool(jnp.all(jnp.isfinite(gb)))  # OTT's is NaN at zero weights; ours is not
+
+
+def test_divergence_matches_ott_dense_value_and_gradient():
+    x, y, a, b = clouds(4, n=120, m=100)
+    kw = dict(epsilon=0.2, chunk_size=64, **TIGHT)
+    ours = jax.jit(jax.value_and_grad(
+        lambda x, y, a, b: ot.sinkhorn_divergence(x, y, a, b, **kw), (0, 1, 2, 3)))
+
+    def theirs(x, y, a, b):
+        return ott_divergence.sinkhorn_divergence(
+            pointcloud.PointCloud, x, y, a=a, b=b, epsilon=0.2,
+            solve_kwargs=dict(use_danskin=True, **TIGHT))[0]
+
+    value, grads = ours(x, y, a, b)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(theirs, (0, 1, 2, 3)))(x, y, a, b)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+    for g, r in zip(grads[:2], ref_grads[:2]):
+        assert rel(g, r) < 1e-3
+    for g, r in zip(grads[2:], ref_grads[2:]):
+        assert rel(g, r - r.mean()) < 1e-3
+
+
+def test_default_epsilon_is_ott_default_and_scaling_agrees():
+    x, y, a, b = clouds(5, n=60, m=50)
+    out = ot.sinkhorn(x, y, chunk_size=(32, 64), max_iterations=1)
+    np.testing.assert_allclose(out.epsilon, pointcloud.PointCloud(x, y).epsilon, rtol=1e-5)
+    # Annealing from the diameter reaches the same divergence in fewer iterations.
+    run = jax.jit(lambda x, y, s: ot.sinkhorn(x, y, chunk_size=(32, 64), epsilon=0.02,
+                                              threshold=1e-4, epsilon_scaling=s),
+                  static_argnums=2)
+    scaled, plain = run(x, y, 0.5), run(x, y, None)
+    assert bool(scaled.converged) and bool(plain.converged)
+    np.testing.assert_allclose(scaled.reg_ot_cost, plain.reg_ot_cost, rtol=1e-3)
+    assert int(scaled.n_iterations) < int(plain.n_iterations)
+
+
+def dense_reg_cost(cost, x, y, a, b, eps, iterations=3000):
+    """Naive JAX reference: dense log-domain Sinkhorn, envelope gradient by autodiff."""
+    c = jax.vmap(jax.vmap(cost, (None, 0)), (0, None))(x, y)
+    c0 = jax.lax.stop_gradient(c)
+
+    def step(g, _):
+        f = -eps * jax.nn.logsumexp(jnp.log(b) + (g - c0) / eps, axis=1)
+        return -eps * jax.nn.logsumexp(jnp.log(a)[:, None] + (f[:, None] - c0) / eps,
+                                       axis=0), f
+
+    g, fs = jax.lax.scan(step, jnp.zeros_like(b), None, length=iterations)
+    f = -eps * jax.nn.logsumexp(jnp.log(b) + (g - c0) / eps, axis=1)
+    f, g = jax.lax.stop_gradient((f, g))
+    plan = a[:, None] * b[None] * jnp.exp((f[:, None] + g[None] - c) / eps)
+    return a @ f + b @ g + eps * (a.sum() * b.sum() - plan.sum())
+
+
+def test_callable_cost_gradient_reaches_closed_over_parameters():
+    x, y, a, b = clouds(6, n=90, m=70)
+    metric = jnp.array([[2.0, 0.3], [0.3, 0.5]])
+
+    def loss(metric, x, impl):
+        cost = lambda u, v: (u - v) @ metric @ (u - v)  # noqa: E731
+        if impl == "dense":
+            return dense_reg_cost(cost, x, y, a, b, 0.3)
+        return ot.sinkhorn(x, y, a, b, epsilon=0.3, cost=cost, chunk_size=32,
+                           **TIGHT).reg_ot_cost
+
+    ours = jax.jit(jax.value_and_grad(lambda m, x: loss(m, x, "memwise"), (0, 1)))
+    ref = jax.jit(jax.value_and_grad(lambda m, x: loss(m, x, "dense"), (0, 1)))
+    (v, (gm, gx)), (rv, (rm, rx)) = ours(metric, x), ref(metric, x)
+    np.testing.assert_allclose(v, rv, rtol=1e-4)
+    assert rel(gm, rm) < 1e-3 and rel(gx, rx) < 1e-3
+
+
+def test_convergence_flags_and_iteration_cap():
+    x, y, a, b = clouds(7)
+    out = ot.sinkhorn(x, y, epsilon=0.01, max_iterations=4, chunk_size=64)
+    assert not bool(out.converged)
+    assert int(out.n_iterations) == 4
+    errors = np.asarray(out.errors)
+    assert errors.shape == (4,) and np.all(errors > 1e-3)
+    done = ot.sinkhorn(x, y, epsilon=1.0, chunk_size=64)
+    assert bool(done.converged)
+    n_it = int(done.n_iterations)
+    assert done.errors[n_it - 1] < 1e-3 and np.all(np.asarray(done.errors[n_it:]) == -1)
+
+
+def test_bad_input_raises_clear_errors():
+    x, y, a, b = clouds(8, n=20, m=30)
+    with pytest.raises(ValueError, match="same dimension"):
+        ot.sinkhorn(x, jnp.ones((30, 3)), epsilon=0.1)
+    with pytest.raises(ValueError, match="negative"):
+        ot.sinkhorn(x, y, a.at[0].set(-0.1), b, epsilon=0.1)
+    with pytest.raises(ValueError, match="all zeros"):
+        ot.sinkhorn(x, y, a, jnp.zeros_like(b), epsilon=0.1)
+    with pytest.raises(ValueError, match="NaN"):
+        ot.sinkhorn(x.at[3, 0].set(jnp.nan), y, epsilon=0.1)
+    with pytest.raises(ValueError, match="epsilon"):
+        ot.sinkhorn_divergence(x, y, epsilon=0.0)
+    with pytest.raises(ValueError, match="shape"):
+        ot.sinkhorn(x, y, a[:5], b, epsilon=0.1)
+    with pytest.raises(ValueError, match="cost"):
+        ot.sinkhorn(x, y, epsilon=0.1, cost="manhattan")
+    with pytest.raises(ValueError, match="epsilon_scaling"):
+        ot.sinkhorn(x, y, epsilon=0.1, epsilon_scaling=2.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        ot.sinkhorn(x, y, epsilon=0.1, chunk_size=0)
+    with pytest.raises(TypeError, match="floats"):
+        ot.sinkhorn(jnp.ones((4, 2), jnp.int32), y, epsilon=0.1)
+
+
+def test_bad_values_under_jit_report_not_converged_not_silent_nan():
+    x, y, a, b = clouds(9, n=20, m=30)
+
+    @jax.jit
+    def run(x, eps):
+        out = ot.sinkhorn(x, y, epsilon=eps, chunk_size=8)
+        return out, jax.grad(lambda x: ot.sinkhorn(x, y, epsilon=eps,
+                                                   chunk_size=8).reg_ot_cost)(x)
+
+    for bad_x, eps in ((x.at[2, 1].set(jnp.nan), 0.1), (x, -0.1), (x, jnp.nan)):
+        out, grad = run(bad_x, eps)
+        assert not bool(out.converged)
+        assert np.isnan(np.asarray(out.errors[int(out.n_iterations) - 1]))
+        assert int(out.n_iterations) == 1  # stopped at the first NaN
+    # A cost that is infinite for a whole row cannot transport: not converged.
+    inf_cost = lambda u, v: jnp.where(u[0] > 1.5, jnp.inf, jnp.sum((u - v) ** 2))  # noqa
+    out = ot.sinkhorn(x.at[0, 0].set(2.0), y, epsilon=0.1, cost=inf_cost, chunk_size=8)
+    assert not bool(out.converged)
+
+
+def test_second_order_and_forward_mode_raise_type_error():
+    x, y, _, _ = clouds(10, n=16, m=12)
+    loss = lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).reg_ot_cost  # noqa: E731
+    with pytest.raises(TypeError, match="first-order"):
+        jax.grad(lambda x: jnp.sum(jax.grad(loss)(x) ** 2))(x)
+    # Forward mode stops at JAX's own custom_vjp TypeError (forward-over-reverse too).
+    with pytest.raises(TypeError):
+        jax.hessian(loss)(x)
+    with pytest.raises(TypeError):
+        jax.jvp(loss, (x,), (jnp.ones_like(x),))
+
+
+def test_vmap_over_problems():
+    x, y, _, _ = clouds(11, n=24, m=20)
+    xs = jnp.stack([x, x + 0.5])
+    fn = lambda x: ot.sinkhorn(x, y, epsilon=0.2, chunk_size=8).reg_ot_cost  # noqa: E731
+    batched = jax.vmap(fn)(xs)
+    single = [fn(xi) for xi in xs]
+    np.testing.assert_allclose(batched, jnp.stack(single), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_gradient_memory_flat_in_n_and_within_2x_of_forward():
+    def temps(n):
+        x, y = jnp.zeros((n, 2)), jnp.ones((n, 2))
+        fn = lambda x, y: ot.sinkhorn_divergence(x, y, epsilon=0.1)  # noqa: E731
+        return compiled_memory(fn, x, y).temp_bytes, compiled_memory(fn, x, y, grad=True).temp_bytes
+
+    fwd_10k, grad_10k = temps(10_000)
+    fwd_20k, grad_20k = temps(20_000)
+    assert grad_20k <= 2 * fwd_20k
+    assert grad_20k < 100 * 2**20  # OTT online: 4,579 MiB
+    # 10,000 more points add O(n) vectors; one n x m float32 matrix would add 1.1 GiB.
+    assert grad_20k - grad_10k < 200 * 10_000
+
+
+_SHARDED = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from memwise import ot
+    assert jax.device_count() == 4
+    x = jax.random.normal(jax.random.key(0), (256, 2))
+    y = jax.random.normal(jax.random.key(1), (192, 2)) + 1.0
+    mesh = Mesh(np.array(jax.devices()), ("points",))
+    shard = NamedSharding(mesh, P("points", None))
+    xs, ys = jax.device_put(x, shard), jax.device_put(y, shard)
+    fn = jax.jit(jax.value_and_grad(
+        lambda x, y: ot.sinkhorn_divergence(x, y, epsilon=0.1, chunk_size=32,
+                                            threshold=1e-5), (0, 1)))
+    (v, (gx, gy)) = fn(xs, ys)
+    (rv, (rx, ry)) = fn(x, y)
+    assert len(xs.sharding.device_set) == 4
+    np.testing.assert_allclose(v, rv, rtol=1e-5)
+    np.testing.assert_allclose(gx, rx, atol=1e-5)
+    np.testing.assert_allclose(gy, ry, atol=1e-5)
+    print("OK", float(v))
+    """
+)
+
+
+def test_sharded_points_on_four_devices():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "OK" in proc.stdout
+
+
+def test_public_names():
+    assert mw.ot.sinkhorn is ot.sinkhorn
+    assert mw.ot.sinkhorn_divergence is ot.sinkhorn_divergence
