@@ -404,8 +404,9 @@ def _zeros_like(values: Sequence[Any]) -> list:
 # Many devices: which mesh axis the leading (row) axis is split over.
 
 
-def _row_sharding(tree: Any, mesh: Any, axis_name: Any, arg: str):
-    """``(mesh, axes)`` when the leading axis of ``tree`` is to be split over a mesh.
+def _row_sharding(tree: Any, mesh: Any, axis_name: Any, arg: str, *, dim: int = 0):
+    """``(mesh, axes)`` when axis ``dim`` (the leading one) of ``tree`` is to be split
+    over a mesh.
 
     Explicit ``mesh=``/``axis_name=`` win; otherwise the sharding is read from the first
     leaf when it is a concrete array with a ``NamedSharding``. A traced value whose type
@@ -431,21 +432,22 @@ def _row_sharding(tree: Any, mesh: Any, axis_name: Any, arg: str):
     if not leaves or _vma(leaves):
         return None
     leaf = leaves[0]
+    dim = dim % max(np.ndim(leaf), 1)
     found = None
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
             spec = sharding.spec
-            if len(spec) and spec[0] is not None:
-                found = (sharding.mesh, spec[0])
+            if len(spec) > dim and spec[dim] is not None:
+                found = (sharding.mesh, spec[dim])
     if found is None:
         typed = getattr(jax.typeof(leaf), "sharding", None)
         spec = getattr(typed, "spec", None)
-        if spec is not None and len(spec) and spec[0] is not None:
+        if spec is not None and len(spec) > dim and spec[dim] is not None:
             raise ValueError(
-                f"the rows of {arg} are sharded over explicit mesh axis {spec[0]!r}; pass "
-                f"mesh=<that jax.sharding.Mesh> and axis_name={spec[0]!r} so memwise can "
-                "run one tiled loop per device"
+                f"axis {dim} of {arg} is sharded over explicit mesh axis {spec[dim]!r}; "
+                f"pass mesh=<that jax.sharding.Mesh> and axis_name={spec[dim]!r} so "
+                "memwise can run one tiled loop per device"
             )
         return None
     mesh, axes = found
@@ -774,12 +776,18 @@ class _TileSpec:
     cols: Chunking
     trees: tuple  # treedefs of (rows, cols, pairs, consts)
     vary_consts: bool = True  # see _MapSpec.vary_consts
+    # live(row_ids, col_ids, consts) -> bool scalar: False when every score of the tile is
+    # -inf (e.g. above a causal diagonal); such tiles are skipped with lax.cond.
+    live: Callable | None = None
 
     def tile(self, leaves: Sequence[list], row_ids, col_ids):
         rows, cols, pairs, consts = (
             jax.tree.unflatten(t, l) for t, l in zip(self.trees, leaves)
         )
         return self.tile_fn(rows, cols, pairs, consts, row_ids, col_ids)
+
+    def is_live(self, row_ids, col_ids, const_leaves) -> jax.Array:
+        return self.live(row_ids, col_ids, jax.tree.unflatten(self.trees[3], const_leaves))
 
 
 def _expand(a: jax.Array, ndim: int) -> jax.Array:
@@ -830,6 +838,14 @@ def _row_pass(spec: _TileSpec, rows, cols_c, col_ids, col_valid, pairs, consts, 
     init = _vary(init, _vma(rows, cols_c, pairs, consts))
 
     def body(state, inp):
+        if spec.live is None:
+            return step(state, inp), None
+        # The predicate depends on tile indices only (never on vmapped data), so under
+        # vmap this stays a real branch and a dead tile costs nothing.
+        keep = spec.is_live(row_ids, inp[1], consts)
+        return lax.cond(keep, step, lambda s, _: s, state, inp), None
+
+    def step(state, inp):
         col_blk, c_ids, c_valid = inp
         out = scores_of(col_blk, c_ids)
         if reduce == "softmax":
@@ -842,25 +858,25 @@ def _row_pass(spec: _TileSpec, rows, cols_c, col_ids, col_valid, pairs, consts, 
             scale = jnp.exp(m - shift)
             l = l * scale + jnp.sum(p, axis=1)
             acc = acc * _expand(scale, acc.ndim) + jnp.tensordot(p, vals.astype(p.dtype), 1)
-            return (m_new, l, acc), None
+            return (m_new, l, acc)
         s = out
         valid = _expand(c_valid[None, :], s.ndim)
         if reduce == "sum":
-            return state + jnp.sum(jnp.where(valid, s, 0), axis=1), None
+            return state + jnp.sum(jnp.where(valid, s, 0), axis=1)
         if reduce == "logsumexp":
             m, l = state
             s = jnp.where(valid, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             shift = _safe_max(m_new)
             l = l * jnp.exp(m - shift) + jnp.sum(jnp.exp(s - shift[:, None]), axis=1)
-            return (m_new, l), None
+            return (m_new, l)
         m, arg = state
         s = jnp.where(valid, s, -jnp.inf)
         tile_arg = jnp.argmax(s, axis=1)
         tile_max = jnp.max(s, axis=1)
         better = tile_max > m
         arg = jnp.where(better, c_ids[tile_arg].astype(jnp.int32), arg)
-        return (jnp.maximum(m, tile_max), arg), None
+        return (jnp.maximum(m, tile_max), arg)
 
     state, _ = lax.scan(body, init, (cols_c, col_ids, col_valid))
     if reduce == "sum":
@@ -985,9 +1001,20 @@ def _tiled_core_bwd(spec, res, ct):
                 _select(pblk, pair_f),
                 _select(consts, const_f),
             )
-            out, vjp = jax.vjp(f, *primal_in)
-            d_out = _score_cotangent(reduce, out, row_data, c_valid, c_ids)
-            dr, dc, dp, dk = vjp(d_out)
+            def tile_grads():
+                out, vjp = jax.vjp(f, *primal_in)
+                return vjp(_score_cotangent(reduce, out, row_data, c_valid, c_ids))
+
+            if spec.live is None:
+                dr, dc, dp, dk = tile_grads()
+            else:
+                # Only the tile's cotangents are branched (not the carried accumulators),
+                # so the cond never copies an O(n) or O(n m) buffer.
+                dr, dc, dp, dk = lax.cond(
+                    spec.is_live(r_ids, c_ids, consts),
+                    tile_grads,
+                    lambda: tuple(_zeros_typed_like(group) for group in primal_in),
+                )
             d_row = _add(d_row, dr)
             d_cols = [acc.at[j].add(g.astype(acc.dtype)) for acc, g in zip(d_cols, dc)]
             d_pairs = [_add_block(acc, g, r_ids[0], c_ids[0]) for acc, g in zip(d_pairs, dp)]
@@ -1066,6 +1093,7 @@ def tiled_reduce(
     consts: Any = (),
     pair_bytes: int | None = None,
     vary_consts: bool = True,
+    live: Callable | None = None,
 ) -> Any:
     """The engine: reduce tile scores over columns, for every row, tile by tile.
 
@@ -1080,6 +1108,11 @@ def tiled_reduce(
 
     Inside ``shard_map``, pass ``vary_consts=False`` when ``tile_fn`` evaluates a jaxpr
     traced with replicated ``consts`` (e.g. from ``jax.closure_convert``).
+
+    ``live(row_ids, col_ids, consts) -> bool scalar`` (optional) marks tiles that can
+    hold a finite score; the others are skipped (``lax.cond`` in the one loop body,
+    forward and backward). It must depend on the indices and ``consts`` only: a causal
+    mask halves the work this way.
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
@@ -1088,7 +1121,8 @@ def tiled_reduce(
     row_tiles, col_tiles = tiling(n, m, chunk_size, pair_bytes=pair_bytes)
     flat = [jax.tree.flatten(t) for t in (rows, cols, pairs, consts)]
     spec = _TileSpec(
-        tile_fn, reduce, row_tiles, col_tiles, tuple(tree for _, tree in flat), vary_consts
+        tile_fn, reduce, row_tiles, col_tiles, tuple(tree for _, tree in flat), vary_consts,
+        live,
     )
     leaves = [[jnp.asarray(a) for a in lv] for lv, _ in flat]
     return _tiled_core(spec, *leaves)

@@ -10,8 +10,10 @@ The search never runs the program; it compiles and reads XLA's ``memory_analysis
 
 1. *Pressure path.* One pressure level p in [0, 1] maps to every knob at once
    (candidate index round(p * (len - 1))). p = 0 is the fastest plan; if it fits, done.
-   Otherwise p = 1 (the leanest plan) is compiled; if even that does not fit, no plan can
-   (knobs are monotone), and :class:`MemoryBudgetError` says what dominates.
+   Otherwise p = 1 (the leanest plan) is compiled, first with the remat policies left
+   at "save everything" (they recompute whole regions), then, if that does not fit,
+   with them too; if even the leanest plan does not fit, no plan can (knobs are
+   monotone), and :class:`MemoryBudgetError` says what dominates.
 2. *Bisection* over the distinct plans of the path finds the least pressure that fits
    (log2 of the number of levels compilations), assuming peak memory decreases along it.
 3. *Greedy relaxation*: knob by knob, step back towards faster candidates while the
@@ -216,9 +218,15 @@ def _predicted_cost(found: Sequence[knobs.Knob], indices: Sequence[int]) -> floa
     return 1.0 + sum(k.cost[i] / k.cost[0] - 1.0 for k, i in zip(found, indices))
 
 
-def _pressure_levels(found: Sequence[knobs.Knob]) -> list[tuple[int, ...]]:
-    """Distinct plans of the one-parameter path p -> round(p * (len_k - 1)), p in [0, 1]."""
-    sizes = [len(k.candidates) for k in found]
+def _pressure_levels(
+    found: Sequence[knobs.Knob], active: Sequence[bool] | None = None
+) -> list[tuple[int, ...]]:
+    """Distinct plans of the one-parameter path p -> round(p * (len_k - 1)), p in [0, 1].
+
+    Knobs not ``active`` stay at their fastest candidate.
+    """
+    active = [True] * len(found) if active is None else active
+    sizes = [len(k.candidates) if on else 1 for k, on in zip(found, active)]
     breaks = {0.0, 1.0}
     for size in sizes:
         for j in range(1, size - 1):
@@ -375,9 +383,19 @@ class Fitted:
             fitting = [t for t in trials.values() if t.peak_bytes <= budget]
             return min(fitting, key=lambda t: (t.cost, t.peak_bytes)) if fitting else None
 
-        levels = _pressure_levels(found) if found else [()]
-        if not trial(levels[0]).fits:
-            if len(levels) == 1 or not trial(levels[-1]).fits:
+        # Remat policies recompute whole regions; try them only when the other knobs
+        # alone cannot meet the budget.
+        is_policy = [k.kind == "policy" for k in found]
+        stages = [[not p for p in is_policy], [True] * len(found)]
+        if all(is_policy) or not any(is_policy):
+            stages = stages[1:]
+        active = stages[-1]
+        if not trial(tuple([0] * len(found))).fits:
+            for active in stages:
+                levels = _pressure_levels(found, active)
+                if trial(levels[-1]).fits:
+                    break
+            else:
                 self._raise_infeasible(found, levels[-1], args, kwargs)
             low, high = 0, len(levels) - 1  # levels[low] does not fit, levels[high] fits
             while high - low > 1 and self._room():

@@ -1,0 +1,163 @@
+"""Benchmark ``fit``: every knob "auto", budgets from generous to tight, vs hand-picked.
+
+For each problem (lstm, pointcloud, kip) the function is written once with every memory
+knob left as ``"auto"``. Hand-picked settings are every candidate combination of those
+knobs (remat policy left at "save everything"), compiled and timed; the budgets run
+geometrically from the smallest peak any of them reaches to the fastest setting's peak.
+For each budget ``mw.fit`` plans from a cold cache (planning time and compile count), its
+program's compiled peak is checked against the budget, and its wall time is compared with
+the fastest hand-picked setting whose peak fits the same budget, all timed interleaved in
+one run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+
+import harness
+import memwise as mw
+from memwise import knobs
+from memwise.measure import compile_measured, format_bytes
+
+
+def lstm_problem(quick: bool):
+    from memwise.scenarios import lstm
+
+    size = dict(batch=10, seq_length=500 if quick else 2000, hidden=64, input_dim=16,
+                output_dim=4, seq2seq=False)
+    net = lstm.model("memwise", hidden=size["hidden"], output_dim=size["output_dim"],
+                     seq2seq=size["seq2seq"], checkpoints="auto")
+    x, y = lstm.data(size["batch"], size["seq_length"], size["input_dim"],
+                     size["output_dim"], size["seq2seq"])
+    params = net.init(jax.random.PRNGKey(0), x[:, :2])["params"]
+    loss = lstm.loss_fn(net)
+    title = (f"lstm: Flax LSTM, T={size['seq_length']}, batch {size['batch']}, hidden "
+             f"{size['hidden']}, memwise.flax.scan(checkpoints='auto')")
+    return title, loss, (params, x, y)
+
+
+def pointcloud_problem(quick: bool):
+    from memwise.scenarios import pointcloud
+
+    n = 2000 if quick else 8000
+    x, y = pointcloud.seed_clouds(n)
+
+    def loss(x, y):
+        return mw.ot.sinkhorn_divergence(x, y, chunk_size="auto")
+
+    return f"pointcloud: Sinkhorn divergence, seed discs, n=m={n}, chunk_size='auto'", loss, (x, y)
+
+
+def kip_problem(quick: bool):
+    from memwise.ntk import kernels
+
+    kernel_fn = kernels.serial(kernels.Conv(64, (3, 3)), kernels.Relu(), kernels.Conv(64, (3, 3)),
+                               kernels.Relu(), kernels.Flatten(), kernels.Dense(10))
+    n_support, n_target, side = 10, (200 if quick else 1000), 14
+    key = jax.random.PRNGKey(0)
+    ks, kt, kl = jax.random.split(key, 3)
+    x_support = jax.random.normal(ks, (n_support, side, side, 1))
+    y_support = jax.nn.one_hot(jnp.arange(n_support) % 10, 10)
+    x_target = jax.random.normal(kt, (n_target, side, side, 1))
+    y_target = jax.nn.one_hot(jax.random.randint(kl, (n_target,), 0, 10), 10)
+
+    def loss(x_support, y_support, x_target, y_target):
+        return mw.ntk.kip_loss(kernel_fn, x_support, y_support, x_target, y_target,
+                               ridge=1e-3, chunk_size="auto")
+
+    title = (f"kip: 2-layer conv NTK, {n_support} support, {n_target} targets "
+             f"{side}x{side}, chunk_size='auto'")
+    return title, loss, (x_support, y_support, x_target, y_target)
+
+
+PROBLEMS = {"lstm": lstm_problem, "pointcloud": pointcloud_problem, "kip": kip_problem}
+
+
+def _layout(loss, args):
+    """The knobs one trace of ``loss`` reaches (as ``mw.fit`` records them)."""
+    with knobs.recording() as found:
+        jax.eval_shape(loss, *args)
+    return list(found)
+
+
+def _hand_picked(loss, layout, indices):
+    def program(*args):
+        with knobs.recording(indices, layout):
+            return jax.value_and_grad(loss)(*args)
+
+    return program
+
+
+def _problem_table(name: str, quick: bool) -> dict:
+    title, loss, args = PROBLEMS[name](quick)
+    layout = _layout(loss, args)
+    grid = list(itertools.product(*(range(len(k.candidates)) for k in layout)))
+    hand = []
+    for indices in harness.progress(grid, desc=f"{name}: hand-picked"):
+        program = _hand_picked(loss, layout, indices)
+        _, memory = compile_measured(program, *args)
+        values = ", ".join(str(k.candidates[i]) for k, i in zip(layout, indices))
+        hand.append((f"hand: {values}", program, memory.peak_bytes))
+    peaks = sorted({p for _, _, p in hand})
+    low, high = peaks[0], hand[0][2]  # leanest reachable, fastest setting's peak
+    n_budgets = 3 if quick else 5
+    budgets = sorted({int(low * (high / low) ** (i / (n_budgets - 1))) + 1
+                      for i in range(n_budgets)}) if high > low else [high]
+
+    fitted_rows = []
+    for budget in budgets:
+        fresh = lambda *a, _loss=loss: _loss(*a)  # noqa: E731 - a cold plan cache per budget
+        start = time.perf_counter()
+        fitted = mw.fit(fresh, budget=budget)
+        try:
+            plan = fitted.plan_for(*args)
+        except mw.MemoryBudgetError as error:
+            fitted_rows.append({"budget": budget, "error": str(error)})
+            continue
+        planning_s = time.perf_counter() - start
+        _, memory = compile_measured(jax.value_and_grad(fitted), *args)
+        fitted_rows.append({
+            "budget": budget, "planning_s": planning_s, "compilations": fitted.compilations,
+            "peak": memory.peak_bytes, "plan": ", ".join(f"{e.value}" for e in plan.entries),
+            "program": jax.value_and_grad(fitted),
+        })
+
+    variants = [harness.Variant(label, program, args, extra={"kind": "hand-picked"})
+                for label, program, _ in hand]
+    for row in fitted_rows:
+        if "program" in row:
+            variants.append(harness.Variant(
+                f"fit {format_bytes(row['budget'])}", row["program"], args,
+                extra={"kind": "fit", "budget": format_bytes(row["budget"]),
+                       "plan": row["plan"], "planning s": round(row["planning_s"], 1),
+                       "compilations": row["compilations"],
+                       "budget met": "yes" if row["peak"] <= row["budget"] else "NO"}))
+    table = harness.run_table(title, variants, baseline=variants[0].name, quick=quick,
+                              repeats=3 if quick else 5)
+    by_name = {r["variant"]: r for r in table["rows"]}
+    for row in fitted_rows:
+        if "program" not in row:
+            continue
+        fit_row = by_name[f"fit {format_bytes(row['budget'])}"]
+        fitting = [by_name[label] for label, _, peak in hand if peak <= row["budget"]]
+        best = min(fitting, key=lambda r: r["time_s"])
+        fit_row["best hand-picked"] = best["variant"].removeprefix("hand: ")
+        fit_row["time / best hand-picked"] = round(fit_row["time_s"] / best["time_s"], 3)
+    return table
+
+
+def main(quick: bool = False, names=None) -> None:
+    tables = []
+    for name in names or PROBLEMS:
+        table = _problem_table(name, quick)
+        harness.print_table(table)
+        tables.append(table)
+    harness.save("fit", tables, notes=__doc__.split("\n\n")[1].replace("\n", " "), quick=quick)
+
+
+if __name__ == "__main__":
+    harness.cli(main)
