@@ -134,3 +134,19 @@ def test_bad_arguments():
         mw.region("r")(5)
     with pytest.raises(TypeError, match="non-empty string"):
         mw.region("")
+
+
+def test_scan_checkpoints_auto_meets_budget():
+    def loss(w, xs):
+        h, _ = mw.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((64, 64)), xs,
+                       checkpoints="auto")
+        return jnp.sum(h**2)
+
+    w, xs = jnp.eye(64) * 0.5, jnp.ones((400, 64, 64)) * 0.01
+    fastest = mw.fit(loss, budget="1GiB").plan_for(w, xs)
+    assert fastest.entries[1].value == 400  # every carry stored: no recomputation
+    budget = (fastest.peak_bytes + compiled_memory(loss, w, xs, grad=True).peak_bytes) // 2
+    fitted = mw.fit(loss, budget=budget)
+    np.testing.assert_allclose(jax.grad(fitted)(w, xs), jax.grad(loss)(w, xs), rtol=1e-5)
+    assert compiled_memory(fitted, w, xs, grad=True).peak_bytes <= budget
+    assert 1 < fitted.plan.entries[1].value < 400
