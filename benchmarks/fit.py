@@ -55,8 +55,8 @@ def pointcloud_problem(quick: bool):
 def kip_problem(quick: bool):
     from memwise.ntk import kernels
 
-    kernel_fn = kernels.serial(kernels.Conv(64, (3, 3)), kernels.Relu(), kernels.Conv(64, (3, 3)),
-                               kernels.Relu(), kernels.Flatten(), kernels.Dense(10))
+    kernel_fn = kernels.serial(kernels.Conv((3, 3)), kernels.Relu(), kernels.Conv((3, 3)),
+                               kernels.Relu(), kernels.Flatten(), kernels.Dense())
     n_support, n_target, side = 10, (200 if quick else 1000), 14
     key = jax.random.PRNGKey(0)
     ks, kt, kl = jax.random.split(key, 3)

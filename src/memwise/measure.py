@@ -17,12 +17,11 @@ would understate the peak.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -225,22 +224,19 @@ def _parse_source(description: str) -> tuple[str, str]:
     return location, match["what"]
 
 
-@contextlib.contextmanager
-def _user_frames_only() -> Iterator[None]:
-    # JAX records the innermost *user* frame of each operation; while tracing for the
-    # report, count memwise's own files as library code so that residuals created inside
-    # mw.scan / mw.chunked_map point at the user's line that called them.
+def _attribute_to_user_code() -> None:
+    # JAX records the innermost *user* frame of each operation it traces. Counting
+    # memwise's own files as library code, like JAX's, makes residuals (and HLO metadata
+    # and filtered tracebacks) created inside mw.scan / mw.chunked_map point at the user's
+    # line that called them. Registered once, at import, because JAX caches traces: a
+    # registration only around the report would miss traces made earlier.
     from jax._src import source_info_util  # private: kept to this one place
 
-    source_info_util.register_exclusion(_PACKAGE_DIR)
-    try:
-        yield
-    finally:
-        paths = source_info_util._exclude_paths
-        if _PACKAGE_DIR in paths:
-            paths.remove(_PACKAGE_DIR)
-        source_info_util._exclude_path_regex.cache_clear()
-        source_info_util.is_user_filename.cache_clear()
+    if _PACKAGE_DIR not in source_info_util._exclude_paths:
+        source_info_util.register_exclusion(_PACKAGE_DIR)
+
+
+_attribute_to_user_code()
 
 
 def saved_residuals(
@@ -268,8 +264,7 @@ def saved_residuals(
 
         return jax.vjp(selected, *(all_args[i] for i in argnums))
 
-    with _user_frames_only():
-        closed, out_shape = jax.make_jaxpr(vjp_of_selected, return_shape=True)(*leaves)
+    closed, out_shape = jax.make_jaxpr(vjp_of_selected, return_shape=True)(*leaves)
     n_residuals = jax.tree_util.tree_structure(out_shape[1]).num_leaves
     debug = api_util.debug_info("memory_report", fn, args, kwargs)
     jaxpr = closed.jaxpr.replace(

@@ -261,19 +261,23 @@ class _Builder:
 def _revolve(builder: _Builder, start: int, length: int, slot: int, top: int, c: int):
     """Reverse steps start+length-1 .. start from x_start in ``slot``; slots top.. free.
 
-    Iterative on the prefix (same slots, shorter), recursive on the suffix (one slot
-    fewer), so the depth is at most c.
+    Revolve splits at the optimal j, reverses the suffix with one slot fewer, then the
+    prefix with the same slots. The suffix-first order is kept with an explicit stack of
+    pending prefixes, so the depth (up to c) never meets Python's recursion limit.
     """
-    while length > 0:
-        slots = c - top + 1
-        if slots == 1 or length == 1:
-            for step in range(start + length - 1, start - 1, -1):
-                builder.reverse(step, slot, start)
-            return
-        j = _revolve_split(length, slots)
-        builder.split(slot, start, start + j, top)
-        _revolve(builder, start + j, length - j, top, top + 1, c)
-        length = j
+    pending = [(start, length, slot, top)]
+    while pending:
+        start, length, slot, top = pending.pop()
+        while length > 0:
+            slots = c - top + 1
+            if slots == 1 or length == 1:
+                for step in range(start + length - 1, start - 1, -1):
+                    builder.reverse(step, slot, start)
+                break
+            j = _revolve_split(length, slots)
+            builder.split(slot, start, start + j, top)
+            pending.append((start, j, slot, top))  # the prefix, after the suffix
+            start, length, slot, top = start + j, length - j, top, top + 1
 
 
 @functools.lru_cache(maxsize=64)
