@@ -209,3 +209,10 @@ def test_no_jax_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_many_slots_do_not_hit_the_recursion_limit():
+    # revolve's depth grows with the slot count; mw.fit's candidates include c ~ n
+    sched = schedule.binomial(3000, 1500)
+    assert sched.evaluations == schedule.evaluations(3000, 1500)
+    assert sched.n_slots <= 1500
