@@ -9,11 +9,16 @@ wall time <= 3x the forward's and no slower than dense where dense fits.
 
 from __future__ import annotations
 
+import resource
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 
 import harness
 import memwise as mw
+from memwise.measure import format_bytes
 
 BATCH = 1000  # the chunk size of the lax.map and OTT-style variants
 
@@ -51,22 +56,83 @@ def lse_memwise(x, y):
                                       chunk_size="auto"))
 
 
+# Every attention variant ends in the same loss, sum(out ** 2): with sum(out) XLA folds
+# sum_i softmax(s)_ij away and the dense forward never forms the score matrix.
+def _loss(out):
+    return jnp.sum(out**2)
+
+
 def attn_dense(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
-    return jnp.sum(jax.nn.softmax(s, axis=-1) @ v)
+    return _loss(jax.nn.softmax(s, axis=-1) @ v)
 
 
 def attn_jax_nn(q, k, v):
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  (B, L, H, D) layout
-    return jnp.sum(jax.nn.dot_product_attention(t(q), t(k), t(v)))
+    return _loss(jax.nn.dot_product_attention(t(q), t(k), t(v)))
 
 
 def attn_memwise(q, k, v):
-    return jnp.sum(mw.attention(q, k, v))
+    return _loss(mw.attention(q, k, v))
+
+
+def attn_memwise_causal(q, k, v):
+    return _loss(mw.attention(q, k, v, causal=True))
+
+
+ATTENTION = {
+    "dense softmax": attn_dense,
+    "jax.nn.dot_product_attention": attn_jax_nn,
+    "memwise": attn_memwise,
+    "memwise causal": attn_memwise_causal,
+}
+LENGTH, DIM = 16_384, 64
 
 
 def _grad(fn, argnums):
     return jax.value_and_grad(fn, argnums)
+
+
+def _attention_inputs():
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    return tuple(jax.random.normal(kk, (1, 1, LENGTH, DIM), jnp.float32) for kk in keys)
+
+
+def _attention_program(name: str, grad: bool):
+    fn = ATTENTION[name]
+    return _grad(fn, (0, 1, 2)) if grad else fn
+
+
+def _peak_rss() -> int:
+    # VmHWM belongs to this process image; ru_maxrss would start at the parent's peak
+    # (Linux carries it across fork and exec).
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_child(name: str, grad: bool) -> None:
+    """Print how much the peak RSS grows while the compiled program runs once."""
+    args = jax.block_until_ready(_attention_inputs())
+    exe = jax.jit(_attention_program(name, grad)).lower(*args).compile()
+    before = _peak_rss()
+    jax.block_until_ready(exe(*args))
+    print(_peak_rss() - before)
+
+
+def run_rss_growth(name: str, grad: bool) -> str:
+    """Peak-RSS growth of one run in a fresh process (XLA:CPU may compile a whole dense
+    program into one YNNPACK fusion whose scratch memory_analysis does not report)."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--rss-child", name, "grad" if grad else "forward"],
+        capture_output=True, text=True, check=True,
+    )
+    return format_bytes(int(proc.stdout.split()[-1]))
 
 
 def main(quick: bool = False) -> None:
@@ -99,22 +165,21 @@ def main(quick: bool = False) -> None:
     )
     harness.print_table(lse)
 
-    length, dim = 16_384, 64
-    keys = jax.random.split(jax.random.PRNGKey(1), 3)
-    q, k, v = (jax.random.normal(kk, (1, 1, length, dim), jnp.float32) for kk in keys)
-    grad3 = lambda f: _grad(f, (0, 1, 2))  # noqa: E731
+    qkv = _attention_inputs()
+    variants = []
+    # memwise causal: the tiles above the diagonal are skipped (about half the work)
+    for name in ATTENTION:
+        run = slow or not name.startswith("jax.nn")
+        for grad_ in (False, True):
+            rss = run_rss_growth(name, grad_) if run else None
+            variants.append(harness.Variant(
+                f"{name}: {'value_and_grad' if grad_ else 'forward'}",
+                _attention_program(name, grad_), qkv, run=run,
+                extra={"run peak RSS growth": rss},
+            ))
     attn = harness.run_table(
-        f"softmax attention, L = {length:,}, d = {dim}, 1 head (float32)",
-        [
-            harness.Variant("dense softmax: forward", attn_dense, (q, k, v)),
-            harness.Variant("dense softmax: value_and_grad", grad3(attn_dense), (q, k, v)),
-            harness.Variant("jax.nn.dot_product_attention: forward", attn_jax_nn, (q, k, v),
-                            run=slow),
-            harness.Variant("jax.nn.dot_product_attention: value_and_grad", grad3(attn_jax_nn),
-                            (q, k, v), run=slow),
-            harness.Variant("memwise: forward", attn_memwise, (q, k, v)),
-            harness.Variant("memwise: value_and_grad", grad3(attn_memwise), (q, k, v)),
-        ],
+        f"softmax attention, L = {LENGTH:,}, d = {DIM}, 1 head (float32)",
+        variants,
         baseline="memwise: forward",
         quick=quick,
     )
@@ -123,7 +188,12 @@ def main(quick: bool = False) -> None:
         "pairwise",
         [lse, attn],
         notes=(
-            "memwise tiles chosen by chunk_size='auto'. Rows with run=False are compiled "
+            "memwise tiles chosen by chunk_size='auto'. Every attention variant's loss is "
+            "sum(out ** 2). XLA:CPU compiles the dense softmax forward into one YNNPACK "
+            "fusion whose 1 GiB score matrix is scratch inside the fusion, invisible to "
+            "memory_analysis (temp 0 B): the 'run peak RSS growth' column (one run in a "
+            "fresh process) shows it. "
+            "Rows with run=False are compiled "
             "only (memory from compiled_memory); in quick mode lax.map, the OTT-style scan "
             "and jax.nn.dot_product_attention are compiled only."
         ),
@@ -132,4 +202,7 @@ def main(quick: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    harness.cli(main)
+    if len(sys.argv) == 4 and sys.argv[1] == "--rss-child":
+        _rss_child(sys.argv[2], sys.argv[3] == "grad")
+    else:
+        harness.cli(main)

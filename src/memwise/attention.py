@@ -7,7 +7,13 @@ backward (Dao et al., NeurIPS 2022): the forward saves only the output and the p
 log-sum-exp, the backward re-forms each tile's probabilities from them. It is the
 ``"softmax"`` reduction of :func:`memwise.chunked.tiled_reduce`; no second loop lives
 here. Memory both ways: q, k, v, the output and one ``chunk_size`` tile (per batch
-element and head), never the L x L score matrix.
+element and head), never the L x L score matrix. With ``causal=True`` tiles above the
+diagonal are skipped (a ``lax.cond`` in the one tile loop), about half the work.
+
+Many devices: queries (or batch/head dims) split over a mesh axis run as one
+``shard_map`` through :mod:`memwise.chunked`'s sharding helpers (the same path as
+``pairwise_reduce``); attention needs no communication in the forward pass, and the
+backward all-reduces the gradients of k and v once when the queries are split.
 """
 
 from __future__ import annotations
@@ -19,13 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise.chunked import tiled_reduce
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from memwise.chunked import _check_divisible, _row_sharding, _sharded_call, tiled_reduce
 
 __all__ = ["attention"]
 
 
-def _pair_operand(arr: Any, name: str, batch: tuple, lq: int, lk: int, dtype) -> tuple:
-    """Bring a mask/bias to ``(lq, lk)`` (shared, vmap axis None) or ``batch + (lq, lk)``."""
+def _full_rank(arr: Any, name: str, batch: tuple, lq: int, lk: int, dtype) -> jax.Array:
+    """Check that a mask/bias broadcasts to ``batch + (lq, lk)`` without enlarging it, and
+    give it that rank by adding leading singleton dims (no copy)."""
     arr = jnp.asarray(arr, dtype)
     try:
         full = jnp.broadcast_shapes(arr.shape, batch + (lq, lk))
@@ -36,15 +46,52 @@ def _pair_operand(arr: Any, name: str, batch: tuple, lq: int, lk: int, dtype) ->
         ) from e
     if full != batch + (lq, lk):
         raise ValueError(f"{name} of shape {arr.shape} would enlarge the output shape")
-    arr = jnp.broadcast_to(arr, arr.shape[:-2] + (lq, lk)) if arr.ndim >= 2 else (
-        jnp.broadcast_to(arr, (lq, lk))
-    )
-    lead = arr.shape[:-2]
-    if all(s == 1 for s in lead):
-        return arr.reshape(lq, lk), None
+    return arr.reshape((1,) * (len(full) - arr.ndim) + arr.shape)
+
+
+def _pair_operand(arr: jax.Array, batch: tuple, lq: int, lk: int) -> tuple:
+    """A full-rank mask/bias as ``(lq, lk)`` (shared, vmap axis None) or ``(B, lq, lk)``."""
+    if all(s == 1 for s in arr.shape[:-2]):
+        return jnp.broadcast_to(arr.reshape(arr.shape[-2:]), (lq, lk)), None
     # A mask varying over only some batch dims is broadcast here (one copy).
     arr = jnp.broadcast_to(arr, batch + (lq, lk))
     return arr.reshape((-1, lq, lk)), 0
+
+
+def _attention_sharding(q: jax.Array, mesh: Any, axis_name: Any, shard_dim: int):
+    """``(mesh, per-dim mesh axes of q)`` when attention is to run sharded, else None.
+
+    Explicit ``mesh=``/``axis_name=`` split dim ``shard_dim``; otherwise the split is read
+    from a concrete ``q``'s ``NamedSharding`` (any of its batch/head dims and the query
+    dim) through the helper ``pairwise_reduce`` uses.
+    """
+    nd = q.ndim
+    if isinstance(shard_dim, bool) or not isinstance(shard_dim, (int, np.integer)):
+        raise TypeError(f"shard_dim must be an int (an axis of q), got {shard_dim!r}")
+    if not -nd <= shard_dim < nd or shard_dim % nd == nd - 1:
+        raise ValueError(
+            f"shard_dim={shard_dim} must name a batch/head dim or the query dim (-2) of q "
+            f"with shape {q.shape}; the feature dim cannot be split"
+        )
+    if mesh is not None or axis_name is not None:
+        mesh, axes = _row_sharding(q, mesh, axis_name, "q")
+        spec = [None] * nd
+        spec[shard_dim % nd] = axes
+    else:
+        found = [_row_sharding(q, None, None, "q", dim=i) for i in range(nd)]
+        if not any(found):
+            return None
+        if found[-1] is not None:
+            raise ValueError(
+                "q's feature dim is sharded; attention splits queries or batch/head dims "
+                "only: reshard q (e.g. NamedSharding(mesh, P(None, None, 'data', None)))"
+            )
+        mesh = next(f[0] for f in found if f is not None)
+        spec = [f[1] if f is not None else None for f in found]
+    for i, axes in enumerate(spec):
+        if axes is not None:
+            _check_divisible(q.shape[i], mesh, axes, f"q (axis {i})")
+    return mesh, spec
 
 
 def attention(
@@ -57,14 +104,18 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     chunk_size: int | tuple[int, int] | str = "auto",
+    mesh: jax.sharding.Mesh | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
+    shard_dim: int = -2,
 ) -> jax.Array:
     """Softmax attention ``softmax(q k^T * scale + bias) v`` in tiles, forward and backward.
 
     Shapes: ``q (..., Lq, d)``, ``k (..., Lk, d)``, ``v (..., Lk, dv)`` with equal leading
     (batch, heads, ...) dims; returns ``(..., Lq, dv)``. ``mask`` (bool, True = attend) and
     ``bias`` broadcast to ``(..., Lq, Lk)``; they are sliced tile by tile, never copied
-    when shared across the batch. ``causal=True`` lets query ``i`` see keys ``j <= i``.
-    A query that sees no key returns zeros. Gradients: q, k, v and ``bias``.
+    when shared across the batch. ``causal=True`` lets query ``i`` see keys ``j <= i``
+    and skips the tiles above the diagonal. A query that sees no key returns zeros.
+    Gradients: q, k, v and ``bias``.
 
     Memory: O(L d) per head plus one ``(rows, cols)`` tile of scores, in both passes
     (the L x L matrix is never formed). Compute: the backward re-forms each tile's
@@ -77,6 +128,16 @@ def attention(
       causal: mask keys after the query position.
       scale: score scale; default ``1 / sqrt(d)``.
       chunk_size: tile ``(query rows, key cols)``, an int, or ``"auto"``.
+      mesh, axis_name: run on many devices (``shard_map``), dim ``shard_dim`` of ``q``
+        split over mesh axis ``axis_name`` (as for :func:`memwise.pairwise_reduce`). With
+        the queries split (``shard_dim=-2``, the default) each device holds its queries,
+        all of k and v, and one tile; the gradients of k and v are all-reduced once.
+        With a batch/head dim split, k, v, mask and bias are split the same way and
+        nothing is communicated. Without these arguments the split is read from a
+        concrete ``q`` with a ``NamedSharding`` (any of its batch/head/query dims);
+        under ``jit`` pass them explicitly.
+      shard_dim: the dim of ``q`` that ``axis_name`` splits: ``-2`` (queries) or a
+        leading batch/head dim.
 
     Example::
 
@@ -106,15 +167,56 @@ def attention(
         raise TypeError(f"q, k, v must be float arrays, got {q.dtype}, {k.dtype}, {v.dtype}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dtype = jnp.result_type(q, k, v)
+    if mask is not None:
+        mask = _full_rank(mask, "mask", batch, lq, lk, bool)
+    if bias is not None:
+        bias = _full_rank(bias, "bias", batch, lq, lk, dtype)
 
+    sharding = _attention_sharding(q, mesh, axis_name, shard_dim)
+    if sharding is None:
+        return _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, None)
+    mesh, spec = sharding
+    row_axes = spec[-2]
+
+    def pair_spec(arr):
+        # A dim the mask/bias broadcasts over (size 1) stays replicated.
+        return P(*[a if n != 1 else None for a, n in zip(spec, arr.shape[:-1])], None)
+
+    def local(q, k, v, mask, bias):
+        offset = None
+        if row_axes is not None:
+            # Causal masking compares global positions: this device's first query.
+            offset = lax.axis_index(row_axes).astype(jnp.int32) * q.shape[-2]
+        return _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, offset)
+
+    kv_spec = P(*spec[:-2], None, None)
+    in_specs = (
+        P(*spec), kv_spec, kv_spec,
+        P() if mask is None else pair_spec(mask),
+        P() if bias is None else pair_spec(bias),
+    )
+    return _sharded_call(local, mesh, in_specs, P(*spec), q, k, v, mask, bias)
+
+
+def _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, row_offset):
+    """Attention on one device (or per device inside shard_map); ``row_offset`` is the
+    global position of the first query (None: 0)."""
+    batch = q.shape[:-2]
+    lq, d = q.shape[-2:]
+    lk = k.shape[-2]
+    dtype = jnp.result_type(q, k, v)
     pairs: dict = {}
     pair_axes: dict = {}
     if mask is not None:
-        pairs["mask"], pair_axes["mask"] = _pair_operand(mask, "mask", batch, lq, lk, bool)
+        pairs["mask"], pair_axes["mask"] = _pair_operand(mask, batch, lq, lk)
     if bias is not None:
-        pairs["bias"], pair_axes["bias"] = _pair_operand(bias, "bias", batch, lq, lk, dtype)
+        pairs["bias"], pair_axes["bias"] = _pair_operand(bias, batch, lq, lk)
+    consts = {} if row_offset is None else {"offset": row_offset}
 
-    def tile_fn(qb, kv, pb, _consts, row_ids, col_ids):
+    def positions(row_ids, consts):
+        return row_ids + consts["offset"] if consts else row_ids
+
+    def tile_fn(qb, kv, pb, consts, row_ids, col_ids):
         s = jnp.dot(qb, kv["k"].T, preferred_element_type=dtype) * jnp.asarray(scale, dtype)
         if "bias" in pb:
             s = s + pb["bias"]
@@ -122,16 +224,21 @@ def attention(
         if "mask" in pb:
             keep = pb["mask"]
         if causal:
-            c = col_ids[None, :] <= row_ids[:, None]
+            c = col_ids[None, :] <= positions(row_ids, consts)[:, None]
             keep = c if keep is None else keep & c
         if keep is not None:
             s = jnp.where(keep, s, -jnp.inf)
         return s, kv["v"]
 
+    def live(row_ids, col_ids, consts):
+        # Column tile j is above the diagonal when its first key follows the last query.
+        return col_ids[0] <= positions(row_ids, consts)[-1]
+
     def one(qh, kh, vh, ph):
         out, _ = tiled_reduce(
             tile_fn, qh, {"k": kh, "v": vh}, reduce="softmax", chunk_size=chunk_size,
-            pairs=ph, pair_bytes=16 * int(np.prod(batch, dtype=np.int64)),
+            pairs=ph, consts=consts, pair_bytes=16 * int(np.prod(batch, dtype=np.int64)),
+            live=live if causal else None,
         )
         return out
 
