@@ -1,4 +1,35 @@
 """memwise: reverse-mode differentiation in JAX that fits in memory."""
 
-from memwise import knobs, measure
+from memwise import knobs, measure, ntk, ot, schedule
+from memwise.accumulate import accumulate_grad
+from memwise.attention import attention
+from memwise.chunked import chunked_map, chunked_sum, pairwise_reduce
+from memwise.fit import MemoryBudgetError, fit, region
+from memwise.linearize import Linearized, linearize
 from memwise.measure import MemoryReport, Residual, memory_report
+from memwise.scan import scan, while_loop
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Linearized",
+    "MemoryBudgetError",
+    "MemoryReport",
+    "Residual",
+    "accumulate_grad",
+    "attention",
+    "chunked_map",
+    "chunked_sum",
+    "fit",
+    "knobs",
+    "linearize",
+    "measure",
+    "memory_report",
+    "ntk",
+    "ot",
+    "pairwise_reduce",
+    "region",
+    "scan",
+    "schedule",
+    "while_loop",
+]

@@ -1,0 +1,91 @@
+"""Benchmark ``kip``: gradient memory of a KIP loss (seed 001) as the target set grows.
+
+The seed's setting: 100 support images 28x28x1, the infinite-width NTK of
+Conv(3x3)-Relu-Conv(3x3)-Relu-Flatten-Dense, the gradient of the KIP loss w.r.t. the
+support images and labels. Compiled only (XLA ``memory_analysis``), at 500 ... 60,000
+targets: the dense program (the KIP notebook's loss, the whole target-by-support kernel
+at once) and ``mw.ntk.kip_loss`` in (500 targets x 10 support) tiles. neural-tangents
+0.6.5's figures (shared/reference/README.md, same architecture and sizes, measured on jax
+0.4.30) are the anchor. A second table varies the support tile at 6,000 targets (a tile
+of the whole support set is "chunking the targets only"); a third times the dense and
+tiled gradients at 500 targets, where both run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import harness
+from memwise.ntk import kip_loss
+from memwise.scenarios import kip
+
+SUPPORT, SIDE, CLASSES = 100, 28, 10
+# neural-tangents 0.6.5, gradient temp of the same KIP loss (shared/reference/README.md).
+NEURAL_TANGENTS_MIB = {500: 1500, 1000: 2999, 2000: 5996}
+MIB = 2**20
+
+
+def _shapes(n_target: int):
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    return (s(SUPPORT, SIDE, SIDE, 1), s(SUPPORT, CLASSES), s(n_target, SIDE, SIDE, 1),
+            s(n_target, CLASSES))
+
+
+def _tiled(chunk_size):
+    kernel = kip.kernel_fn()
+
+    def loss(xs, ys, xt, yt):
+        return kip_loss(kernel, xs, ys, xt, yt, ridge=kip.RIDGE, chunk_size=chunk_size)
+
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+_DENSE = jax.value_and_grad(kip.naive_loss, argnums=(0, 1))
+
+
+def main(quick: bool = False) -> None:
+    targets = [500, 6000] if quick else [500, 1000, 2000, 6000, 60_000]
+    dense_targets = [500] if quick else [500, 1000, 2000, 6000]
+    variants = []
+    for n in dense_targets:
+        extra = {"targets": n, "neural-tangents temp MiB": NEURAL_TANGENTS_MIB.get(n)}
+        variants.append(harness.Variant(f"dense, {n:,} targets", _DENSE, _shapes(n), extra, run=False))
+    for n in targets:
+        extra = {"targets": n, "neural-tangents temp MiB": NEURAL_TANGENTS_MIB.get(n)}
+        variants.append(
+            harness.Variant(f"mw.ntk.kip_loss (500, 10), {n:,} targets", _tiled((500, 10)),
+                            _shapes(n), extra, run=False)
+        )
+    by_targets = harness.run_table(
+        "KIP gradient vs number of targets (compiled only; 100 support images 28x28x1)",
+        variants, baseline=variants[0].name, quick=quick, time=False,
+    )
+    harness.print_table(by_targets)
+
+    tiles = [(500, 5), (500, 10), (500, 25), (500, 100)] if not quick else [(500, 10), (500, 100)]
+    tile_variants = [
+        harness.Variant(f"tiles {t}", _tiled(t), _shapes(6000), {"support per tile": t[1]}, run=False)
+        for t in tiles
+    ]
+    by_tile = harness.run_table(
+        "KIP gradient at 6,000 targets vs the support tile (500 targets per tile; "
+        "(500, 100) = chunking the targets only)",
+        tile_variants, baseline=tile_variants[-1].name, quick=quick, time=False,
+    )
+    harness.print_table(by_tile)
+
+    data = kip.data(SUPPORT, 500, SIDE)
+    timed = harness.run_table(
+        "KIP value and gradient at 500 targets, run (100 support images 28x28x1)",
+        [harness.Variant("dense", _DENSE, data),
+         harness.Variant("mw.ntk.kip_loss (500, 10)", _tiled((500, 10)), data),
+         harness.Variant("mw.ntk.kip_loss (500, 25)", _tiled((500, 25)), data)],
+        baseline="dense", quick=quick, repeats=3 if quick else 5,
+    )
+    harness.print_table(timed)
+    harness.save("kip", [by_targets, by_tile, timed], notes=__doc__.split("\n\n")[0], quick=quick)
+
+
+if __name__ == "__main__":
+    harness.cli(main)

@@ -1,0 +1,157 @@
+"""Infinite-width kernels against neural-tangents' values (shared/reference) and each other."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.test_util import check_grads
+
+from memwise.measure import compiled_memory
+from memwise.ntk import kernels as k
+
+def _jit(kernel_fn, get=("nngp", "ntk")):
+    # One compiled program per kernel: op-by-op dispatch of the layer recursion is slow.
+    return jax.jit(lambda x1, x2=None: kernel_fn(x1, x2, get=get))
+
+
+REFERENCE = os.path.join(
+    os.path.dirname(__file__), "..", "..", "shared", "reference", "neural_tangents_kernels.npz"
+)
+
+ARCHITECTURES = {
+    "conv_relu2_flatten": lambda: k.serial(
+        k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense()
+    ),
+    "conv_relu_gap": lambda: k.serial(k.Conv((3, 3)), k.Relu(), k.GlobalAvgPool(), k.Dense()),
+    "fc_relu_erf": lambda: k.serial(
+        k.Dense(W_std=1.5, b_std=0.05), k.Relu(), k.Dense(W_std=1.5, b_std=0.05), k.Erf(), k.Dense()
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    if not os.path.exists(REFERENCE):
+        pytest.skip(f"reference file not found at {REFERENCE}")
+    return dict(np.load(REFERENCE))
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_matches_neural_tangents_in_float64(reference, name):
+    prefix = "fc" if name.startswith("fc") else "conv"
+    x1, x2 = reference[f"{prefix}_x1"], reference[f"{prefix}_x2"]
+    with jax.enable_x64(True):
+        kernel_fn = ARCHITECTURES[name]()
+        nngp, ntk = _jit(kernel_fn)(jnp.asarray(x1), jnp.asarray(x2))
+        assert nngp.dtype == jnp.float64
+        np.testing.assert_allclose(nngp, reference[f"{name}_nngp"], rtol=1e-6, atol=0)
+        np.testing.assert_allclose(ntk, reference[f"{name}_ntk"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_self_kernel_is_symmetric_and_equals_cross(reference, name):
+    prefix = "fc" if name.startswith("fc") else "conv"
+    x1 = jnp.asarray(reference[f"{prefix}_x1"], jnp.float32)
+    kernel_fn = ARCHITECTURES[name]()
+    own = _jit(kernel_fn, "ntk")(x1)
+    cross = _jit(kernel_fn, "ntk")(x1, x1)
+    np.testing.assert_allclose(own, own.T, rtol=1e-5)
+    np.testing.assert_allclose(own, cross, rtol=1e-5)
+    assert np.all(np.linalg.eigvalsh(np.asarray(own, np.float64)) > -1e-4 * float(jnp.max(own)))
+
+
+def _forced_full(*layers):
+    # A GlobalAvgPool after Flatten is a no-op on values but makes every earlier layer use
+    # the pixel-by-pixel covariance: the full code path must give the diagonal one's values.
+    return k.serial(*layers, k.GlobalAvgPool())
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(filter_shape=(3, 3)),
+        dict(filter_shape=(3, 2), strides=(2, 1), padding="SAME", b_std=0.3),
+        dict(filter_shape=(2, 3), strides=(2, 2), padding="VALID", W_std=1.3),
+    ],
+)
+def test_full_and_diagonal_covariances_agree(conv):
+    x1 = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 6, 2))
+    x2 = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 6, 2))
+    layers = (k.Conv(**conv), k.Relu(), k.Conv((2, 2), padding="VALID"), k.Erf(), k.Flatten(), k.Dense())
+    diag = _jit(k.serial(*layers))(x1, x2)
+    full = _jit(_forced_full(*layers))(x1, x2)
+    for a, b in zip(diag, full):
+        np.testing.assert_allclose(a, b, rtol=2e-5)
+
+
+def test_conv_window_matches_reduce_window():
+    # One conv layer: nngp = W^2 * (mean over the window of the per-pixel input
+    # covariance), zero padding included; checked against XLA's windowed average.
+    x1 = jax.random.normal(jax.random.PRNGKey(2), (2, 9, 8, 3))
+    x2 = jax.random.normal(jax.random.PRNGKey(3), (4, 9, 8, 3))
+    for strides, padding in [((1, 1), "SAME"), ((2, 3), "SAME"), ((2, 2), "VALID")]:
+        kernel_fn = k.serial(k.Conv((3, 2), strides=strides, padding=padding, W_std=2.0))
+        got = _jit(kernel_fn, "nngp")(x1, x2)
+
+        @jax.jit
+        def expected(x1, x2):
+            cov = jnp.einsum("ahwc,bhwc->abhw", x1, x2) / 3
+            window = (1, 1, 3, 2)
+            return 4.0 * lax.reduce_window(cov, 0.0, lax.add, window, (1, 1) + strides, padding) / 6
+
+        np.testing.assert_allclose(got, expected(x1, x2), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_is_finite_on_the_diagonal():
+    # theta = 0 on the diagonal of a self-kernel: sqrt(1 - cos^2) must not give inf/nan.
+    kernel_fn = ARCHITECTURES["conv_relu2_flatten"]()
+    x = jax.random.normal(jax.random.PRNGKey(4), (3, 4, 4, 1))
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(kernel_fn(x))))(x)
+    assert np.all(np.isfinite(grad))
+    with jax.enable_x64(True):
+        x64 = jnp.asarray(x, jnp.float64)
+        check_grads(
+            jax.jit(lambda x: kernel_fn(x, x64[:2] + 0.5)), (x64,), order=1, modes=["rev"]
+        )
+
+
+def test_flatten_readout_keeps_covariances_diagonal():
+    # The conv/flatten kernel holds one number per pixel and pair; the same network
+    # through the pixel-by-pixel path holds (pixels)^2 per pair, 144x more at 12x12.
+    layers = (k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
+    x = jax.ShapeDtypeStruct((8, 12, 12, 1), jnp.float32)
+    diagonal = compiled_memory(k.serial(*layers), x)
+    full = compiled_memory(_forced_full(*layers), x)
+    pixel_tile = 8 * 8 * 12 * 12 * 4
+    assert diagonal.temp_bytes <= 12 * pixel_tile
+    assert full.temp_bytes > 20 * diagonal.temp_bytes
+
+
+def test_bad_inputs():
+    kernel_fn = ARCHITECTURES["conv_relu2_flatten"]()
+    with pytest.raises(ValueError, match="same shape per input"):
+        kernel_fn(jnp.ones((2, 6, 6, 1)), jnp.ones((2, 5, 6, 1)))
+    with pytest.raises(ValueError, match="get must be"):
+        kernel_fn(jnp.ones((2, 6, 6, 1)), get="nntk")
+    with pytest.raises(TypeError, match="serial"):
+        k.serial(k.Relu(), "dense")
+    with pytest.raises(ValueError, match="padding"):
+        k.Conv((3, 3), padding="FULL")
+    with pytest.raises(ValueError, match="pixel axes"):
+        k.serial(k.Conv((3, 3)))(jnp.ones((2, 6, 1)))
+    with pytest.raises(TypeError, match="float"):
+        kernel_fn(jnp.ones((2, 6, 6, 1), jnp.int32))
+
+
+def test_composes_with_jit_and_vmap():
+    kernel_fn = ARCHITECTURES["fc_relu_erf"]()
+    x = jax.random.normal(jax.random.PRNGKey(5), (4, 5))
+    y = jax.random.normal(jax.random.PRNGKey(6), (3, 5))
+    expected = jax.jit(kernel_fn)(x, y)
+    rows = jax.jit(jax.vmap(lambda xi: kernel_fn(xi[None], y)[0]))(x)
+    np.testing.assert_allclose(rows, expected, rtol=1e-5)

@@ -1,0 +1,147 @@
+"""Kernel regression and the KIP loss against dense JAX, and their flat gradient memory."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memwise.measure import compiled_memory
+from memwise.ntk import kernel_regression, kip_loss
+from memwise.ntk import kernels as k
+
+CONV = k.serial(k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
+# One conv layer compiles several times faster than two; the memory argument is the same.
+CONV1 = k.serial(k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
+FC = k.serial(k.Dense(W_std=1.5, b_std=0.05), k.Relu(), k.Dense(W_std=1.5, b_std=0.05), k.Erf(), k.Dense())
+
+
+def _naive_predict(kernel_fn, x_train, y_train, x_test, ridge):
+    k_train = kernel_fn(x_train, x_train)
+    n = k_train.shape[0]
+    reg = k_train + ridge * jnp.trace(k_train) / n * jnp.eye(n)
+    return kernel_fn(x_test, x_train) @ jnp.linalg.solve(reg, y_train)
+
+
+def _naive_kip(kernel_fn, xs, ys, xt, yt, ridge):
+    # The loss of the KIP notebook (seed 001), written densely.
+    pred = _naive_predict(kernel_fn, xs, ys, xt, ridge)
+    return 0.5 * jnp.mean((pred - yt) ** 2)
+
+
+def _images(seed, n, side=6):
+    # numpy data: no per-shape compilation of a random-number program.
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(n, side, side, 1)), jnp.float32)
+
+
+def _labels(n, classes=3):
+    return jax.nn.one_hot(jnp.arange(n) % classes, classes)
+
+
+def test_kernel_regression_matches_dense():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(11, 4)), jnp.float32)
+    y = jnp.stack([jnp.sin(x[:, 0]), jnp.cos(x[:, 1])], axis=1)
+    xt = jnp.asarray(np.random.default_rng(1).normal(size=(9, 4)), jnp.float32)
+    fn = jax.jit(lambda x, y, xt: kernel_regression(FC, x, y, xt, ridge=1e-3, chunk_size=(4, 3)))
+    np.testing.assert_allclose(fn(x, y, xt), _naive_predict(FC, x, y, xt, 1e-3), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_kernel_regression_vector_labels_and_nngp():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(11, 4)), jnp.float32)
+    y = jnp.sin(x[:, 0])
+    xt = jnp.asarray(np.random.default_rng(1).normal(size=(9, 4)), jnp.float32)
+    vector = jax.jit(
+        lambda x, y, xt: kernel_regression(FC, x, y, xt, ridge=1e-3, chunk_size=5, get="nngp")
+    )(x, y, xt)
+    expected = _naive_predict(lambda a, b: FC(a, b, get="nngp"), x, y, xt, 1e-3)
+    assert vector.shape == (9,)
+    np.testing.assert_allclose(vector, expected, rtol=2e-4, atol=2e-5)
+
+
+def test_kernel_regression_with_any_kernel_function():
+    rbf = lambda a, b: jnp.exp(-jnp.sum((a[:, None] - b[None]) ** 2, -1))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(10, 2)), jnp.float32)
+    y = jnp.sin(x[:, :1])
+    xt = jnp.asarray(np.random.default_rng(3).normal(size=(7, 2)), jnp.float32)
+    got = kernel_regression(rbf, x, y, xt, ridge=1e-2, chunk_size=(3, 4))
+    np.testing.assert_allclose(got, _naive_predict(rbf, x, y, xt, 1e-2), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kernel_fn, chunk_size",
+    [(CONV1, (4, 2)), pytest.param(CONV1, 5, marks=pytest.mark.slow), pytest.param(CONV, (13, 6), marks=pytest.mark.slow)],
+)
+def test_kip_loss_and_gradients_match_dense(kernel_fn, chunk_size):
+    xs, xt = _images((4), 6), _images((5), 13)
+    ys, yt = _labels(6), _labels(13)
+    loss = lambda xs, ys: kip_loss(kernel_fn, xs, ys, xt, yt, ridge=1e-3, chunk_size=chunk_size)
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(xs, ys)
+    naive = lambda xs, ys: _naive_kip(kernel_fn, xs, ys, xt, yt, 1e-3)
+    expected_value, expected_grads = jax.jit(jax.value_and_grad(naive, argnums=(0, 1)))(xs, ys)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-4)
+    for got, expected in zip(grads, expected_grads):
+        scale = float(jnp.max(jnp.abs(expected)))
+        np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4 * scale)
+
+
+@pytest.mark.slow
+def test_kip_gradient_reaches_ridge_and_targets():
+    xs, xt = _images((6), 4), _images((7), 5)
+    ys, yt = _labels(4), _labels(5)
+    ours = jax.grad(lambda r, xt: kip_loss(CONV, xs, ys, xt, yt, ridge=r, chunk_size=(2, 3)), (0, 1))
+    dense = jax.grad(lambda r, xt: _naive_kip(CONV, xs, ys, xt, yt, r), (0, 1))
+    for got, expected in zip(jax.jit(ours)(0.01, xt), jax.jit(dense)(0.01, xt)):
+        np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-6)
+
+
+def _kip_grad_temp(n_target: int, side: int = 8) -> int:
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    return compiled_memory(
+        lambda xs, ys, xt, yt: kip_loss(CONV1, xs, ys, xt, yt, ridge=1e-6, chunk_size=(16, 4)),
+        s(12, side, side, 1), s(12, 10), s(n_target, side, side, 1), s(n_target, 10),
+        grad=True, argnums=(0, 1),
+    ).temp_bytes
+
+
+def test_kip_gradient_memory_does_not_grow_with_targets():
+    small, large = _kip_grad_temp(64), _kip_grad_temp(1024)
+    assert large == pytest.approx(small, rel=0.02), (small, large)
+    # The dense gradient holds (targets x support x pixels) tiles: far more already at 256.
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    naive = compiled_memory(
+        lambda xs, ys, xt, yt: _naive_kip(CONV1, xs, ys, xt, yt, 1e-6),
+        s(12, 8, 8, 1), s(12, 10), s(256, 8, 8, 1), s(256, 10), grad=True, argnums=(0, 1),
+    ).temp_bytes
+    assert naive > 4 * large, (naive, large)
+
+
+def test_bad_inputs():
+    xs, ys = _images((8), 4), _labels(4)
+    xt, yt = _images((9), 5), _labels(5)
+    with pytest.raises(ValueError, match="image shape"):
+        kip_loss(CONV, xs, ys, _images((9), 5, side=7), yt, ridge=1e-3, chunk_size=2)
+    with pytest.raises(ValueError, match="ridge must be >= 0"):
+        kip_loss(CONV, xs, ys, xt, yt, ridge=-1e-3, chunk_size=2)
+    with pytest.raises(ValueError, match="y_support has 4 rows|4 inputs but y_support has 3"):
+        kip_loss(CONV, xs, ys[:3], xt, yt, ridge=1e-3, chunk_size=2)
+    with pytest.raises(ValueError, match="outputs"):
+        kip_loss(CONV, xs, ys, xt, yt[:, :2], ridge=1e-3, chunk_size=2)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kip_loss(CONV, xs, ys, xt, yt, ridge=1e-3, chunk_size=(0, 2))
+    with pytest.raises(ValueError, match="image shape"):
+        kernel_regression(CONV, xs, ys, xt[:, :5], ridge=0.0, chunk_size=2)
+
+
+def test_auto_chunk_size_is_a_knob():
+    from memwise import knobs
+
+    x = jnp.asarray(np.random.default_rng(10).normal(size=(9, 4)), jnp.float32)
+    y = jnp.sin(x[:, :2])
+    xt = jnp.asarray(np.random.default_rng(11).normal(size=(7, 4)), jnp.float32)
+    yt = jnp.cos(xt[:, :2])
+    with knobs.recording() as recorded:
+        value = jax.jit(lambda x, y: kip_loss(FC, x, y, xt, yt, ridge=1e-3, chunk_size="auto"))(x, y)
+    assert [k.kind for k in recorded] == ["chunk_size"]
+    np.testing.assert_allclose(value, _naive_kip(FC, x, y, xt, yt, 1e-3), rtol=1e-4)
