@@ -344,3 +344,18 @@ def test_sharded_matches_dense_on_4_devices():
         """
     )
     assert "OK" in out
+
+
+def test_image_shaped_xs_are_not_copied():
+    # (n, 28, 28, 1) images: reshaping xs into chunks changed XLA's CPU layout and cost a
+    # full copy of xs; chunks are sliced by index instead, so temp is flat in n.
+    w = jnp.ones((784, 16))
+
+    def loss(w, xs):
+        return mw.chunked_sum(lambda x: jnp.sum(jnp.tanh(x.reshape(-1) @ w)), xs, chunk_size=500)
+
+    temps = [
+        compiled_memory(loss, w, jax.ShapeDtypeStruct((n, 28, 28, 1), jnp.float32), grad=True).temp_bytes
+        for n in (6_000, 60_000)
+    ]
+    assert temps[1] - temps[0] < 64 * 1024, temps

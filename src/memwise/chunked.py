@@ -508,32 +508,41 @@ class _MapSpec:
         return jax.vmap(lambda x: self.fn(x, *consts))(xs)
 
 
+def _chunk_of(chunks: Chunking, leaves: list, index: jax.Array) -> list:
+    # Chunks are sliced from the unpadded inputs by index: reshaping (n, ...) into
+    # (n_chunks, size, ...) can change XLA's layout (images (n, 28, 28, 1) on CPU) and
+    # cost a full copy of xs, which would make the memory grow with n.
+    return [chunks.block(a, index * chunks.size) for a in leaves]
+
+
 def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list):
     chunks = spec.chunks
-    xs_c = chunks.split(xs_leaves)
+    indices = jnp.arange(chunks.n_chunks)
     if spec.kind == "map":
 
-        def body(_, xc):
-            return None, spec.chunk_fn(xc, consts)
+        def body(_, i):
+            return None, spec.chunk_fn(_chunk_of(chunks, xs_leaves, i), consts)
 
-        _, ys = lax.scan(body, None, xs_c)
+        _, ys = lax.scan(body, None, indices)
         return chunks.merge(ys)
 
     mask = jnp.asarray(chunks.mask())
-    one = jax.eval_shape(lambda x: spec.chunk_fn(x, consts), [a[0] for a in xs_c])
+    one = jax.eval_shape(
+        lambda x: spec.chunk_fn(x, consts), _chunk_of(chunks, xs_leaves, jnp.int32(0))
+    )
     init = jax.tree.map(lambda s: jnp.zeros(s.shape[1:], s.dtype), one)
     init = _vary(init, _vma(xs_leaves, consts))
 
     def body(acc, inp):
-        xc, valid = inp
-        ys = spec.chunk_fn(xc, consts)
+        i, valid = inp
+        ys = spec.chunk_fn(_chunk_of(chunks, xs_leaves, i), consts)
         ys = jax.tree.map(
             lambda y: jnp.sum(jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, 0), 0),
             ys,
         )
         return jax.tree.map(jnp.add, acc, ys), None
 
-    total, _ = lax.scan(body, init, (xs_c, mask))
+    total, _ = lax.scan(body, init, (indices, mask))
     return total
 
 
@@ -573,22 +582,25 @@ def _map_core_bwd(spec, res, ct):
     out_like = jax.eval_shape(lambda: _map_forward(spec, xs_leaves, consts))
     ct = jax.tree.map(lambda c, o: _instantiate(c, o), ct, out_like,
                       is_leaf=_is_zero)
-    xs_c = chunks.split(xs_leaves)
     mask = jnp.asarray(chunks.mask())
-    if spec.kind == "map":
-        ct_c = chunks.split(ct, pad="zero")
-    else:
-        ct_c = None
     axes = _vma(xs_leaves, consts, ct)
     primal_consts = consts
-    xs_c = _vary(xs_c, axes)
+    xs_vary = _vary(xs_leaves, axes)
     if spec.vary_consts:
         consts = _vary(consts, axes)
     diff_consts = _select(consts, const_flags)
 
     def body(acc, inp):
-        xc, valid, ctc = inp
-        if spec.kind == "sum":
+        i, valid = inp
+        xc = _chunk_of(chunks, xs_vary, i)
+        if spec.kind == "map":
+            ctc = jax.tree.map(
+                lambda c: jnp.where(
+                    valid.reshape((-1,) + (1,) * (c.ndim - 1)), chunks.block(c, i * chunks.size), 0
+                ),
+                ct,
+            )
+        else:
             ctc = jax.tree.map(
                 lambda c: jnp.where(
                     valid.reshape((-1,) + (1,) * c.ndim),
@@ -605,7 +617,9 @@ def _map_core_bwd(spec, res, ct):
         dx, dc = vjp(ctc)
         return _add(acc, dc), dx
 
-    acc, dxs = lax.scan(body, _zeros_typed_like(diff_consts), (xs_c, mask, ct_c))
+    acc, dxs = lax.scan(
+        body, _zeros_typed_like(diff_consts), (jnp.arange(chunks.n_chunks), mask)
+    )
     dxs = _match_vma(chunks.merge(dxs), _select(xs_leaves, xs_flags))
     acc = _match_vma(acc, _select(primal_consts, const_flags))
     return _cotangents(xs_leaves, xs_flags, dxs), _cotangents(consts, const_flags, acc)
