@@ -16,7 +16,14 @@ from memwise.measure import compiled_memory
 
 from _multidevice import run_on_devices
 
-jax.config.update("jax_enable_x64", True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64_in_this_module():
+    # Scoped to this module: a global jax_enable_x64 would change every other module's
+    # dtypes (and OTT comparisons' iteration counts) once pytest collects this file.
+    with jax.enable_x64(True):
+        yield
 
 MiB = 2**20
 
