@@ -54,6 +54,8 @@ def _demo_row(name: str, size: str) -> dict:
         "description": scenario.description,
         "naive_peak": naive_mem.peak_bytes,
         "memwise_peak": memwise_mem.peak_bytes,
+        "naive_constants": naive_mem.constant_bytes,
+        "memwise_constants": memwise_mem.constant_bytes,
         "agree": agree,
         "seconds": time.perf_counter() - start,
     }
@@ -62,20 +64,22 @@ def _demo_row(name: str, size: str) -> dict:
 def _print_demo_table(rows: Sequence[dict]) -> None:
     from memwise.measure import format_bytes
 
-    header = ("scenario", "naive peak", "memwise peak", "ratio", "agree", "wall s")
+    header = ("scenario", "naive peak", "memwise peak", "ratio", "constants naive/memwise",
+              "agree", "wall s")
     cells = [
         (
             r["scenario"],
             format_bytes(r["naive_peak"]),
             format_bytes(r["memwise_peak"]),
             f"{r['naive_peak'] / max(r['memwise_peak'], 1):.1f}x",
+            f"{format_bytes(r['naive_constants'])} / {format_bytes(r['memwise_constants'])}",
             r["agree"],
             f"{r['seconds']:.1f}",
         )
         for r in rows
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    line = "  ".join(f"{{:<{w}}}" if i in (0, 4) else f"{{:>{w}}}" for i, w in enumerate(widths))
+    line = "  ".join(f"{{:<{w}}}" if i in (0, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
     print(line.format(*header))
     print(line.format(*("-" * w for w in widths)))
     for c in cells:
@@ -116,7 +120,8 @@ def demo(names: Sequence[str], size: str, plot: str | None) -> int:
             f"{', '.join(scenarios.available())}"
         )
     print(f"memwise demo: {len(chosen)} scenario(s) at size {size!r}; compiled peaks from "
-          "XLA memory_analysis(), results checked against the naive program", flush=True)
+          "XLA memory_analysis() (arrays baked into a program as constants are listed "
+          "apart), results checked against the naive program", flush=True)
     rows = []
     for i, name in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {name} ...", flush=True)
