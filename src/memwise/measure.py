@@ -317,20 +317,12 @@ _CONSTANT_WARNING_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryReport:
+class MemoryReport(CompiledMemory):
     """Compiled memory of a program and what its backward pass keeps. See memory_report."""
 
-    name: str
-    grad: bool
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    peak_bytes: int
-    code_bytes: int
-    program_bytes: int
-    constant_bytes: int
-    residuals: tuple[Residual, ...]
+    name: str = ""
+    grad: bool = False
+    residuals: tuple[Residual, ...] = ()
 
     @property
     def residual_bytes(self) -> int:
