@@ -43,7 +43,7 @@ def lstm_problem(quick: bool):
 def pointcloud_problem(quick: bool):
     from memwise.scenarios import pointcloud
 
-    n = 2000 if quick else 8000
+    n = 2000 if quick else 4000
     x, y = pointcloud.seed_clouds(n)
 
     def loss(x, y):

@@ -225,9 +225,9 @@ def tiling(
     """Resolve a 2-D ``chunk_size`` into (row, column) :class:`Chunking` s.
 
     ``chunk_size`` is an int (square tiles), a ``(rows, cols)`` tuple, or ``"auto"``: a
-    :func:`memwise.knobs.auto` knob over square-ish power-of-two tiles from the default,
-    about :data:`TILE_BYTES` of intermediates per tile (``pair_bytes`` per pair,
-    estimated by the caller), down to small tiles. Sizes are clipped to ``n`` and ``m``.
+    :func:`memwise.knobs.auto` knob over square-ish power-of-two tiles, largest first,
+    defaulting to about :data:`TILE_BYTES` of intermediates per tile (``pair_bytes`` per
+    pair, estimated by the caller). Sizes are clipped to ``n`` and ``m``.
 
     Example::
 
@@ -251,15 +251,18 @@ def tiling(
             return rows, cols
 
         default = fit(TILE_BYTES // per_pair)
-        # Tiles larger than the default are no candidates: their intermediates leave the
-        # caches, and on CPU they measured up to 3.6x slower than ~2 MiB tiles while
-        # holding far more memory (benchmarks/fit.py, pointcloud), so they would only
-        # mislead a planner whose cost model counts loop overhead alone.
-        candidates = [default]
+        # Largest first. Known limit of the cost model (loop overhead and padding only):
+        # for cheap, memory-bound pair functions tiles far beyond the caches are slower
+        # on CPU (benchmarks/fit.py, pointcloud), while compute-bound ones (kip) are
+        # fastest with the largest tile; it does not tell the two apart.
+        candidates = []
         for k in range(26, 7, -1):
             tile = fit(2**k)
-            if tile[0] * tile[1] < default[0] * default[1] and tile not in candidates:
+            if tile not in candidates:
                 candidates.append(tile)
+        if default not in candidates:
+            candidates.append(default)
+            candidates.sort(key=lambda t: -t[0] * t[1])
 
         def work(tile):
             r, c = Chunking(n, tile[0]), Chunking(m, tile[1])
