@@ -125,7 +125,12 @@ def demo(names: Sequence[str], size: str, plot: str | None) -> int:
     rows = []
     for i, name in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {name} ...", flush=True)
-        rows.append(_demo_row(name, size))
+        try:
+            rows.append(_demo_row(name, size))
+        except ModuleNotFoundError as error:  # a scenario built on an optional peer
+            print(f"  skipped: it needs {error.name!r} (pip install 'memwise[demo]')")
+    if not rows:
+        raise SystemExit("memwise demo: no scenario could run; pip install 'memwise[demo]'")
     print()
     _print_demo_table(rows)
     if plot:
