@@ -154,7 +154,7 @@ def test_training_step_memory_is_that_of_training_f():
 
 
 def test_flax_model_apply_with_keyword_arguments():
-    nn = pytest.importorskip("flax.linen")
+    import flax.linen as nn
 
     class Net(nn.Module):
         @nn.compact
@@ -175,7 +175,7 @@ def test_flax_model_apply_with_keyword_arguments():
 
 
 def test_equinox_module():
-    eqx = pytest.importorskip("equinox")
+    import equinox as eqx
     model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.PRNGKey(0))  # has a function leaf
     x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 4)), jnp.float32)
     apply = lambda m, x: jax.vmap(m)(x)

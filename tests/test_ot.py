@@ -16,7 +16,7 @@ import memwise as mw
 from memwise import ot
 from memwise.measure import compiled_memory
 
-ott = pytest.importorskip("ott")
+import ott
 from ott.geometry import costs as ott_costs  # noqa: E402
 from ott.geometry import pointcloud  # noqa: E402
 from ott.problems.linear import linear_problem  # noqa: E402
