@@ -102,3 +102,16 @@ def test_bench_markdown_only(monkeypatch):
     assert cli.main(["bench", "mlp", "--quick"]) == 0
     assert calls[0][-2:] == ["mlp", "--quick"]
     assert calls[0][1].endswith("benchmarks/run.py")
+
+
+def test_report_with_budget_prints_plan_and_fitted_report(user_file, capsys):
+    assert cli.main(["report", f"{user_file}:factory", "--grad", "--budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: peak" in out and "within budget 1.0 GiB" in out
+    assert "policy (whole loss)" in out
+    assert "gradient of loss" in out
+
+
+def test_report_with_impossible_budget_says_why(user_file, capsys):
+    assert cli.main(["report", f"{user_file}:factory", "--grad", "--budget", "1KiB"]) == 1
+    assert "smallest peak reached" in capsys.readouterr().err

@@ -174,10 +174,14 @@ def report(spec: str, grad: bool, as_json: bool, plot: str | None,
 
     fn, args, kwargs = load_factory(spec)
     if budget is not None:
-        from memwise.fit import fit
+        from memwise.fit import MemoryBudgetError, fit
 
         fitted = fit(fn, budget=budget, grad=grad)
-        result = fitted.report_for(*args, **kwargs)
+        try:
+            result = fitted.report_for(*args, **kwargs)
+        except MemoryBudgetError as error:
+            print(f"memwise report: {error}", file=sys.stderr)
+            return 1
         if not as_json:
             print(fitted.plan_text(*args, **kwargs))
             print()
