@@ -18,7 +18,7 @@ from memwise.scenarios import Scenario
 
 SIZES = {
     "default": dict(depth=64, width=256, batch=1024),
-    "seed": dict(depth=256, width=1024, batch=4096),
+    "seed": dict(depth=128, width=512, batch=4096),
 }
 
 
