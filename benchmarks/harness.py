@@ -57,7 +57,18 @@ def progress(iterable, **kwargs):
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
+    """Peak resident set size of this process image so far.
+
+    Reads VmHWM where Linux provides it: ru_maxrss starts at the parent's peak (Linux
+    carries it across fork and exec), so a fresh child would report its parent's.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -9,7 +9,6 @@ wall time <= 3x the forward's and no slower than dense where dense fits.
 
 from __future__ import annotations
 
-import resource
 import subprocess
 import sys
 
@@ -103,26 +102,13 @@ def _attention_program(name: str, grad: bool):
     return _grad(fn, (0, 1, 2)) if grad else fn
 
 
-def _peak_rss() -> int:
-    # VmHWM belongs to this process image; ru_maxrss would start at the parent's peak
-    # (Linux carries it across fork and exec).
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _rss_child(name: str, grad: bool) -> None:
     """Print how much the peak RSS grows while the compiled program runs once."""
     args = jax.block_until_ready(_attention_inputs())
     exe = jax.jit(_attention_program(name, grad)).lower(*args).compile()
-    before = _peak_rss()
+    before = harness.peak_rss_bytes()
     jax.block_until_ready(exe(*args))
-    print(_peak_rss() - before)
+    print(harness.peak_rss_bytes() - before)
 
 
 def run_rss_growth(name: str, grad: bool) -> str:

@@ -25,24 +25,17 @@ __all__ = ["main"]
 _RUN_FRACTION_OF_RAM = 0.5
 
 
-def _physical_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 8 << 30
-
-
 def _demo_row(name: str, size: str) -> dict:
     import jax
 
     from memwise import scenarios
-    from memwise.measure import compile_measured
+    from memwise.measure import compile_measured, host_memory_bytes
 
     start = time.perf_counter()
     scenario = scenarios.load(name, size)
     naive_exe, naive_mem = compile_measured(scenario.naive, *scenario.args)
     memwise_exe, memwise_mem = compile_measured(scenario.memwise, *scenario.args)
-    room = _RUN_FRACTION_OF_RAM * _physical_memory_bytes()
+    room = _RUN_FRACTION_OF_RAM * host_memory_bytes()
     memwise_out = jax.block_until_ready(memwise_exe(*scenario.args))
     if naive_mem.peak_bytes <= room:
         naive_out = jax.block_until_ready(naive_exe(*scenario.args))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -124,7 +123,7 @@ def device_memory_bytes() -> int:
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return measure.host_memory_bytes()
 
 
 def parse_budget(budget: int | float | str) -> int:

@@ -303,6 +303,14 @@ def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
 # The report
 
 
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (8 GiB where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8 << 30
+
+
 def format_bytes(n: int | float) -> str:
     """1536 -> '1.5 KiB'."""
     n = float(n)
