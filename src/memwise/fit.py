@@ -62,6 +62,15 @@ POLICIES: dict[str, Any] = {
 _POLICY_COST = (1.0, 1.15, 1.2, 1.34)
 
 
+def _with_policy(f: Callable, label: str, source: str | None = None) -> Callable:
+    """``f`` under the remat policy a plan gives the knob ``label`` (a ``policy`` knob)."""
+    choice = knobs.auto(
+        "policy", candidates=tuple(POLICIES), cost=_POLICY_COST,
+        default="everything_saveable", label=label, source=source,
+    )
+    return _apply_policy(f, choice)
+
+
 def _apply_policy(f: Callable, name: str) -> Callable:
     if name == "everything_saveable":
         return f
@@ -95,11 +104,7 @@ def region(name: str) -> Callable[[Callable], Callable]:
 
         @functools.wraps(f)
         def marked(*args, **kwargs):
-            choice = knobs.auto(
-                "policy", candidates=tuple(POLICIES), cost=_POLICY_COST,
-                default="everything_saveable", label=f"region {name!r}",
-            )
-            return _apply_policy(f, choice)(*args, **kwargs)
+            return _with_policy(f, f"region {name!r}")(*args, **kwargs)
 
         return marked
 
@@ -307,12 +312,8 @@ class Fitted:
         def planned(*args, **kwargs):
             with knobs.recording(indices, layout) as found:
                 if policies:
-                    choice = knobs.auto(
-                        "policy", candidates=tuple(POLICIES), cost=_POLICY_COST,
-                        default="everything_saveable",
-                        label=f"whole {getattr(fn, '__name__', 'fn')}", source=_where(fn),
-                    )
-                    out = _apply_policy(fn, choice)(*args, **kwargs)
+                    label = f"whole {getattr(fn, '__name__', 'fn')}"
+                    out = _with_policy(fn, label, _where(fn))(*args, **kwargs)
                 else:
                     out = fn(*args, **kwargs)
             if sink is not None:
