@@ -16,6 +16,7 @@ import json
 import platform
 import resource
 import statistics
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,9 @@ import jax
 
 from memwise.measure import compile_measured, format_bytes
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("MEMWISE_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+# Compiled memory only, no timing: a fast check that a refactor left every figure as it was.
+MEMORY_ONLY = bool(os.environ.get("MEMWISE_BENCH_MEMORY_ONLY"))
 
 __all__ = ["Variant", "run_table", "save", "cli", "peak_rss_bytes", "progress"]
 
@@ -115,7 +118,7 @@ def run_table(
                 **variant.extra,
             }
         )
-    timed = [v for v in variants if v.run] if time else []
+    timed = [v for v in variants if v.run] if time and not MEMORY_ONLY else []
     samples: dict[str, list[float]] = {v.name: [] for v in timed}
     for variant in timed:  # warm-up
         _block(compiled[variant.name](*variant.args))
@@ -149,8 +152,6 @@ def machine() -> dict:
             versions[name] = getattr(module, "__version__", "?")
         except ImportError:
             pass
-    import os
-
     return {
         "platform": platform.platform(),
         "processor": platform.machine(),
