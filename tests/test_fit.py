@@ -1,13 +1,17 @@
 """mw.fit: budgets met (from memory_analysis), values unchanged, plans monotone, errors."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import memwise as mw
-from memwise.fit import device_memory_bytes, parse_budget
-from memwise.measure import compiled_memory
+from memwise import knobs, measure
+from memwise.measure import compiled_memory, parse_budget
+
+fit_module = importlib.import_module("memwise.fit")  # memwise.fit is also the function
 
 
 def three_knobs(w, xs):
@@ -106,18 +110,6 @@ def test_region_policy_is_a_knob():
 
 
 @pytest.mark.parametrize(
-    "budget, expected",
-    [(1024, 1024), ("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536), ("2gb", 2 * 10**9)],
-)
-def test_parse_budget(budget, expected):
-    assert parse_budget(budget) == expected
-
-
-def test_parse_budget_fraction_of_device():
-    assert 0 < parse_budget(0.5) <= device_memory_bytes()
-
-
-@pytest.mark.parametrize(
     "budget, error",
     [(0, ValueError), (-5, ValueError), (1.5, ValueError), ("lots", ValueError),
      ("5 parsecs", ValueError), (None, TypeError), (True, TypeError)],
@@ -150,3 +142,76 @@ def test_scan_checkpoints_auto_meets_budget():
     np.testing.assert_allclose(jax.grad(fitted)(w, xs), jax.grad(loss)(w, xs), rtol=1e-5)
     assert compiled_memory(fitted, w, xs, grad=True).peak_bytes <= budget
     assert 1 < fitted.plan.entries[1].value < 400
+
+
+def pairwise_loss(w, xs):
+    """One chunk_size='auto' tile knob over an n x n pairwise logsumexp."""
+    return jnp.sum(mw.pairwise_reduce(lambda a, b: jnp.tanh(a @ w @ b), xs, xs,
+                                      reduce="logsumexp", chunk_size="auto"))
+
+
+def test_each_argument_signature_has_its_own_compilation_budget():
+    # Planning a second shape after a first must neither run past max_compilations nor
+    # settle for a slower plan because the first shape spent the compilations.
+    w, small, large = jnp.eye(16) * 0.5, jnp.ones((256, 16)), jnp.ones((512, 16))
+    budget = int(1.02 * compiled_memory(pairwise_loss, w, large, grad=True).peak_bytes)
+    max_compilations = 5
+
+    def fresh():  # a new function: no compiled plans shared with other fits
+        return mw.fit(lambda w, xs: pairwise_loss(w, xs), budget=budget,
+                      max_compilations=max_compilations)
+
+    alone = fresh()
+    small_alone = alone.plan_for(w, small)
+    alone_compilations = alone.compilations
+
+    fitted = fresh()
+    fitted.plan_for(w, large)
+    first_compilations = fitted.compilations
+    small_second = fitted.plan_for(w, small)
+    second_compilations = fitted.compilations - first_compilations
+
+    tile = small_alone.entries[-1]
+    assert tile.kind == "chunk_size" and 0 < tile.index < tile.n_candidates - 1  # a real choice
+    assert first_compilations <= max_compilations
+    assert second_compilations == alone_compilations <= max_compilations
+    assert small_second.values == small_alone.values
+    assert small_second.cost == small_alone.cost
+    assert small_second.peak_bytes == small_alone.peak_bytes <= budget
+    assert small_second.compilations == second_compilations
+    assert fitted.compilations == first_compilations + second_compilations
+    assert fitted.plan is small_second  # the most recent signature's plan
+    np.testing.assert_allclose(jax.grad(fitted)(w, small), jax.grad(pairwise_loss)(w, small),
+                               rtol=1e-5)
+
+
+def _fake_memory(peak: int) -> measure.CompiledMemory:
+    return measure.CompiledMemory(argument_bytes=0, output_bytes=0, alias_bytes=0,
+                                  temp_bytes=peak, peak_bytes=peak, code_bytes=0,
+                                  program_bytes=0, constant_bytes=0)
+
+
+def test_search_never_compiles_more_than_max_compilations():
+    # The search alone, in plain Python: peaks fall as any knob moves to a leaner
+    # candidate; for every budget and every bound the chosen plan fits, the bound holds,
+    # and a plan is found exactly when the leanest plan fits.
+    layout = [
+        knobs.Knob("policy", "f.py:1", tuple(fit_module.POLICIES), fit_module._POLICY_COST,
+                   "everything_saveable", "whole f"),
+        knobs.Knob("chunk_size", "f.py:2", (64, 32, 16, 8, 4, 2, 1),
+                   (1.0, 1.01, 1.03, 1.07, 1.15, 1.3, 1.6), 8),
+        knobs.Knob("checkpoints", "f.py:3", (100, 50, 10, 5), (1.0, 1.25, 1.5, 2.0), 10),
+    ]
+
+    def peak(indices):
+        return 1000 - 40 * indices[0] - 70 * indices[1] - 90 * indices[2]
+
+    leanest = peak((3, 6, 3))
+    for max_compilations in range(2, 13):
+        for budget in range(leanest - 50, 1001, 25):
+            state = fit_module._Signature((), {}, layout, budget, max_compilations, {})
+            chosen = state.search(lambda indices: _fake_memory(peak(indices)))
+            assert state.compilations <= max_compilations
+            assert (chosen is not None) == (budget >= leanest)
+            if chosen is not None:
+                assert chosen.peak_bytes == peak(chosen.indices) <= budget

@@ -1,6 +1,7 @@
 """memory_report / compiled_memory agree with XLA byte for byte and name user lines."""
 
 import json
+import os
 import sys
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import memwise as mw
-from memwise import measure
+from memwise import _jax_private, measure
 
 LOSS_LINE = None  # set below: the line of `jnp.tanh(h @ w)` in `mlp_loss`
 
@@ -109,6 +110,16 @@ def test_residuals_inside_memwise_code_point_at_caller():
     assert not any("memwise" in s and "tests" not in s for s in sources), sources
 
 
+def test_only_memwise_files_count_as_library_code():
+    # The exclusion is a directory prefix: a sibling folder whose name starts with
+    # "memwise" (memwise_experiments/) holds user code and keeps its line numbers.
+    is_user = _jax_private._source_info_util.is_user_filename
+    package = os.path.dirname(os.path.abspath(measure.__file__))
+    assert not is_user(os.path.join(package, "scan.py"))
+    assert is_user(os.path.join(os.path.dirname(package), "memwise_experiments", "model.py"))
+    assert is_user(package + "_experiments.py")
+
+
 def test_constants_are_reported_and_warned():
     weights = jnp.asarray(np.random.default_rng(0).normal(size=(1024, 512)), jnp.float32)
 
@@ -168,6 +179,51 @@ def test_bad_inputs():
         mw.memory_report(lambda a: jnp.sum(a).astype(jnp.int32), x, grad=True)
     with pytest.raises(TypeError, match="cannot be differentiated"):
         mw.memory_report(lambda a: jnp.sum(a * 1.0), jnp.arange(3), grad=True)
+
+
+def test_without_positional_arguments():
+    # argnums only choose what a gradient differentiates; without grad they are ignored
+    only_keywords = mw.memory_report(lambda *, x: x * 2, x=jnp.ones(3))
+    assert only_keywords.output_bytes == 3 * 4 and only_keywords.residuals == ()
+    constant = mw.memory_report(lambda: jnp.zeros(5))
+    assert constant.argument_bytes == 0 and constant.output_bytes == 5 * 4
+    assert measure.compiled_memory(lambda *, x: x * 2, x=jnp.ones(3)).output_bytes == 12
+    with pytest.raises(ValueError, match=r"argnums=0.*no positional arguments"):
+        mw.memory_report(lambda *, x: jnp.sum(x), x=jnp.ones(3), grad=True)
+    with pytest.raises(ValueError, match="argnums"):
+        measure.compiled_memory(lambda: jnp.float32(1.0), grad=True)
+
+
+def test_residuals_equal_those_of_the_report():
+    params, x = mlp_args()
+    report = mw.memory_report(mlp_loss, params, x, grad=True, argnums=(0, 1))
+    assert measure.residuals(mlp_loss, params, x, argnums=(0, 1)) == report.residuals
+
+
+@pytest.mark.parametrize(
+    "budget, expected",
+    [(1024, 1024), ("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536),
+     ("2gb", 2 * 10**9), (" 3 b ", 3)],
+)
+def test_parse_budget(budget, expected):
+    assert measure.parse_budget(budget) == expected
+
+
+def test_parse_budget_fraction_of_device():
+    device = measure.device_memory_bytes()
+    assert 0 < measure.parse_budget(0.5) <= device
+    assert measure.parse_budget(1.0) == device
+
+
+@pytest.mark.parametrize(
+    "budget, error",
+    [(0, ValueError), (-5, ValueError), (1.5, ValueError), (0.0, ValueError),
+     ("lots", ValueError), ("5 parsecs", ValueError), ("0 MiB", ValueError),
+     (None, TypeError), (True, TypeError), ([1], TypeError)],
+)
+def test_bad_budgets(budget, error):
+    with pytest.raises(error, match="budget"):
+        measure.parse_budget(budget)
 
 
 def test_format_bytes():

@@ -19,7 +19,9 @@ The search never runs the program; it compiles and reads XLA's ``memory_analysis
 3. *Greedy relaxation*: knob by knob, step back towards faster candidates while the
    program still fits, largest predicted saving first, until ``max_compilations``.
 
-Every compiled plan is remembered per argument signature, and the fastest predicted plan
+Each argument signature (tree structure, shapes and dtypes) is searched on its own, with
+its own ``max_compilations``: a shape planned after another gets the plan it would get
+alone. Every compiled plan is remembered per signature, and the fastest predicted plan
 known to fit is chosen, so a larger budget never gets a slower predicted plan. The cost
 model is coarse by design (relative recomputation per knob, summed as overheads): it only
 has to order plans; the memory claim is always verified by compiling. Honest limits: the
@@ -32,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +42,7 @@ import jax
 
 from memwise import knobs, measure
 
-__all__ = ["Fitted", "MemoryBudgetError", "Plan", "fit", "parse_budget", "region"]
+__all__ = ["Fitted", "MemoryBudgetError", "Plan", "Trial", "fit", "region"]
 
 
 class MemoryBudgetError(RuntimeError):
@@ -112,55 +113,6 @@ def region(name: str) -> Callable[[Callable], Callable]:
 
 
 # --------------------------------------------------------------------------------------
-# budgets
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
-
-
-def device_memory_bytes() -> int:
-    """Memory of the default device: the allocator's limit, or the host's RAM on CPU."""
-    stats = None
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory_stats
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    return measure.host_memory_bytes()
-
-
-def parse_budget(budget: int | float | str) -> int:
-    """Bytes from ``1 << 30``, ``"8GiB"``, ``"512MB"`` or a device fraction like ``0.8``."""
-    if isinstance(budget, bool):
-        raise TypeError("budget must be bytes, a size string or a fraction, not a bool")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"budget must be positive, got {budget}")
-        return budget
-    if isinstance(budget, float):
-        if not 0 < budget <= 1:
-            raise ValueError(
-                f"a float budget is a fraction of device memory in (0, 1], got {budget}; "
-                "pass bytes as an int or a string like '8GiB'"
-            )
-        return int(budget * device_memory_bytes())
-    if isinstance(budget, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-        if match is None or match[2].lower() not in _UNITS:
-            raise ValueError(
-                f"cannot read budget {budget!r}; write bytes with a unit such as '8GiB', "
-                "'512MB' or '1.5 GB'"
-            )
-        value = int(float(match[1]) * _UNITS[match[2].lower()])
-        if value <= 0:
-            raise ValueError(f"budget must be positive, got {budget!r}")
-        return value
-    raise TypeError(f"budget must be bytes, a size string or a fraction, got {type(budget).__name__}")
-
-
-# --------------------------------------------------------------------------------------
 # plans
 
 
@@ -176,21 +128,32 @@ class PlanEntry:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The chosen value of every knob, the verified compiled peak and predicted cost."""
+    """The chosen value of every knob, the verified compiled peak and predicted cost.
+
+    ``compilations`` is how many programs the search compiled for this argument
+    signature (at most ``max_compilations``; plans already compiled by an earlier fit of
+    the same function are reused without compiling).
+    """
 
     entries: tuple[PlanEntry, ...]
     peak_bytes: int
     cost: float
     budget_bytes: int
+    compilations: int = 0
 
     @property
     def values(self) -> tuple:
         return tuple(e.value for e in self.entries)
 
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(e.index for e in self.entries)
+
     def to_text(self) -> str:
         lines = [
             f"plan: peak {measure.format_bytes(self.peak_bytes)} within budget "
-            f"{measure.format_bytes(self.budget_bytes)}, predicted compute {self.cost:.2f}x"
+            f"{measure.format_bytes(self.budget_bytes)}, predicted compute {self.cost:.2f}x "
+            f"({self.compilations} compilations)"
         ]
         if not self.entries:
             lines.append("  (no 'auto' knobs reached)")
@@ -244,15 +207,15 @@ def _pressure_levels(
     return levels
 
 
-# Compiled peaks of every plan tried, per function and argument signature, shared by all
+# Compiled memory of every plan tried, per function and argument signature, shared by all
 # fits of the same function: a plan verified under one budget serves every larger budget.
-_PEAKS: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
+_MEMORY: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
 
 
-def _peak_cache(fn: Callable, key: Any) -> dict[tuple[int, ...], int]:
+def _memory_cache(fn: Callable, key: Any) -> dict[tuple[int, ...], measure.CompiledMemory]:
     try:
-        per_fn = _PEAKS.setdefault(fn, {})
-    except TypeError:  # not weak-referenceable: cache on the Fitted only
+        per_fn = _MEMORY.setdefault(fn, {})
+    except TypeError:  # not weak-referenceable: cache on this fit only
         per_fn = {}
     return per_fn.setdefault(key, {})
 
@@ -281,24 +244,121 @@ def _abstract(tree: Any) -> Any:
     )
 
 
+_Compile = Callable[[tuple[int, ...]], measure.CompiledMemory]
+
+
+@dataclasses.dataclass(eq=False)
+class _Signature:
+    """Everything ``fit`` keeps for one argument signature, and the search over its plans.
+
+    One instance per signature, so each new signature gets its own ``max_compilations``
+    (a signature planned second is planned exactly as if it were alone). The search is
+    plain Python over candidate indices: it only calls ``compile_plan`` for plans whose
+    memory is not known yet, and counts those calls.
+    """
+
+    args: tuple  # abstract (jax.ShapeDtypeStruct) arguments
+    kwargs: dict
+    layout: list[knobs.Knob]  # the knobs, in the order the trace reaches them
+    budget_bytes: int
+    max_compilations: int
+    memory: dict[tuple[int, ...], measure.CompiledMemory]  # shared, see _memory_cache
+    trials: dict[tuple[int, ...], Trial] = dataclasses.field(default_factory=dict)
+    compilations: int = 0
+    plan: Plan | None = None
+
+    def room(self) -> int:
+        return self.max_compilations - self.compilations
+
+    def trial(self, indices: tuple[int, ...], compile_plan: _Compile) -> Trial:
+        if indices not in self.memory:
+            self.compilations += 1
+            self.memory[indices] = compile_plan(indices)
+        if indices not in self.trials:
+            peak = self.memory[indices].peak_bytes
+            self.trials[indices] = Trial(
+                indices, tuple(k.candidates[i] for k, i in zip(self.layout, indices)), peak,
+                _predicted_cost(self.layout, indices), peak <= self.budget_bytes,
+            )
+        return self.trials[indices]
+
+    def best(self) -> Trial | None:
+        fitting = [t for t in self.trials.values() if t.fits]
+        return min(fitting, key=lambda t: (t.cost, t.peak_bytes)) if fitting else None
+
+    def leanest(self) -> tuple[int, ...]:
+        return _pressure_levels(self.layout)[-1]
+
+    def search(self, compile_plan: _Compile) -> Trial | None:
+        """The fastest predicted plan known to fit; None when even the leanest does not."""
+        for indices in list(self.memory):  # plans compiled by earlier fits: free
+            self.trial(indices, compile_plan)
+        if not self.trial(tuple([0] * len(self.layout)), compile_plan).fits:
+            # Remat policies recompute whole regions; try them only when the other knobs
+            # alone cannot meet the budget (and when there is room to try both).
+            is_policy = [k.kind == "policy" for k in self.layout]
+            stages = [[not p for p in is_policy], [True] * len(self.layout)]
+            if all(is_policy) or not any(is_policy) or self.room() < 2:
+                stages = stages[1:]
+            for active in stages:
+                levels = _pressure_levels(self.layout, active)
+                if self.trial(levels[-1], compile_plan).fits:
+                    break
+            else:
+                return None
+            low, high = 0, len(levels) - 1  # levels[low] does not fit, levels[high] fits
+            while high - low > 1 and self.room() > 0:
+                mid = (low + high) // 2
+                if self.trial(levels[mid], compile_plan).fits:
+                    high = mid
+                else:
+                    low = mid
+        self._relax(compile_plan)
+        return self.best()
+
+    def _relax(self, compile_plan: _Compile) -> None:
+        """Knob by knob, step towards faster candidates while the program still fits."""
+        improved = True
+        while improved and self.room() > 0:
+            improved = False
+            current = self.best()
+            steps = []
+            for k in range(len(self.layout)):
+                if current.indices[k] > 0:
+                    candidate = list(current.indices)
+                    candidate[k] -= 1
+                    saving = current.cost - _predicted_cost(self.layout, candidate)
+                    if saving > 1e-9:
+                        steps.append((saving, tuple(candidate)))
+            for _, candidate in sorted(steps, reverse=True):
+                if self.room() <= 0:
+                    return
+                if self.trial(candidate, compile_plan).fits:
+                    improved = True
+                    break
+
+
 class Fitted:
     """``fn`` with its ``"auto"`` knobs chosen to meet a memory budget. See :func:`fit`."""
 
     def __init__(self, fn, budget, argnums, grad, policies, max_compilations):
         self.fn = fn
-        self.budget_bytes = parse_budget(budget)
+        self.budget_bytes = measure.parse_budget(budget)
         self.argnums = argnums
         self.grad = grad
         self.policies = policies
         self.max_compilations = max_compilations
-        self.compilations = 0
-        self._plans: dict[Any, Plan] = {}
-        self._indices: dict[Any, tuple[int, ...]] = {}
-        self._trials: dict[Any, dict[tuple[int, ...], Trial]] = {}
-        self._found: dict[Any, list[knobs.Knob]] = {}
-        self._last: Any = None
-        self._last_args: tuple | None = None
+        self._signatures: dict[Any, _Signature] = {}
+        self._last: _Signature | None = None
         functools.update_wrapper(self, fn)
+
+    @property
+    def compilations(self) -> int:
+        """Programs compiled while planning, summed over every argument signature.
+
+        ``max_compilations`` bounds each signature's share, ``plan.compilations``.
+        """
+        return sum(s.compilations for s in self._signatures.values())
 
     # the program under a plan ---------------------------------------------------------
 
@@ -327,137 +387,83 @@ class Fitted:
         jax.eval_shape(self._program(None, None, found), *args, **kwargs)
         return found
 
-    def _measure(self, indices, found, args, kwargs) -> measure.CompiledMemory:
-        self.compilations += 1
-        for attempt in range(2):
+    def _compile(self, indices, state: _Signature) -> measure.CompiledMemory:
+        for _ in range(2):
             reached: list[knobs.Knob] = []
             memory = measure.compiled_memory(
-                self._program(indices, found, reached), *args, grad=self.grad,
-                argnums=self.argnums, **kwargs,
+                self._program(indices, state.layout, reached), *state.args, grad=self.grad,
+                argnums=self.argnums, **state.kwargs,
             )
-            if _check_reached(found, reached):
+            if _check_reached(state.layout, reached):
                 return memory
             # A knob was not traced again: an inner jax.jit / checkpoint replayed a cached
             # trace made under another plan. Clear JAX's trace caches once and retry.
             jax.clear_caches()
+        missing = {k.source for k in state.layout} - {k.source for k in reached}
         raise RuntimeError(
             "mw.fit could not apply its plan: some 'auto' knobs were not traced again "
-            f"({sorted({k.source for k in found} - {k.source for k in reached})}). "
-            "They may sit inside a function whose trace JAX caches across calls; call "
-            "them directly inside the fitted function."
+            f"({sorted(missing)}). They may sit inside a function whose trace JAX caches "
+            "across calls; call them directly inside the fitted function."
         )
 
     # planning ------------------------------------------------------------------------
 
+    def _planned(self, args: tuple, kwargs: dict) -> _Signature:
+        """The state of this argument signature, searched on first use."""
+        key = _signature(args, kwargs)
+        state = self._signatures.get(key)
+        if state is None:
+            abstract_args, abstract_kwargs = _abstract(args), _abstract(kwargs)
+            state = _Signature(
+                abstract_args, abstract_kwargs, self._knobs_of(abstract_args, abstract_kwargs),
+                self.budget_bytes, self.max_compilations,
+                _memory_cache(self.fn, (key, self.grad, self.argnums, self.policies)),
+            )
+            self._signatures[key] = state
+        if state.plan is None:
+            chosen = state.search(lambda indices: self._compile(indices, state))
+            if chosen is None:
+                self._raise_infeasible(state)
+            entries = tuple(
+                PlanEntry(k.kind, k.label, k.source, k.candidates[i], i, len(k.candidates))
+                for k, i in zip(state.layout, chosen.indices)
+            )
+            state.plan = Plan(entries, chosen.peak_bytes, chosen.cost, self.budget_bytes,
+                              state.compilations)
+        self._last = state
+        return state
+
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for arguments of these shapes (planned on first use, then cached)."""
-        key = _signature(args, kwargs)
-        if key not in self._plans:
-            self._plans[key] = self._search(key, _abstract(args), _abstract(kwargs))
-        self._last, self._last_args = key, (_abstract(args), _abstract(kwargs))
-        return self._plans[key]
+        return self._planned(args, kwargs).plan
 
-    def _search(self, key, args, kwargs) -> Plan:
-        found = self._knobs_of(args, kwargs)
-        self._found[key] = found
-        trials = self._trials.setdefault(key, {})
-        budget = self.budget_bytes
-        peaks = _peak_cache(self.fn, (key, self.grad, self.argnums, self.policies))
-        for indices, peak in peaks.items():
-            trials[indices] = Trial(
-                indices, tuple(k.candidates[i] for k, i in zip(found, indices)), peak,
-                _predicted_cost(found, indices), peak <= budget,
-            )
-
-        def trial(indices: tuple[int, ...]) -> Trial:
-            if indices not in trials:
-                peaks[indices] = self._measure(indices, found, args, kwargs).peak_bytes
-                trials[indices] = Trial(
-                    indices, tuple(k.candidates[i] for k, i in zip(found, indices)),
-                    peaks[indices], _predicted_cost(found, indices), peaks[indices] <= budget,
-                )
-            return trials[indices]
-
-        def best_known() -> Trial | None:
-            fitting = [t for t in trials.values() if t.peak_bytes <= budget]
-            return min(fitting, key=lambda t: (t.cost, t.peak_bytes)) if fitting else None
-
-        # Remat policies recompute whole regions; try them only when the other knobs
-        # alone cannot meet the budget.
-        is_policy = [k.kind == "policy" for k in found]
-        stages = [[not p for p in is_policy], [True] * len(found)]
-        if all(is_policy) or not any(is_policy):
-            stages = stages[1:]
-        active = stages[-1]
-        if not trial(tuple([0] * len(found))).fits:
-            for active in stages:
-                levels = _pressure_levels(found, active)
-                if trial(levels[-1]).fits:
-                    break
-            else:
-                self._raise_infeasible(found, levels[-1], args, kwargs)
-            low, high = 0, len(levels) - 1  # levels[low] does not fit, levels[high] fits
-            while high - low > 1 and self._room():
-                mid = (low + high) // 2
-                if trial(levels[mid]).fits:
-                    high = mid
-                else:
-                    low = mid
-        self._relax(found, trial, best_known)
-        chosen = best_known()
-        assert chosen is not None
-        entries = tuple(
-            PlanEntry(k.kind, k.label, k.source, k.candidates[i], i, len(k.candidates))
-            for k, i in zip(found, chosen.indices)
-        )
-        self._indices[key] = chosen.indices
-        return Plan(entries, chosen.peak_bytes, chosen.cost, budget)
-
-    def _room(self) -> bool:
-        return self.compilations < self.max_compilations
-
-    def _relax(self, found, trial, best_known) -> None:
-        improved = True
-        while improved and self._room():
-            improved = False
-            current = best_known()
-            steps = []
-            for k, knob in enumerate(found):
-                if current.indices[k] > 0:
-                    candidate = list(current.indices)
-                    candidate[k] -= 1
-                    saving = current.cost - _predicted_cost(found, candidate)
-                    if saving > 1e-9:
-                        steps.append((saving, tuple(candidate)))
-            for _, candidate in sorted(steps, reverse=True):
-                if not self._room():
-                    return
-                if trial(candidate).fits:
-                    improved = True
-                    break
-
-    def _raise_infeasible(self, found, leanest, args, kwargs) -> None:
-        program = self._program(leanest, found)
-        self.compilations += 1
-        report = measure.memory_report(program, *args, grad=self.grad, argnums=self.argnums, **kwargs)
+    def _raise_infeasible(self, state: _Signature) -> None:
+        leanest = state.leanest()
+        memory = state.memory[leanest]
         parts = {
-            "arguments": report.argument_bytes,
-            "outputs": report.output_bytes,
-            "temporaries": report.temp_bytes,
+            "arguments": memory.argument_bytes,
+            "outputs": memory.output_bytes,
+            "temporaries": memory.temp_bytes,
         }
         dominant = max(parts, key=parts.get)
         detail = f"{dominant} ({measure.format_bytes(parts[dominant])})"
-        if report.residuals and dominant != "arguments":
-            top = report.residuals[0]
-            detail += (
-                f"; the largest residual is {measure.format_bytes(top.nbytes)} "
-                f"({top.dtype}{list(top.shape)}) from {top.source}"
+        if self.grad and dominant != "arguments":
+            residuals = measure.residuals(  # traced, not compiled
+                self._program(leanest, state.layout), *state.args, argnums=self.argnums,
+                **state.kwargs,
             )
+            if residuals:
+                top = residuals[0]
+                detail += (
+                    f"; the largest residual is {measure.format_bytes(top.nbytes)} "
+                    f"({top.dtype}{list(top.shape)}) from {top.source}"
+                )
         knob_text = ", ".join(f"{k.kind}={k.candidates[i]!s} at {k.source}"
-                              for k, i in zip(found, leanest)) or "no 'auto' knobs"
+                              for k, i in zip(state.layout, leanest)) or "no 'auto' knobs"
+        budget, peak = self.budget_bytes, memory.peak_bytes
         raise MemoryBudgetError(
-            f"no plan fits the budget of {measure.format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B): the "
-            f"smallest peak reached is {measure.format_bytes(report.peak_bytes)} ({report.peak_bytes:,} B) "
+            f"no plan fits the budget of {measure.format_bytes(budget)} ({budget:,} B): the "
+            f"smallest peak reached is {measure.format_bytes(peak)} ({peak:,} B) "
             f"(leanest plan: {knob_text}). It is dominated by {detail}. Raise the budget, "
             "leave more knobs as 'auto', or mark blocks with mw.region."
         )
@@ -465,47 +471,47 @@ class Fitted:
     # use -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.plan_for(*args, **kwargs)
-        key = self._last
+        state = self._planned(args, kwargs)
         reached: list[knobs.Knob] = []
-        out = self._program(self._indices[key], self._found[key], reached)(*args, **kwargs)
-        if not _check_reached(self._found[key], reached):
+        out = self._program(state.plan.indices, state.layout, reached)(*args, **kwargs)
+        if not _check_reached(state.layout, reached):
             raise RuntimeError(
                 "mw.fit: this call of the fitted function did not reach the knobs it was "
-                f"planned with ({[k.source for k in self._found[key]]} vs "
+                f"planned with ({[k.source for k in state.layout]} vs "
                 f"{[k.source for k in reached]}); call 'auto' primitives from the same "
                 "lines on every call"
             )
         return out
 
+    def _latest(self) -> _Signature:
+        if self._last is None:
+            raise RuntimeError("no plan yet: call the fitted function (or plan_for) first")
+        return self._last
+
     @property
     def plan(self) -> Plan:
         """The plan chosen for the most recent arguments."""
-        if self._last is None:
-            raise RuntimeError("no plan yet: call the fitted function (or plan_for) first")
-        return self._plans[self._last]
+        return self._latest().plan
 
     @property
     def frontier(self) -> list[Trial]:
         """Every plan compiled for the most recent arguments, by predicted cost."""
-        if self._last is None:
-            raise RuntimeError("no plan yet: call the fitted function (or plan_for) first")
-        return sorted(self._trials[self._last].values(), key=lambda t: (t.cost, t.peak_bytes))
+        return sorted(self._latest().trials.values(), key=lambda t: (t.cost, t.peak_bytes))
 
     @property
     def report(self) -> measure.MemoryReport:
         """Memory report of the chosen program for the most recent arguments."""
-        if self._last is None:
-            raise RuntimeError("no plan yet: call the fitted function (or plan_for) first")
-        args, kwargs = self._last_args
-        return self.report_for(*args, **kwargs)
+        state = self._latest()
+        return self.report_for(*state.args, **state.kwargs)
 
     def report_for(self, *args: Any, **kwargs: Any) -> measure.MemoryReport:
-        self.plan_for(*args, **kwargs)
-        program = self._program(self._indices[self._last], self._found[self._last])
+        """Memory report of the chosen program for arguments of these shapes."""
+        state = self._planned(args, kwargs)
+        program = self._program(state.plan.indices, state.layout)
         return measure.memory_report(program, *args, grad=self.grad, argnums=self.argnums, **kwargs)
 
     def plan_text(self, *args: Any, **kwargs: Any) -> str:
+        """The plan for arguments of these shapes, as text."""
         return self.plan_for(*args, **kwargs).to_text()
 
 
@@ -524,7 +530,7 @@ def fit(
     ``fitted`` itself with ``grad=False``) compiles to a program whose peak (XLA's
     ``memory_analysis()``) is at most ``budget``, the fastest such plan the search found.
     Planning compiles (never runs) the program for the arguments' shapes and dtypes, at
-    most ``max_compilations`` times, once per new argument signature.
+    most ``max_compilations`` times for each new argument signature.
 
     Args:
       fn: the function; its ``mw.scan(checkpoints="auto")``, ``chunk_size="auto"``,
@@ -534,6 +540,7 @@ def fit(
       argnums: arguments differentiated when ``grad=True``.
       grad: plan for ``jax.grad(fn, argnums)`` (True) or for ``fn`` itself.
       policies: also choose a ``jax.checkpoint`` policy for ``fn`` as a whole.
+      max_compilations: compilations allowed to plan one argument signature (>= 2).
 
     Raises:
       MemoryBudgetError: when even the leanest plan exceeds the budget; the message says

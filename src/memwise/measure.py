@@ -6,7 +6,8 @@ arguments, outputs and temporaries the program will hold, without executing it. 
 module is the one place memwise reads those numbers (:func:`compiled_memory`), and adds
 what the compiler cannot say: which arrays the backward pass of ``jax.grad`` keeps
 (``residuals``, from ``jax.ad_checkpoint``'s saved-residual analysis) and the line of user
-code that produced each of them (:func:`memory_report`).
+code that produced each of them (:func:`memory_report`). It also reads budgets
+(:func:`parse_budget`: bytes, ``"8GiB"``, or a fraction of :func:`device_memory_bytes`).
 
 Peak memory is argument + output - alias + temp, or XLA's ``peak_memory_in_bytes`` where
 jaxlib reports a larger value (it also counts constants baked into the program). The max
@@ -28,13 +29,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise import _jax_private
+
 __all__ = [
     "CompiledMemory",
     "MemoryReport",
     "Residual",
     "compile_measured",
     "compiled_memory",
+    "device_memory_bytes",
     "memory_report",
+    "parse_budget",
+    "residuals",
 ]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -88,12 +94,23 @@ class CompiledMemory:
         )
 
 
-def _check_fn_and_argnums(fn: Any, args: Sequence[Any], argnums: int | Sequence[int]):
+def _check_fn_and_argnums(
+    fn: Any, args: Sequence[Any], argnums: int | Sequence[int], grad: bool
+) -> tuple[int, ...]:
+    """The argument positions to differentiate (none when ``grad`` is False)."""
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
+    if not grad:  # argnums only choose what a gradient differentiates
+        return ()
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not nums or not all(isinstance(i, int) for i in nums):
         raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
+    if not args:
+        raise ValueError(
+            f"grad=True differentiates the positional arguments chosen by argnums={argnums!r}, "
+            "but fn was given no positional arguments; pass the arrays to differentiate "
+            "positionally, or measure fn itself with grad=False"
+        )
     for i in nums:
         if not -len(args) <= i < len(args):
             raise ValueError(
@@ -146,7 +163,7 @@ def compile_measured(
     The executable is a ``jax.stages.Compiled`` to call with the same arguments; use it
     when the program is also to be run, so it is compiled once.
     """
-    nums = _check_fn_and_argnums(fn, args, argnums)
+    nums = _check_fn_and_argnums(fn, args, argnums, grad)
     if grad:
         _check_differentiable(fn, args, kwargs, nums)
     traced = jax.jit(_target(fn, grad, nums)).trace(*args, **kwargs)
@@ -224,19 +241,12 @@ def _parse_source(description: str) -> tuple[str, str]:
     return location, match["what"]
 
 
-def _attribute_to_user_code() -> None:
-    # JAX records the innermost *user* frame of each operation it traces. Counting
-    # memwise's own files as library code, like JAX's, makes residuals (and HLO metadata
-    # and filtered tracebacks) created inside mw.scan / mw.chunked_map point at the user's
-    # line that called them. Registered once, at import, because JAX caches traces: a
-    # registration only around the report would miss traces made earlier.
-    from jax._src import source_info_util  # private: kept to this one place
-
-    if _PACKAGE_DIR not in source_info_util._exclude_paths:
-        source_info_util.register_exclusion(_PACKAGE_DIR)
-
-
-_attribute_to_user_code()
+# JAX records the innermost *user* frame of each operation it traces. Counting memwise's
+# own files as library code, like JAX's, makes residuals (and HLO metadata) created inside
+# mw.scan / mw.chunked_map point at the user's line that called them. JAX's traceback
+# filtering keeps a separate list and is not changed. Registered once, at import, because
+# JAX caches traces: a registration only around the report would miss earlier traces.
+_jax_private.exclude_from_source_info(_PACKAGE_DIR)
 
 
 def saved_residuals(
@@ -249,8 +259,6 @@ def saved_residuals(
     stay inputs of the traced program, so they are listed when the backward needs them and
     nothing is listed that only their (unrequested) gradient would need.
     """
-    from jax._src import ad_checkpoint, api_util  # private: kept to this one place
-
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
 
     def vjp_of_selected(*flat):
@@ -266,13 +274,13 @@ def saved_residuals(
 
     closed, out_shape = jax.make_jaxpr(vjp_of_selected, return_shape=True)(*leaves)
     n_residuals = jax.tree_util.tree_structure(out_shape[1]).num_leaves
-    debug = api_util.debug_info("memory_report", fn, args, kwargs)
+    debug = _jax_private.debug_info("memory_report", fn, args, kwargs)
     jaxpr = closed.jaxpr.replace(
         outvars=closed.jaxpr.outvars[len(closed.jaxpr.outvars) - n_residuals :],
         debug_info=debug._replace(result_paths=None),
     )
     names = debug.arg_names or ("",) * len(jaxpr.invars)
-    return ad_checkpoint._saved_residuals(jaxpr, names)
+    return _jax_private.saved_residuals_of_jaxpr(jaxpr, names)
 
 
 def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
@@ -299,8 +307,31 @@ def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
     return residuals
 
 
+def residuals(
+    fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, **kwargs: Any
+) -> tuple[Residual, ...]:
+    """What ``jax.grad(fn, argnums)`` keeps for its backward pass, by source, largest first.
+
+    Traces, never compiles: the ``residuals`` of :func:`memory_report` without the
+    compiled totals, so it is cheap enough to ask about a program too large to compile.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> kept = mw.measure.residuals(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(8))
+        >>> [(r.what, r.shape, r.nbytes) for r in kept]  # sin's backward keeps cos(x)
+        [('cos', (8,), 32)]
+    """
+    nums = _check_fn_and_argnums(fn, args, argnums, grad=True)
+    return tuple(_group_residuals(saved_residuals(fn, *args, argnums=nums, **kwargs)))
+
+
 # ----------------------------------------------------------------------------------------
-# The report
+# Budgets
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
 
 
 def host_memory_bytes() -> int:
@@ -309,6 +340,62 @@ def host_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 8 << 30
+
+
+def device_memory_bytes() -> int:
+    """Memory of the default device: the allocator's limit, or the host's RAM on CPU."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory_stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return host_memory_bytes()
+
+
+def parse_budget(budget: int | float | str) -> int:
+    """Bytes from ``1 << 30``, ``"8GiB"``, ``"512MB"`` or a device fraction like ``0.8``.
+
+    A float is a fraction of :func:`device_memory_bytes`; a string is a number with a
+    decimal (``MB``) or binary (``MiB``) unit.
+
+    Example::
+
+        >>> from memwise.measure import parse_budget
+        >>> parse_budget("1.5 KiB"), parse_budget("2MB"), parse_budget(4096)
+        (1536, 2000000, 4096)
+    """
+    if isinstance(budget, bool):
+        raise TypeError("budget must be bytes, a size string or a fraction, not a bool")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget must be positive, got {budget}")
+        return budget
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise ValueError(
+                f"a float budget is a fraction of device memory in (0, 1], got {budget}; "
+                "pass bytes as an int or a string like '8GiB'"
+            )
+        return int(budget * device_memory_bytes())
+    if isinstance(budget, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        if match is None or match[2].lower() not in _UNITS:
+            raise ValueError(
+                f"cannot read budget {budget!r}; write bytes with a unit such as '8GiB', "
+                "'512MB' or '1.5 GB'"
+            )
+        value = int(float(match[1]) * _UNITS[match[2].lower()])
+        if value <= 0:
+            raise ValueError(f"budget must be positive, got {budget!r}")
+        return value
+    raise TypeError(
+        f"budget must be bytes, a size string or a fraction, got {type(budget).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# The report
 
 
 def format_bytes(n: int | float) -> str:
@@ -361,8 +448,8 @@ class MemoryReport(CompiledMemory):
         width = max(len(k) for k, _ in totals)
         for key, value in totals:
             lines.append(f"  {key:<{width}}  {format_bytes(value):>10}  ({value:,} B)")
-        # Large constants next to small arguments are closed-over data (seed 000's
-        # parameters); small tables such as a scan's schedule are expected.
+        # Large constants next to small arguments are closed-over data (parameters
+        # captured by a closure); small tables such as a scan's schedule are expected.
         if self.constant_bytes >= max(_CONSTANT_WARNING_BYTES, self.argument_bytes):
             lines.append(
                 f"  warning: {format_bytes(self.constant_bytes)} of arrays are baked into the "
@@ -459,14 +546,10 @@ def memory_report(
         >>> report = mw.memory_report(loss, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
         >>> print(report.to_text())  # doctest: +SKIP
     """
-    nums = _check_fn_and_argnums(fn, args, argnums)
-    memory = compiled_memory(fn, *args, grad=grad, argnums=nums, **kwargs)
-    residuals: list[Residual] = []
-    if grad:
-        residuals = _group_residuals(saved_residuals(fn, *args, argnums=nums, **kwargs))
+    memory = compiled_memory(fn, *args, grad=grad, argnums=argnums, **kwargs)
     return MemoryReport(
         name=getattr(fn, "__name__", type(fn).__name__),
         grad=grad,
-        residuals=tuple(residuals),
+        residuals=residuals(fn, *args, argnums=argnums, **kwargs) if grad else (),
         **dataclasses.asdict(memory),
     )
