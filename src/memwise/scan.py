@@ -1,20 +1,21 @@
 """``scan`` and ``while_loop`` whose reverse mode keeps O(checkpoints) carries, not O(n).
 
 ``jax.lax.scan`` under ``jax.grad`` stores every step's residuals; wrapping the body in
-``jax.checkpoint`` still stores one carry per step (the seed's Flax LSTM: 10,000 carries).
-Chen et al. (2016) reach O(sqrt n) memory by replaying segments; the optimal way to do it
-for a loop of known length is the binomial ("revolve") schedule of Griewank & Walther
-(2000), computed in :mod:`memwise.schedule`. Here it is executed:
+``jax.checkpoint`` still stores one carry per step (a Flax LSTM over 10,000 steps keeps
+10,000 carries). Chen et al. (2016) reach O(sqrt n) memory by replaying segments; the
+optimal way to do it for a loop of known length is the binomial ("revolve") schedule of
+Griewank & Walther (2000), decided in :mod:`memwise.schedule` and executed by
+:mod:`memwise._binomial`: the forward pass writes the scheduled carries into a stacked
+``(n_slots, ...)`` buffer, the backward pass (one ``custom_vjp``, shared by ``scan`` and
+``while_loop``) is one ``fori_loop`` over the reversed steps that restores a slot,
+replays up to the step and differentiates it. The schedule enters as integer arrays, so
+the compiled program and its compile time do not depend on n.
 
-* the forward pass is one ``lax.scan`` that also writes the scheduled carries into a
-  stacked ``(n_slots, ...)`` buffer (one dynamic slot write per step);
-* the backward pass (a ``custom_vjp``) is one ``fori_loop`` over the reversed steps whose
-  body restores a slot, advances in an inner ``while_loop`` (storing as the schedule says)
-  and differentiates one step. The schedule enters as integer arrays, so the compiled
-  program and its compile time do not depend on n.
-
-``xs`` are read by index (never copied into checkpoints), ``ys`` are written once by the
-forward pass, and arrays the body closes over receive gradients (``jax.closure_convert``).
+This module is the public face: it checks the inputs, resolves ``checkpoints``, makes
+the arrays the body closes over explicit (``jax.closure_convert``) so that they receive
+gradients, and offers the transformation-transparent alternatives (``schedule="nested"``,
+``"per_step"``, ``"none"``). ``xs`` are read by index (never copied into checkpoints) and
+``ys`` are written once by the forward pass.
 
 Trade-offs, honestly:
 
@@ -45,8 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memwise import knobs
+from memwise import _binomial, knobs
 from memwise import schedule as schedule_lib
+from memwise._jax_private import is_forward_mode
 
 __all__ = ["scan", "while_loop", "resolve_checkpoints"]
 
@@ -185,123 +187,15 @@ def _strong_carry(f: Callable, init: Any, x_example: Any, *, name: str = "f") ->
 
 
 def _reject_forward_mode(leaves: list, what: str) -> None:
-    # grad uses LinearizeTracer; a JVPTracer with a nonzero tangent means forward mode,
-    # which a custom_vjp cannot do. JAX's own error would not say what to use instead.
-    from jax._src.interpreters import ad
-
+    # A custom_vjp cannot do forward mode, and JAX's own error would not say what to use
+    # instead.
     for leaf in leaves:
-        if isinstance(leaf, ad.JVPTracer) and not isinstance(leaf.tangent, ad.Zero):
+        if is_forward_mode(leaf):
             raise TypeError(
                 f"{what} with schedule='binomial' supports reverse mode (grad, vjp, "
                 "jacrev) and vmap but not forward mode (jvp, jacfwd, hessian); use "
                 "memwise.scan(..., schedule='nested') for forward mode or grad-of-grad"
             )
-
-
-# --------------------------------------------------------------------------------------
-# shared executor pieces
-
-
-def _is_diff(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _take(tree: list, index: Any) -> list:
-    return [lax.dynamic_index_in_dim(a, index, 0, keepdims=False) for a in tree]
-
-
-def _store(buffers: list, values: list, slot: Any, do: Any) -> list:
-    # Read-select-write touches one slot per step instead of the whole buffer, and keeps
-    # the update in place inside XLA loops.
-    out = []
-    for buf, val in zip(buffers, values):
-        old = lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
-        out.append(lax.dynamic_update_index_in_dim(buf, jnp.where(do, val, old), slot, 0))
-    return out
-
-
-def _int_array(values) -> jax.Array:
-    arr = np.asarray(values, dtype=np.int64)
-    if arr.size == 0:
-        arr = np.full((1,), -1, dtype=np.int64)
-    return jnp.asarray(arr.astype(np.int32))
-
-
-class _Differentiator:
-    """vjp of one step with respect to the leaves that need a cotangent.
-
-    The carry's inexact leaves always do (they carry the gradient between steps); xs and
-    closed-over leaves only when inexact *and* perturbed (``custom_vjp`` with symbolic
-    zeros says which), so ``grad`` with respect to parameters alone never builds the
-    (n, ...) cotangent of xs.
-    """
-
-    def __init__(self, step: Callable, carry: list, x: list, consts: list,
-                 x_perturbed: list, const_perturbed: list):
-        self.step = step
-        self.carry_mask = [_is_diff(a) for a in carry]
-        self.x_mask = [_is_diff(a) and p for a, p in zip(x, x_perturbed)]
-        self.const_mask = [_is_diff(a) and p for a, p in zip(consts, const_perturbed)]
-        _, y_shapes = jax.eval_shape(step, carry, x, consts)
-        self.y_shapes = y_shapes
-        self.y_mask = [_is_diff(a) for a in y_shapes]
-
-    @staticmethod
-    def split(values, mask):
-        return [v for v, m in zip(values, mask) if m]
-
-    @staticmethod
-    def merge(diff, full, mask):
-        diff = iter(diff)
-        return [next(diff) if m else v for v, m in zip(full, mask)]
-
-    @staticmethod
-    def full(diff, mask):
-        """Cotangent list for custom_vjp: None (zero) where no cotangent was computed."""
-        diff = iter(diff)
-        return [next(diff) if m else None for m in mask]
-
-    def __call__(self, carry, x, consts, ct_carry, ct_y):
-        """Cotangents of (carry, x, consts), each restricted to its mask.
-
-        ``ct_carry`` holds the carry mask's leaves; ``ct_y`` one entry per y leaf, None
-        for a zero cotangent.
-        """
-
-        def diff_step(carry_d, x_d, consts_d):
-            new_carry, y = self.step(
-                self.merge(carry_d, carry, self.carry_mask),
-                self.merge(x_d, x, self.x_mask),
-                self.merge(consts_d, consts, self.const_mask),
-            )
-            return self.split(new_carry, self.carry_mask), self.split(y, self.y_mask)
-
-        _, vjp = jax.vjp(
-            diff_step,
-            self.split(carry, self.carry_mask),
-            self.split(x, self.x_mask),
-            self.split(consts, self.const_mask),
-        )
-        ct_y = [
-            jnp.zeros(shape.shape, shape.dtype) if ct is None else ct
-            for ct, shape in zip(ct_y, self.y_shapes)
-        ]
-        return vjp((ct_carry, self.split(ct_y, self.y_mask)))
-
-
-def _primal_values(args: list) -> tuple[list, list]:
-    """Values and perturbed flags of custom_vjp(symbolic_zeros=True) primal inputs."""
-    return [a.value for a in args], [bool(a.perturbed) for a in args]
-
-
-def _is_symbolic_zero(ct: Any) -> bool:
-    from jax.custom_derivatives import SymbolicZero
-
-    return isinstance(ct, SymbolicZero)
-
-
-def _dense(ct: Any, like: Any) -> Any:
-    return jnp.zeros(jnp.shape(like), jnp.result_type(like)) if _is_symbolic_zero(ct) else ct
 
 
 # --------------------------------------------------------------------------------------
@@ -449,7 +343,6 @@ def _flat_step(f, carry_def, x_def, y_def_box):
 
 
 def _binomial_scan(f, init, xs, n, c, reverse, unroll):
-    sched = schedule_lib.binomial(n, c)
     carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
     x_leaves, x_def = jax.tree_util.tree_flatten(xs)
     y_def_box: list = []
@@ -458,138 +351,14 @@ def _binomial_scan(f, init, xs, n, c, reverse, unroll):
     converted, consts = jax.closure_convert(flat, carry_leaves, x_example)
     y_def = y_def_box[0]
     _reject_forward_mode(list(consts) + carry_leaves + x_leaves, "memwise.scan")
-
-    def step(carry, x, consts):
-        return converted(carry, x, *consts)
-
-    def time_index(i):
-        return n - 1 - i if reverse else i
-
-    @jax.custom_vjp
-    def run(consts, carry, x_leaves):
-        return lax.scan(
-            lambda c, x: step(c, x, consts), carry, x_leaves, length=n, reverse=reverse,
-            unroll=unroll,
-        )
-
-    perturbed: dict = {}  # set while tracing run_fwd, read by run_bwd (static flags)
-
-    def run_fwd(consts, carry, x_leaves):
-        consts, perturbed["consts"] = _primal_values(consts)
-        carry, perturbed["carry"] = _primal_values(carry)
-        x_leaves, perturbed["xs"] = _primal_values(x_leaves)
-        forward = jnp.asarray(np.asarray(sched.forward_positions, dtype=np.int32))
-        n_forward = len(sched.forward_positions)
-        buffers = [jnp.zeros((sched.n_slots,) + a.shape, a.dtype) for a in carry]
-
-        def body(state, x):
-            carry, buffers, i, stored = state
-            slot = jnp.minimum(stored, n_forward - 1)
-            do = (stored < n_forward) & (forward[slot] == i)
-            buffers = _store(buffers, carry, slot, do)
-            carry, y = step(carry, x, consts)
-            return (carry, buffers, i + 1, stored + do.astype(jnp.int32)), y
-
-        (carry, buffers, _, _), ys = lax.scan(
-            body, (carry, buffers, jnp.int32(0), jnp.int32(0)), x_leaves, length=n,
-            reverse=reverse, unroll=unroll,
-        )
-        return (carry, ys), (consts, x_leaves, buffers)
-
-    def run_bwd(residuals, cotangents):
-        consts, x_leaves, buffers = residuals
-        ct_carry, ct_ys = cotangents
-        carry0 = [b[0] for b in buffers]
-        x0 = [a[0] for a in x_leaves]
-        vjp_step = _Differentiator(
-            step, carry0, x0, consts, perturbed["xs"], perturbed["consts"]
-        )
-        ct_carry = vjp_step.split(
-            [_dense(ct, a) for ct, a in zip(ct_carry, carry0)], vjp_step.carry_mask
-        )
-        ct_ys = [None if _is_symbolic_zero(ct) else ct for ct in ct_ys]
-        ct_consts = [jnp.zeros_like(a) for a in vjp_step.split(consts, vjp_step.const_mask)]
-        ct_xs = [jnp.zeros_like(a) for a in vjp_step.split(x_leaves, vjp_step.x_mask)]
-        arrays = _schedule_arrays(sched)
-
-        def advance(i, carry):
-            return step(carry, _take(x_leaves, time_index(i)), consts)[0]
-
-        def reverse_step(k, state):
-            ct_carry, ct_consts, ct_xs, buffers = state
-            r = n - 1 - k
-            carry, buffers = _replay(arrays, k, r, buffers, advance, limit=None)
-            t = time_index(r)
-            ct_y = [None if ct is None else _take([ct], t)[0] for ct in ct_ys]
-            ct_c, ct_x, ct_k = vjp_step(carry, _take(x_leaves, t), consts, ct_carry, ct_y)
-            ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
-            ct_xs = [lax.dynamic_update_index_in_dim(a, b, t, 0) for a, b in zip(ct_xs, ct_x)]
-            return ct_c, ct_consts, ct_xs, buffers
-
-        ct_carry, ct_consts, ct_xs, _ = lax.fori_loop(
-            0, n, reverse_step, (ct_carry, ct_consts, ct_xs, buffers)
-        )
-        carry_out_mask = [m and p for m, p in zip(vjp_step.carry_mask, perturbed["carry"])]
-        ct_init = [ct if p else None
-                   for ct, p in zip(vjp_step.full(ct_carry, vjp_step.carry_mask),
-                                    carry_out_mask)]
-        return (
-            vjp_step.full(ct_consts, vjp_step.const_mask),
-            ct_init,
-            vjp_step.full(ct_xs, vjp_step.x_mask),
-        )
-
-    run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
-    carry_out, ys = run(list(consts), carry_leaves, x_leaves)
+    loop = _binomial.Loop(
+        body=converted, schedule=schedule_lib.binomial(n, c), reverse=reverse, unroll=unroll
+    )
+    carry_out, ys = _binomial.run(loop, consts, [], carry_leaves, x_leaves)
     return (
         jax.tree_util.tree_unflatten(carry_def, carry_out),
         jax.tree_util.tree_unflatten(y_def, ys),
     )
-
-
-def _schedule_arrays(sched: schedule_lib.Schedule) -> dict:
-    return {
-        "restore_slot": _int_array(sched.restore_slot),
-        "restore_position": _int_array(sched.restore_position),
-        "store_offsets": _int_array(sched.store_offsets),
-        "store_position": _int_array(sched.store_position),
-        "store_slot": _int_array(sched.store_slot),
-        "n_stores": max(len(sched.store_position), 1),
-    }
-
-
-def _replay(arrays, k, r, buffers, advance, *, limit):
-    """Restore the carry of reversed step k and advance it to step r, storing on the way.
-
-    With ``limit`` (a traced trip count, for while_loop) steps at or past ``limit`` are
-    identities: the advance stops at r if r < limit, else right after the last store
-    this entry schedules before ``limit`` (later stores are never restored).
-    """
-    position = arrays["restore_position"][k]
-    carry = _take(buffers, arrays["restore_slot"][k])
-    first = arrays["store_offsets"][k]
-    end = arrays["store_offsets"][k + 1]
-    store_position = arrays["store_position"]
-    store_slot = arrays["store_slot"]
-    last = arrays["n_stores"] - 1
-
-    def cond(state):
-        i, _, _, pointer = state
-        if limit is None:
-            return i < r
-        pending = (pointer < end) & (store_position[jnp.minimum(pointer, last)] < limit)
-        return (i < r) & ((r < limit) | pending)
-
-    def body(state):
-        i, carry, buffers, pointer = state
-        carry = advance(i, carry)
-        slot_index = jnp.minimum(pointer, last)
-        do = (pointer < end) & (store_position[slot_index] == i + 1)
-        buffers = _store(buffers, carry, store_slot[slot_index], do)
-        return i + 1, carry, buffers, pointer + do.astype(jnp.int32)
-
-    _, carry, buffers, _ = lax.while_loop(cond, body, (position, carry, buffers, first))
-    return carry, buffers
 
 
 # --------------------------------------------------------------------------------------
@@ -651,8 +420,6 @@ def while_loop(
             f"{list(getattr(pred, 'shape', []))}"
         )
     c = resolve_checkpoints(checkpoints, max_steps)
-    sched = schedule_lib.binomial(max_steps, c)
-
     carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
 
     def flat_body(leaves, _):
@@ -667,88 +434,8 @@ def while_loop(
     # The predicate is not differentiated: its closed-over arrays need no cotangent.
     cond_consts = [lax.stop_gradient(a) for a in cond_consts]
     _reject_forward_mode(list(body_consts) + carry_leaves, "memwise.while_loop")
-
-    def step(carry, x, consts):
-        return body_conv(carry, x, *consts)
-
-    def keep_going(i, carry, cond_consts):
-        return (i < max_steps) & cond_conv(carry, *cond_consts)
-
-    @jax.custom_vjp
-    def run(consts, cond_consts, carry):
-        def body(state):
-            i, carry = state
-            return i + 1, step(carry, [], consts)[0]
-
-        return lax.while_loop(
-            lambda s: keep_going(s[0], s[1], cond_consts), body, (jnp.int32(0), carry)
-        )[1]
-
-    perturbed: dict = {}
-
-    def run_fwd(consts, cond_consts, carry):
-        consts, perturbed["consts"] = _primal_values(consts)
-        cond_consts, _ = _primal_values(cond_consts)
-        carry, perturbed["carry"] = _primal_values(carry)
-        forward = jnp.asarray(np.asarray(sched.forward_positions, dtype=np.int32))
-        n_forward = len(sched.forward_positions)
-        buffers = [jnp.zeros((sched.n_slots,) + a.shape, a.dtype) for a in carry]
-
-        def body(state):
-            i, carry, buffers, stored = state
-            slot = jnp.minimum(stored, n_forward - 1)
-            do = (stored < n_forward) & (forward[slot] == i)
-            buffers = _store(buffers, carry, slot, do)
-            carry = step(carry, [], consts)[0]
-            return i + 1, carry, buffers, stored + do.astype(jnp.int32)
-
-        trips, carry, buffers, _ = lax.while_loop(
-            lambda s: keep_going(s[0], s[1], cond_consts),
-            body,
-            (jnp.int32(0), carry, buffers, jnp.int32(0)),
-        )
-        return carry, (consts, buffers, trips)
-
-    def run_bwd(residuals, ct_carry):
-        consts, buffers, trips = residuals
-        carry0 = [b[0] for b in buffers]
-        vjp_step = _Differentiator(step, carry0, [], consts, [], perturbed["consts"])
-        ct_carry = vjp_step.split(
-            [_dense(ct, a) for ct, a in zip(ct_carry, carry0)], vjp_step.carry_mask
-        )
-        ct_consts = [jnp.zeros_like(a) for a in vjp_step.split(consts, vjp_step.const_mask)]
-        arrays = _schedule_arrays(sched)
-
-        def advance(i, carry):
-            return step(carry, [], consts)[0]
-
-        def reverse_step(k, state):
-            ct_carry, ct_consts, buffers = state
-            r = max_steps - 1 - k
-            carry, buffers = _replay(arrays, k, r, buffers, advance, limit=trips)
-
-            def taped(ct):
-                ct_carry, ct_consts = ct
-                ct_c, _, ct_k = vjp_step(carry, [], consts, ct_carry, [])
-                return ct_c, [a + b for a, b in zip(ct_consts, ct_k)]
-
-            ct_carry, ct_consts = lax.cond(
-                r < trips, taped, lambda ct: ct, (ct_carry, ct_consts)
-            )
-            return ct_carry, ct_consts, buffers
-
-        ct_carry, ct_consts, _ = lax.fori_loop(
-            0, max_steps, reverse_step, (ct_carry, ct_consts, buffers)
-        )
-        ct_init = [ct if p else None
-                   for ct, p in zip(vjp_step.full(ct_carry, vjp_step.carry_mask),
-                                    perturbed["carry"])]
-        return (
-            vjp_step.full(ct_consts, vjp_step.const_mask),
-            [None] * len(cond_consts),
-            ct_init,
-        )
-
-    run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
-    out = run(list(body_consts), list(cond_consts), carry_leaves)
+    loop = _binomial.Loop(
+        body=body_conv, schedule=schedule_lib.binomial(max_steps, c), cond=cond_conv
+    )
+    out, _ = _binomial.run(loop, body_consts, cond_consts, carry_leaves, [])
     return jax.tree_util.tree_unflatten(carry_def, out)
