@@ -3,7 +3,8 @@
 from memwise import knobs, measure, ntk, ot, schedule
 from memwise.accumulate import accumulate_grad
 from memwise.attention import attention
-from memwise.chunked import chunked_map, chunked_sum, pairwise_reduce
+from memwise.chunked import chunked_map, chunked_sum
+from memwise.pairwise import pairwise_reduce
 from memwise.fit import MemoryBudgetError, fit, region
 from memwise.linearize import Linearized, linearize
 from memwise.measure import MemoryReport, Residual, memory_report

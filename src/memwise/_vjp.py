@@ -15,7 +15,8 @@ This module holds the small pieces those rules share:
 * :func:`select` / :func:`fill` / :func:`cotangents` move between a full list of values
   and the sublist a ``jax.vjp`` differentiates, and back to the list of cotangents a
   backward rule returns (``None`` for a zero);
-* :func:`is_zero` / :func:`dense` recognise and instantiate symbolic-zero cotangents.
+* :func:`is_zero` / :func:`dense` recognise and instantiate symbolic-zero cotangents;
+* :func:`add` accumulates cotangents in a loop carry.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 __all__ = ["Static", "unwrap", "select", "fill", "cotangents", "is_zero", "dense",
-           "is_differentiable"]
+           "is_differentiable", "add"]
 
 
 @jax.tree_util.register_static
@@ -94,3 +95,8 @@ def dense(ct: Any, like: Any = None) -> Any:
 def is_differentiable(leaf: Any) -> bool:
     """True for float and complex leaves (integer and boolean ones get no cotangent)."""
     return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+
+def add(acc: Sequence[Any], new: Sequence[Any]) -> list:
+    """Accumulated cotangents plus new ones, cast to the accumulators' dtypes."""
+    return [a + n.astype(a.dtype) for a, n in zip(acc, new)]

@@ -5,13 +5,13 @@ softmax (Milakov & Gimelshein, arXiv:1805.02867; Rabe & Staats, *Self-attention 
 need O(n^2) memory*, arXiv:2112.05682) and differentiated with the FlashAttention
 backward (Dao et al., NeurIPS 2022): the forward saves only the output and the per-row
 log-sum-exp, the backward re-forms each tile's probabilities from them. It is the
-``"softmax"`` reduction of :func:`memwise.chunked.tiled_reduce`; no second loop lives
+``"softmax"`` reduction of :func:`memwise.engine.tiled_reduce`; no second loop lives
 here. Memory both ways: q, k, v, the output and one ``chunk_size`` tile (per batch
 element and head), never the L x L score matrix. With ``causal=True`` tiles above the
 diagonal are skipped (a ``lax.cond`` in the one tile loop), about half the work.
 
 Many devices: queries (or batch/head dims) split over a mesh axis run as one
-``shard_map`` through :mod:`memwise.chunked`'s sharding helpers (the same path as
+``shard_map`` through :mod:`memwise.sharding` (the same path as
 ``pairwise_reduce``); attention needs no communication in the forward pass, and the
 backward all-reduces the gradients of k and v once when the queries are split.
 """
@@ -28,7 +28,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise.chunked import _check_divisible, _row_sharding, _sharded_call, tiled_reduce
+from memwise.engine import tiled_reduce
+from memwise.sharding import check_divisible, row_sharding, sharded_call
+from memwise.tiling import ChunkSize, item_bytes, tiling
 
 __all__ = ["attention"]
 
@@ -74,11 +76,11 @@ def _attention_sharding(q: jax.Array, mesh: Any, axis_name: Any, shard_dim: int)
             f"with shape {q.shape}; the feature dim cannot be split"
         )
     if mesh is not None or axis_name is not None:
-        mesh, axes = _row_sharding(q, mesh, axis_name, "q")
+        mesh, axes = row_sharding(q, mesh, axis_name, "q")
         spec = [None] * nd
         spec[shard_dim % nd] = axes
     else:
-        found = [_row_sharding(q, None, None, "q", dim=i) for i in range(nd)]
+        found = [row_sharding(q, None, None, "q", dim=i) for i in range(nd)]
         if not any(found):
             return None
         if found[-1] is not None:
@@ -90,7 +92,7 @@ def _attention_sharding(q: jax.Array, mesh: Any, axis_name: Any, shard_dim: int)
         spec = [f[1] if f is not None else None for f in found]
     for i, axes in enumerate(spec):
         if axes is not None:
-            _check_divisible(q.shape[i], mesh, axes, f"q (axis {i})")
+            check_divisible(q.shape[i], mesh, axes, f"q (axis {i})")
     return mesh, spec
 
 
@@ -103,7 +105,7 @@ def attention(
     bias: jax.Array | None = None,
     causal: bool = False,
     scale: float | None = None,
-    chunk_size: int | tuple[int, int] | str = "auto",
+    chunk_size: ChunkSize = "auto",
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     shard_dim: int = -2,
@@ -127,7 +129,8 @@ def attention(
       bias: optional float array broadcastable to ``(..., Lq, Lk)``, added to the scores.
       causal: mask keys after the query position.
       scale: score scale; default ``1 / sqrt(d)``.
-      chunk_size: tile ``(query rows, key cols)``, an int, or ``"auto"``.
+      chunk_size: tile ``(query rows, key cols)``, an int, ``"auto"``, or a
+        :class:`memwise.tiling.Tiling` (which also sets the backward tile).
       mesh, axis_name: run on many devices (``shard_map``), dim ``shard_dim`` of ``q``
         split over mesh axis ``axis_name`` (as for :func:`memwise.pairwise_reduce`). With
         the queries split (``shard_dim=-2``, the default) each device holds its queries,
@@ -195,7 +198,7 @@ def attention(
         P() if mask is None else pair_spec(mask),
         P() if bias is None else pair_spec(bias),
     )
-    return _sharded_call(local, mesh, in_specs, P(*spec), q, k, v, mask, bias)
+    return sharded_call(local, mesh, in_specs, P(*spec), q, k, v, mask, bias)
 
 
 def _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, row_offset):
@@ -234,11 +237,18 @@ def _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, row_offset)
         # Column tile j is above the diagonal when its first key follows the last query.
         return col_ids[0] <= positions(row_ids, consts)[-1]
 
+    def pair_bytes():
+        # One query-key pair's score and weight, for every (batch, head) at once.
+        score = lambda qi, kj: jnp.exp(jnp.dot(qi, kj) * scale)  # noqa: E731
+        per_head = item_bytes(score, jnp.zeros(d, dtype), jnp.zeros(d, dtype))
+        return per_head * int(np.prod(batch, dtype=np.int64))
+
+    tiles = tiling(lq, lk, chunk_size, pair_bytes=pair_bytes)
+
     def one(qh, kh, vh, ph):
         out, _ = tiled_reduce(
-            tile_fn, qh, {"k": kh, "v": vh}, reduce="softmax", chunk_size=chunk_size,
-            pairs=ph, consts=consts, pair_bytes=16 * int(np.prod(batch, dtype=np.int64)),
-            live=live if causal else None,
+            tile_fn, qh, {"k": kh, "v": vh}, reduce="softmax", tiles=tiles,
+            pairs=ph, consts=consts, live=live if causal else None,
         )
         return out
 

@@ -9,7 +9,7 @@ gradient descent"):
 neural-tangents' ``nt.linearize`` returns a Python closure over ``params``; under ``jit``
 or ``pmap`` the closed-over arrays become constants of the compiled program, so a model's
 weights are copied into the executable (8 MiB of parameters gave 16 MiB of program text;
-a ViT's hundreds of MiB made loading the program fail even at batch size 1, seed 000).
+a ViT's hundreds of MiB made loading the program fail even at batch size 1, the neural-tangents issue 144 report).
 Here the result is a pytree whose leaves *are* the linearization point: passed to a
 jitted step it arrives as an argument, never as a constant.
 
@@ -20,20 +20,23 @@ exact because ``lin`` is linear in ``new_params``). So a training step of the li
 model holds what a training step of ``f`` holds, plus about two output-sized buffers,
 for about one extra forward pass of compute, whatever ``f``'s jvp rules save. (For plain
 JAX layers, differentiating the jvp directly with the parameters as arguments keeps
-about as much; the closure over the parameters is what made seed 000 fail.) When the
+about as much; the closure over the parameters is what made the neural-tangents issue 144 report fail.) When the
 linearization point or the inputs are differentiated too, the exact gradient of the jvp
 is taken instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
+
+from memwise._vjp import Static, cotangents, dense, fill, is_differentiable, select, unwrap
 
 __all__ = ["Linearized", "linearize"]
 
@@ -42,12 +45,9 @@ def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-def _is_differentiable(leaf: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-
-
-class _Static:
-    """Non-array leaves (functions, ints, strings) kept out of the traced arguments.
+class _Skeleton:
+    """A pytree's structure and its non-array leaves (functions, ints, strings), kept
+    out of the traced arguments; the array leaves travel separately.
 
     Compared by identity: a Linearized made once and passed to a jitted step many times
     hits the compilation cache, and nothing here is ever hashed by value.
@@ -65,93 +65,81 @@ class _Static:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def _split(tree: Any) -> tuple[list, _Static]:
+def _split(tree: Any) -> tuple[list, _Skeleton]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     is_dynamic = tuple(_is_array(leaf) for leaf in leaves)
     dynamic = [leaf for leaf, d in zip(leaves, is_dynamic) if d]
     static = tuple(leaf for leaf, d in zip(leaves, is_dynamic) if not d)
-    return dynamic, _Static(treedef, is_dynamic, static)
+    return dynamic, _Skeleton(treedef, is_dynamic, static)
 
 
-def _instantiate(cotangent: Any) -> Any:
-    def dense(c):
-        return jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Apply:
+    """The static parts of one linearized call (a nondiff argument of the custom_vjp)."""
 
-    return jax.tree_util.tree_map(dense, cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero))
+    f: Callable
+    point: _Skeleton
+    diff_mask: tuple[bool, ...]  # which leaves of the point are differentiable
+    inputs: _Skeleton
 
-
-class _Cheap(tuple):
-    """Residuals when only new_params is differentiated: the linearization point and inputs."""
-
-
-class _Full(tuple):
-    """Residuals when the point or the inputs are differentiated too: a full vjp."""
-
-
-jax.tree_util.register_pytree_node(_Cheap, lambda r: (tuple(r), None), lambda _, c: _Cheap(c))
-jax.tree_util.register_pytree_node(_Full, lambda r: (tuple(r), None), lambda _, c: _Full(c))
-
-
-def _make_apply(f: Callable, point: _Static, diff_mask: tuple[bool, ...], inputs: _Static):
-    """The custom_vjp ``(point, new, inputs) -> lin`` over lists of array leaves."""
-
-    def call(point_leaves, input_leaves):
-        args, kwargs = inputs.rebuild(input_leaves)
-        return f(point.rebuild(point_leaves), *args, **kwargs)
-
-    def split_diff(leaves):
-        return [leaf for leaf, d in zip(leaves, diff_mask) if d]
-
-    def merge_diff(diff_leaves, leaves):
-        diff = iter(diff_leaves)
-        return [next(diff) if d else leaf for leaf, d in zip(leaves, diff_mask)]
-
-    def value(point_leaves, new_leaves, input_leaves):
-        def of_diff(diff_leaves):
-            return call(merge_diff(diff_leaves, point_leaves), input_leaves)
-
-        primal = split_diff(point_leaves)
-        # Subtract in the parameters' own dtype: the tangent must match the primal's.
-        tangent = [jnp.asarray(n, p.dtype) - p for n, p in zip(split_diff(new_leaves), primal)]
-        out, out_tangent = jax.jvp(of_diff, (primal,), (tangent,))
-        return jax.tree_util.tree_map(jnp.add, out, out_tangent)
-
-    @jax.custom_vjp
-    def apply(point_leaves, new_leaves, input_leaves):
-        return value(point_leaves, new_leaves, input_leaves)
-
-    def fwd(point_leaves, new_leaves, input_leaves):
-        values = [[leaf.value for leaf in group] for group in (point_leaves, new_leaves, input_leaves)]
-        others_perturbed = any(leaf.perturbed for leaf in point_leaves) or any(
-            leaf.perturbed for leaf in input_leaves
-        )
-        if others_perturbed:
-            out, full_vjp = jax.vjp(value, *values)
-            return out, _Full((full_vjp,))
-        return value(*values), _Cheap((values[0], values[2]))
-
-    def bwd(residuals, cotangent):
-        cotangent = _instantiate(cotangent)
-        if isinstance(residuals, _Full):
-            (full_vjp,) = residuals
-            return full_vjp(cotangent)
-        point_leaves, input_leaves = residuals
+    def of_point(self, point_leaves: list, input_leaves: list) -> Callable:
+        """``f`` as a function of the differentiable leaves of the point."""
 
         def of_diff(diff_leaves):
-            return call(merge_diff(diff_leaves, point_leaves), input_leaves)
+            args, kwargs = self.inputs.rebuild(input_leaves)
+            point = self.point.rebuild(fill(point_leaves, self.diff_mask, diff_leaves))
+            return self.f(point, *args, **kwargs)
 
-        _, f_vjp = jax.vjp(of_diff, split_diff(point_leaves))
-        (diff_cotangent,) = f_vjp(cotangent)
-        diff = iter(diff_cotangent)
-        new_cotangent = [next(diff) if d else None for d in diff_mask]
-        return (
-            [None] * len(point_leaves),
-            new_cotangent,
-            [None] * len(input_leaves),
-        )
+        return of_diff
 
-    apply.defvjp(fwd, bwd, symbolic_zeros=True)
-    return apply
+
+def _value(spec: _Apply, point_leaves, new_leaves, input_leaves):
+    primal = select(point_leaves, spec.diff_mask)
+    # Subtract in the parameters' own dtype: the tangent must match the primal's.
+    tangent = [
+        jnp.asarray(n, p.dtype) - p for n, p in zip(select(new_leaves, spec.diff_mask), primal)
+    ]
+    out, out_tangent = jax.jvp(spec.of_point(point_leaves, input_leaves), (primal,), (tangent,))
+    return jax.tree_util.tree_map(jnp.add, out, out_tangent)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _apply(spec: _Apply, point_leaves, new_leaves, input_leaves):
+    return _value(spec, point_leaves, new_leaves, input_leaves)
+
+
+def _apply_fwd(spec, point_leaves, new_leaves, input_leaves):
+    (point_leaves, point_flags), (new_leaves, _), (input_leaves, input_flags) = (
+        unwrap(group) for group in (point_leaves, new_leaves, input_leaves)
+    )
+    if any(point_flags) or any(input_flags):
+        # The point or the inputs are differentiated too: the exact vjp of the jvp.
+        out, full_vjp = jax.vjp(functools.partial(_value, spec), point_leaves, new_leaves,
+                                input_leaves)
+        return out, (Static(True), full_vjp)
+    return _value(spec, point_leaves, new_leaves, input_leaves), (
+        Static(False), (point_leaves, input_leaves)
+    )
+
+
+def _apply_bwd(spec, residuals, cotangent):
+    full, data = residuals
+    cotangent = dense(cotangent)
+    if full.value:
+        return data(cotangent)
+    point_leaves, input_leaves = data
+    # lin is linear in new_params: its vjp is J^T ct at the linearization point.
+    _, f_vjp = jax.vjp(spec.of_point(point_leaves, input_leaves),
+                       select(point_leaves, spec.diff_mask))
+    (diff_cotangent,) = f_vjp(cotangent)
+    return (
+        [None] * len(point_leaves),
+        cotangents(spec.diff_mask, diff_cotangent),
+        [None] * len(input_leaves),
+    )
+
+
+_apply.defvjp(_apply_fwd, _apply_bwd, symbolic_zeros=True)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -164,7 +152,7 @@ class Linearized:
       params: the linearization point (same structure as passed to :func:`linearize`).
     """
 
-    def __init__(self, f: Callable, leaves: list, static: _Static):
+    def __init__(self, f: Callable, leaves: list, static: _Skeleton):
         self.f = f
         self._leaves = list(leaves)
         self._static = static
@@ -202,10 +190,10 @@ class Linearized:
                     f"new_params has a leaf of shape {jnp.shape(new)} where the "
                     f"linearization point has {jnp.shape(old)}"
                 )
-        diff_mask = tuple(_is_differentiable(leaf) for leaf in self._leaves)
+        diff_mask = tuple(is_differentiable(leaf) for leaf in self._leaves)
         input_leaves, input_static = _split((inputs, kwargs))
-        apply = _make_apply(self.f, self._static, diff_mask, input_static)
-        return apply(self._leaves, new_leaves, input_leaves)
+        spec = _Apply(self.f, self._static, diff_mask, input_static)
+        return _apply(spec, self._leaves, new_leaves, input_leaves)
 
 
 def linearize(f: Callable, params: Any) -> Linearized:
@@ -248,7 +236,7 @@ def linearize(f: Callable, params: Any) -> Linearized:
     if not callable(f):
         raise TypeError(f"f must be callable f(params, *inputs), got {type(f).__name__}")
     leaves, static = _split(params)
-    if not any(_is_differentiable(leaf) for leaf in leaves):
+    if not any(is_differentiable(leaf) for leaf in leaves):
         raise TypeError(
             "params has no float array leaves to linearize in; pass the parameter pytree "
             "(e.g. Flax variables, an Equinox module or a dict of jnp arrays)"

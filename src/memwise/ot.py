@@ -6,7 +6,7 @@ Sinkhorn divergence with symmetric, averaged updates for its self-transport term
 optional epsilon annealing (Feydy, Sejourne, Vialard, Amari, Trouve, Peyre 2019,
 "Interpolating between Optimal Transport and MMD using Sinkhorn Divergences", Sec. 3.1
 and Eq. 25; the GeomLoss library). Every pass over the ``n x m`` cost matrix is a
-:func:`memwise.chunked.pairwise_reduce`, so no ``n x m`` array exists in any pass.
+:func:`memwise.pairwise_reduce`, so no ``n x m`` array exists in any pass.
 
 Gradients follow the envelope (Danskin) theorem: at the optimal potentials ``f, g`` the
 regularised cost ``<a, f> + <b, g> + eps (|a||b| - sum_ij P_ij)`` varies with the points,
@@ -30,6 +30,7 @@ whereas OTT's ``f`` is ours plus ``eps log a``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -37,13 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise import chunked
+from memwise.pairwise import pairwise_reduce
+from memwise.tiling import Tiling, item_bytes, tiling
 
 __all__ = ["SinkhornResult", "sinkhorn", "sinkhorn_divergence"]
 
 Array = jax.Array
 CostFn = Callable[[Array, Array], Array]
-ChunkSize = int | tuple[int, int] | str
+ChunkSize = int | tuple[int, int] | str | Tiling
 
 # OTT-JAX's DEFAULT_EPSILON_SCALE: epsilon=None means this times the cost matrix's std.
 DEFAULT_EPSILON_SCALE = 0.05
@@ -145,7 +147,7 @@ def _softmin(
 
     ``axis=0`` reduces over ``i`` instead (``log_weights`` then index ``x``).
     """
-    lse = chunked.pairwise_reduce(
+    lse = pairwise_reduce(
         lambda xi, yj: -cost(xi, yj, *consts) / eps,
         x,
         y,
@@ -167,13 +169,13 @@ def _default_epsilon(cost, consts, x, y, chunk_size) -> Array:
     """0.05 x std of all ``C(x_i, y_j)`` (OTT-JAX 0.6's default), in two chunked passes."""
     n, m = x.shape[0], y.shape[0]
     mean = jnp.sum(
-        chunked.pairwise_reduce(
+        pairwise_reduce(
             lambda xi, yj: cost(xi, yj, *consts), x, y, reduce="sum", chunk_size=chunk_size
         )
     ) / float(n * m)
     # Centred second pass: avoids E[C^2] - E[C]^2 cancellation in float32.
     var = jnp.sum(
-        chunked.pairwise_reduce(
+        pairwise_reduce(
             lambda xi, yj: (cost(xi, yj, *consts) - mean) ** 2,
             x,
             y,
@@ -186,7 +188,7 @@ def _default_epsilon(cost, consts, x, y, chunk_size) -> Array:
 
 def _max_cost(cost, consts, x, y, chunk_size) -> Array:
     return jnp.max(
-        chunked.pairwise_reduce(
+        pairwise_reduce(
             lambda xi, yj: cost(xi, yj, *consts), x, y, reduce="max", chunk_size=chunk_size
         )
     )
@@ -227,7 +229,8 @@ def _keep_going(state: _Loop, eps, eps_start, scaling, threshold, max_iterations
 
 def _solve(cost, consts, x, y, a, b, eps, g_init, *, chunk_size, max_iterations,
            threshold, scaling, eps_start):
-    """Alternating log-domain updates; returns (f, g, errors, n_iterations, error).
+    """Alternating log-domain updates; returns ``(f, g, errors, n_iterations, error,
+    mass)``, ``mass`` the total mass of the plan of the returned ``(f, g)``.
 
     Each iteration sets ``f = T_b(g)`` (rows exact), then computes ``T_a(f)``: that both
     measures the column error of ``(f, g)`` and is the next ``g``. The loop stops before
@@ -307,60 +310,58 @@ def _solve_symmetric(cost, consts, x, a, eps, f_init, *, chunk_size, max_iterati
 # The regularised cost and its envelope gradient.
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _reg_ot_cost(cost, chunk_size, x, y, a, b, eps, consts, f, g, mass):
     """``<a,f> + <b,g> + eps(|a||b| - mass)`` with a chunked envelope-theorem vjp."""
+    return jnp.sum(a * f) + jnp.sum(b * g) + eps * (jnp.sum(a) * jnp.sum(b) - mass)
 
-    @jax.custom_vjp
-    def value(x, y, a, b, eps, consts, f, g, mass):
-        return jnp.sum(a * f) + jnp.sum(b * g) + eps * (jnp.sum(a) * jnp.sum(b) - mass)
 
-    def fwd(*args):
-        return value(*args), args
+def _reg_ot_cost_fwd(cost, chunk_size, *args):
+    return _reg_ot_cost(cost, chunk_size, *args), args
 
-    def bwd(residuals, cotangent):
-        x, y, a, b, eps, consts, f, g, mass = jax.tree_util.tree_map(
-            _first_order_only, residuals)
-        log_b = _safe_log(b)
 
-        # The same value written with the potentials frozen: its gradient in everything
-        # but b is the envelope gradient; the logsumexp's chunked vjp does the work.
-        def frozen(x, y, a, eps, consts):
-            lse = chunked.pairwise_reduce(
-                lambda xi, yj: -cost(xi, yj, *consts) / eps,
-                x,
-                y,
-                reduce="logsumexp",
-                weights=log_b + g / eps,
-                chunk_size=chunk_size,
-            )
-            plan_mass = jnp.sum(a * jnp.exp(f / eps + lse))
-            return jnp.sum(a * f) + jnp.sum(b * g) + eps * (jnp.sum(a) * jnp.sum(b)
-                                                            - plan_mass)
+def _reg_ot_cost_bwd(cost, chunk_size, residuals, cotangent):
+    x, y, a, b, eps, consts, f, g, mass = jax.tree_util.tree_map(_first_order_only, residuals)
+    log_b = _safe_log(b)
 
-        _, vjp = jax.vjp(frozen, x, y, a, eps, consts)
-        dx, dy, da, deps, dconsts = vjp(cotangent)
-        # b enters the logsumexp through log b (infinite slope at b_j = 0), so its
-        # partial derivative g_j + eps|a| - eps sum_i P_ij / b_j is written out, with
-        # sum_i P_ij / b_j = exp(g_j / eps + lse_i(log a_i + (f_i - C_ij) / eps)).
-        col_lse = chunked.pairwise_reduce(
+    # The same value written with the potentials frozen: its gradient in everything
+    # but b is the envelope gradient; the logsumexp's chunked vjp does the work.
+    def frozen(x, y, a, eps, consts):
+        lse = pairwise_reduce(
             lambda xi, yj: -cost(xi, yj, *consts) / eps,
             x,
             y,
             reduce="logsumexp",
-            weights=_safe_log(a) + f / eps,
+            weights=log_b + g / eps,
             chunk_size=chunk_size,
-            axis=0,
         )
-        db = cotangent * (g + eps * jnp.sum(a) - eps * jnp.exp(g / eps + col_lse))
-        # Balanced OT is finite only where sum(a) == sum(b): only changes of a weight
-        # vector that keep its total are meaningful, and the potentials' free additive
-        # constant would otherwise leak into the gradient. Centring projects onto them.
-        da, db = da - jnp.mean(da), db - jnp.mean(db)
-        zeros = jnp.zeros_like
-        return dx, dy, da, db, deps, dconsts, zeros(f), zeros(g), zeros(mass)
+        plan_mass = jnp.sum(a * jnp.exp(f / eps + lse))
+        return jnp.sum(a * f) + jnp.sum(b * g) + eps * (jnp.sum(a) * jnp.sum(b) - plan_mass)
 
-    value.defvjp(fwd, bwd)
-    return value(x, y, a, b, eps, consts, f, g, mass)
+    _, vjp = jax.vjp(frozen, x, y, a, eps, consts)
+    dx, dy, da, deps, dconsts = vjp(cotangent)
+    # b enters the logsumexp through log b (infinite slope at b_j = 0), so its
+    # partial derivative g_j + eps|a| - eps sum_i P_ij / b_j is written out, with
+    # sum_i P_ij / b_j = exp(g_j / eps + lse_i(log a_i + (f_i - C_ij) / eps)).
+    col_lse = pairwise_reduce(
+        lambda xi, yj: -cost(xi, yj, *consts) / eps,
+        x,
+        y,
+        reduce="logsumexp",
+        weights=_safe_log(a) + f / eps,
+        chunk_size=chunk_size,
+        axis=0,
+    )
+    db = cotangent * (g + eps * jnp.sum(a) - eps * jnp.exp(g / eps + col_lse))
+    # Balanced OT is finite only where sum(a) == sum(b): only changes of a weight
+    # vector that keep its total are meaningful, and the potentials' free additive
+    # constant would otherwise leak into the gradient. Centring projects onto them.
+    da, db = da - jnp.mean(da), db - jnp.mean(db)
+    zeros = jnp.zeros_like
+    return dx, dy, da, db, deps, dconsts, zeros(f), zeros(g), zeros(mass)
+
+
+_reg_ot_cost.defvjp(_reg_ot_cost_fwd, _reg_ot_cost_bwd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -475,15 +476,17 @@ def _prepare(x, y, a, b, cost, epsilon, max_iterations, threshold, epsilon_scali
     return x, y, a, b, cost_fn, consts, dtype
 
 
-def _resolve_chunk_size(chunk_size: ChunkSize, cost, consts, x, y) -> tuple[int, int]:
-    """``(rows, cols)`` for every pass of one call, resolved once by the chunking helper.
+def _resolve_chunk_size(chunk_size: ChunkSize, cost, consts, x, y) -> Tiling:
+    """The tiling of every pass of one call, resolved once.
 
     One resolution (one ``"auto"`` knob for :func:`memwise.fit`) serves the forward
-    passes, the backward and the self terms of the divergence, so they share one tile.
+    passes, the backward and the self terms of the divergence, so they share one tile
+    (the self terms' ``n x n`` and ``m x m`` passes take its sizes, clipped).
     """
-    pair_bytes = 3 * chunked.traced_bytes(lambda xi, yj: cost(xi, yj, *consts), x[0], y[0])
-    rows, cols = chunked.tiling(x.shape[0], y.shape[0], chunk_size, pair_bytes=pair_bytes)
-    return (rows.size, cols.size)
+    return tiling(
+        x.shape[0], y.shape[0], chunk_size,
+        pair_bytes=lambda: item_bytes(lambda xi, yj: cost(xi, yj, *consts), x[0], y[0]),
+    )
 
 
 def _epsilon(epsilon, cost_fn, consts, x, y, chunk, dtype) -> Array:
@@ -518,7 +521,7 @@ def sinkhorn(
     Solves ``min_P <P, C> + epsilon KL(P | a b^T)`` over plans with marginals ``a`` and
     ``b`` by log-domain Sinkhorn iterations. The cost matrix ``C_ij = cost(x_i, y_j)`` is
     never stored: each iteration makes two chunked ``logsumexp`` passes over it with
-    :func:`memwise.chunked.pairwise_reduce`, holding one ``rows x cols`` tile at a time.
+    :func:`memwise.pairwise_reduce`, holding one ``rows x cols`` tile at a time.
 
     Memory/compute: forward and gradient both hold O(n + m + tile) memory; an iteration
     costs two evaluations of the cost matrix, the gradient of ``reg_ot_cost`` two more
@@ -534,7 +537,8 @@ def sinkhorn(
       cost: ``"sqeuclidean"`` (``|x|^2 + |y|^2 - 2 x.y`` per tile), ``"euclidean"``,
         ``"cosine"``, or a function of two ``[d]`` points returning a scalar (it may close
         over arrays; their gradient is returned).
-      chunk_size: tile of the cost matrix, an int, ``(rows, cols)`` or ``"auto"``.
+      chunk_size: tile of the cost matrix, an int, ``(rows, cols)``, ``"auto"`` or a
+        :class:`memwise.tiling.Tiling`.
       max_iterations: cap on iterations; ``converged`` is False when it is reached.
       threshold: stop when the L1 marginal error is below this (at the target epsilon).
       epsilon_scaling: ``None`` for plain Sinkhorn, or a factor in (0, 1): epsilon starts
@@ -653,7 +657,7 @@ def sinkhorn_divergence(
     """
     x, y, a, b, cost_fn, consts, dtype = _prepare(
         x, y, a, b, cost, epsilon, max_iterations, threshold, epsilon_scaling)
-    n, m = x.shape[0], y.shape[0]
+    m = y.shape[0]
     chunk = _resolve_chunk_size(chunk_size, cost_fn, consts, x, y)
     eps = _epsilon(epsilon, cost_fn, consts, x, y, chunk, dtype)
     options = dict(max_iterations=max_iterations, threshold=threshold,

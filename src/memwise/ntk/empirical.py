@@ -15,7 +15,7 @@ empirical NTK is ``Theta(x1, x2) = J(x1) J(x2)^T``, an (O x O) block per pair of
   approximates the trace-normalised NTK well for trained networks.
 
 All three run over (rows, cols) tiles of the two input sets with
-:func:`memwise.chunked.chunked_map`: each tile forms the Jacobians (or vectors) of its
+:func:`memwise.chunked_map`: each tile forms the Jacobians (or vectors) of its
 own inputs only, so memory is one tile's worth plus the (n1, n2, O, O) result. The
 column inputs' Jacobians are recomputed for every row chunk (as neural-tangents'
 ``nt.batch`` does); larger row chunks mean fewer recomputations.
@@ -30,29 +30,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from memwise.chunked import Chunking, chunked_map, tiling
+from memwise.chunked import chunked_map, over_row_chunks
+from memwise.tiling import ChunkSize, item_bytes, tiling
 
 __all__ = ["empirical"]
 
 _METHODS = ("jacobian", "vjp", "pseudo")
-
-
-def over_row_chunks(fn: Callable, x_rows: Any, row_tiles: Chunking) -> Any:
-    """``fn(block)`` for each chunk of rows, stacked back to (n, ...).
-
-    The loop runs over chunk *indices* and slices each block out of ``x_rows``: handing
-    the rows to the loop as its xs makes XLA copy them into the gradient's loop state
-    (3 KiB per 28x28 target, 180 MiB at 60,000). ``fn`` sees whole blocks, so no
-    chunked primitive is ever vmapped (a vmapped chunked sum would accumulate one
-    gradient of the columns per row).
-    """
-
-    def one(index):
-        start = index * row_tiles.size
-        return fn(jax.tree_util.tree_map(lambda a: row_tiles.block(a, start), x_rows))
-
-    blocks = chunked_map(one, jnp.arange(row_tiles.n_chunks), chunk_size=1)
-    return row_tiles.merge(blocks)
 
 
 def _tree_dot(a: Any, b: Any) -> jax.Array:
@@ -78,7 +61,7 @@ def empirical(
     x2: Any = None,
     *,
     method: str = "jacobian",
-    chunk_size: int | tuple[int, int] | str = "auto",
+    chunk_size: ChunkSize = "auto",
     trace: bool = False,
 ) -> jax.Array:
     """The empirical NTK of ``f`` at ``params`` between ``x1`` and ``x2``.
@@ -140,21 +123,20 @@ def empirical(
         raise TypeError(f"f must return one array per batch, got {out}")
     out_ndim = len(out.shape)
     n_out = math.prod(out.shape)
-    # For "auto": a tile keeps (rows + cols) Jacobians (one gradient each for "pseudo");
-    # charging one to every pair errs on the lean side.
-    n_params = sum(math.prod(jnp.shape(a)) for a in jax.tree_util.tree_leaves(params))
-    per_input = 4 * n_params * (1 if method == "pseudo" else n_out)
-    row_tiles, col_tiles = tiling(n1, n2, chunk_size, pair_bytes=per_input)
-    cols = col_tiles.size
 
     def rows_against_columns(block_fn):
         # block_fn(rows_block) -> function of one x2 input giving that column (R, ...)
+        def one_pair(xi, xj):
+            return block_fn(jax.tree_util.tree_map(lambda a: a[None], xi))(xj)
+
+        tiles = tiling(n1, n2, chunk_size, pair_bytes=lambda: item_bytes(one_pair, x_first, x_first))
+
         def block(x_rows):
             column = block_fn(x_rows)
-            out = chunked_map(column, x2, chunk_size=cols)  # (n2, R, ...)
+            out = chunked_map(column, x2, chunk_size=tiles.cols)  # (n2, R, ...)
             return jnp.moveaxis(out, 0, 1)
 
-        return over_row_chunks(block, x1, row_tiles)
+        return over_row_chunks(block, x1, tiles.rows)
 
     if method == "pseudo":
 

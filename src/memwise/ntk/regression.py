@@ -6,16 +6,17 @@ from kernel ridge-regression"), learns a small support set ``(X_s, Y_s)`` by des
 the regression loss it gives on a large target set. With a conv NTK every kernel entry
 carries one covariance per pixel, so the naive gradient keeps the per-pixel tiles of
 every (target, support) pair: about 3 MiB per target image for 100 MNIST-sized support
-images in neural-tangents (1,500 MiB at 500 targets; 176 GiB at 60,000, seed 001).
+images in neural-tangents (1,500 MiB at 500 targets; 176 GiB at 60,000, the size of the
+neural-tangents question "Question regarding OOM issues").
 
 Here every kernel matrix is computed in (rows, cols) tiles through
-:mod:`memwise.chunked`: the target set is a :func:`~memwise.chunked.chunked_sum` over
+:mod:`memwise.chunked`: the target set is a :func:`~memwise.chunked_sum` over
 row chunks whose prediction ``sum_j k(x, x_j) alpha_j`` is itself a ``chunked_sum`` over
 column chunks of the support set. Both sums recompute their tiles in the backward pass,
 so the gradient w.r.t. the support images and labels holds one (rows x cols x pixels)
 tile's intermediates whatever the number of targets: 310 MiB for 500 x 10 tiles of the
-seed's conv kernel, at 500 or 60,000 targets. Chunking the targets alone still holds a
-target chunk against the *whole* support set (4.1 GiB at 500 x 100 x 784 floats).
+KIP report's conv kernel, at 500 or 60,000 targets. Chunking the targets alone still holds
+a target chunk against the *whole* support set (4.1 GiB at 500 x 100 x 784 floats).
 The linear solve is a Cholesky factorisation (cheaper and more stable to differentiate
 than a general solve), on the small support/train kernel.
 
@@ -33,8 +34,8 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 
-from memwise.chunked import Chunking, chunked_map, chunked_sum, tiling, traced_bytes
-from memwise.ntk.empirical import over_row_chunks as _over_row_chunks
+from memwise.chunked import chunked_map, chunked_sum, over_row_chunks
+from memwise.tiling import Chunking, ChunkSize, Tiling, item_bytes, tiling
 from memwise.ntk.kernels import KernelFn
 
 __all__ = ["kernel_regression", "kip_loss"]
@@ -57,7 +58,7 @@ class _PairKernel:
         if self.structured and get is None:
             self.kwargs = {"get": "ntk"}
 
-    def prepare(self, x: jax.Array, chunk: int) -> Any:
+    def prepare(self, x: jax.Array, chunk: Chunking) -> Any:
         if not self.structured:
             return x
 
@@ -76,31 +77,30 @@ class _PairKernel:
     def prepare_block(self, x: jax.Array) -> Any:
         return self.kernel_fn.prepare(x) if self.structured else x
 
-    def tiles(self, x_rows: jax.Array, x_cols: jax.Array, chunk_size: Any):
-        """(row, column) Chunkings; for ``"auto"`` sized by one pair's intermediates."""
-        pair_bytes = None
-        if chunk_size == "auto":
+    def tiles(self, x_rows: jax.Array, x_cols: jax.Array, chunk_size: ChunkSize) -> Tiling:
+        """The tiling of rows x columns; for ``"auto"`` sized by one pair's intermediates."""
+
+        def pair_bytes():
             first = lambda x: jax.tree_util.tree_map(  # noqa: E731
                 lambda a: a[0], self.prepare_block(x[:1])
             )
-            # All intermediates of one pair, as traced: XLA fuses most of them, so this
-            # overestimates what a tile keeps under grad (175 KiB traced vs 63 KiB kept
-            # per pair for the seed's conv kernel) and "auto" errs on the lean side.
-            pair_bytes = traced_bytes(self.pair, first(x_rows), first(x_cols))
+            return item_bytes(self.pair, first(x_rows), first(x_cols))
+
         return tiling(x_rows.shape[0], x_cols.shape[0], chunk_size, pair_bytes=pair_bytes)
 
 
-def _matrix(kernel: _PairKernel, p1: Any, p2: Any, rows: Chunking, cols: int) -> jax.Array:
+def _matrix(kernel: _PairKernel, p1: Any, p2: Any, rows: Chunking, cols: Chunking) -> jax.Array:
     """The (n1, n2) kernel, computed and differentiated one (rows, cols) tile at a time."""
 
     def block(p_rows):
         column = lambda pj: jax.vmap(lambda pi: kernel.pair(pi, pj))(p_rows)  # noqa: E731
         return chunked_map(column, p2, chunk_size=cols).T
 
-    return _over_row_chunks(block, p1, rows)
+    return over_row_chunks(block, p1, rows)
 
 
-def _predict_block(kernel: _PairKernel, x_rows: jax.Array, p_train: Any, alpha: jax.Array, cols: int):
+def _predict_block(kernel: _PairKernel, x_rows: jax.Array, p_train: Any, alpha: jax.Array,
+                   cols: Chunking):
     """sum_j k(x, x_j) alpha_j for a block of inputs (R, O), summed over train chunks."""
     p_rows = kernel.prepare_block(x_rows)
 
@@ -155,7 +155,7 @@ def _check_same_inputs(a: jax.Array, b: jax.Array, a_name: str, b_name: str) -> 
 
 def _solve(kernel: _PairKernel, p_train: Any, y_train: jax.Array, ridge: Any, cols: Chunking):
     """alpha = (K + ridge mean(diag K) I)^-1 y via Cholesky."""
-    k = _matrix(kernel, p_train, p_train, cols, cols.size)
+    k = _matrix(kernel, p_train, p_train, cols, cols)
     n = k.shape[0]
     k = 0.5 * (k + k.T)  # exact symmetry for the factorisation, whatever the tile order
     scale = jnp.trace(k) / n
@@ -171,7 +171,7 @@ def kernel_regression(
     x_test: jax.Array,
     *,
     ridge: float,
-    chunk_size: int | tuple[int, int] | str = "auto",
+    chunk_size: ChunkSize = "auto",
     get: str | None = None,
 ) -> jax.Array:
     """Kernel ridge regression: ``K(x_test, X) (K(X, X) + ridge mean(diag K) I)^-1 Y``.
@@ -210,12 +210,12 @@ def kernel_regression(
         raise ValueError(f"x_test must be (m, ...) with a leading axis of inputs, got {x_test.shape}")
     _check_same_inputs(x_train, x_test, "x_train", "x_test")
     kernel = _PairKernel(kernel_fn, get)
-    row_tiles, col_tiles = kernel.tiles(x_test, x_train, chunk_size)
-    rows, cols = row_tiles.size, col_tiles.size
-    p_train = kernel.prepare(x_train, cols)
-    alpha = _solve(kernel, p_train, y_train, ridge, col_tiles)
-    pred = _over_row_chunks(
-        lambda block: _predict_block(kernel, block, p_train, alpha, cols), x_test, row_tiles
+    tiles = kernel.tiles(x_test, x_train, chunk_size)
+    p_train = kernel.prepare(x_train, tiles.cols)
+    alpha = _solve(kernel, p_train, y_train, ridge, tiles.cols)
+    pred = over_row_chunks(
+        lambda block: _predict_block(kernel, block, p_train, alpha, tiles.cols), x_test,
+        tiles.rows,
     )
     return pred[:, 0] if vector else pred
 
@@ -228,7 +228,7 @@ def kip_loss(
     y_target: jax.Array,
     *,
     ridge: float,
-    chunk_size: int | tuple[int, int] | str = "auto",
+    chunk_size: ChunkSize = "auto",
     get: str | None = None,
 ) -> jax.Array:
     """The KIP loss: mean squared error of support-set kernel regression on the targets.
@@ -250,7 +250,7 @@ def kip_loss(
 
     Memory: the gradient holds the support kernel (n_s, n_s) and one tile's per-pixel
     intermediates (rows x cols x pixels per layer), independent of ``n_t``: the target
-    sum is a :func:`~memwise.chunked.chunked_sum` whose tiles are recomputed in the
+    sum is a :func:`~memwise.chunked_sum` whose tiles are recomputed in the
     backward pass. Keep ``rows * cols`` moderate for conv kernels (e.g. (500, 10) for
     28x28 images). Compute: about 2-3 kernel evaluations per tile.
 
@@ -276,12 +276,13 @@ def kip_loss(
             f"{y_target.shape[1]}; they must match"
         )
     kernel = _PairKernel(kernel_fn, get)
-    row_tiles, col_tiles = kernel.tiles(x_target, x_support, chunk_size)
-    rows, cols = row_tiles.size, col_tiles.size
+    tiles = kernel.tiles(x_target, x_support, chunk_size)
+    row_tiles, cols = tiles.rows, tiles.cols
+    rows = row_tiles.size
     p_support = kernel.prepare(x_support, cols)
-    alpha = _solve(kernel, p_support, y_support, ridge, col_tiles)
+    alpha = _solve(kernel, p_support, y_support, ridge, cols)
 
-    # Chunk indices, not the targets, are the loop's items (see _over_row_chunks).
+    # Chunk indices, not the targets, are the loop's items (see over_row_chunks).
     n_target = x_target.shape[0]
 
     def chunk_error(index):

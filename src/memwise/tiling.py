@@ -1,0 +1,407 @@
+"""How an axis is cut into chunks and a pairwise computation into tiles, and what it costs.
+
+Every chunked primitive in memwise (``chunked_map``/``chunked_sum``, ``pairwise_reduce``,
+``attention``, ``ot``, ``ntk``) resolves its ``chunk_size`` here, once, into a plain
+object that the loops then follow:
+
+* :class:`Chunking` cuts one axis of ``length`` items into ``n_chunks`` chunks of
+  ``size``; a ragged last chunk is padded by repeating the last item (so user functions
+  only ever see valid inputs) and masked, so there is never a second compiled body for
+  the remainder.
+* :class:`Tiling` is a 2-D tiling with explicit forward and backward tiles, as Pallas'
+  attention kernels carry ``BlockSizes``: the backward pass of a tile holds the tile's
+  scores, their cotangent and the user function's residuals, about twice a forward
+  tile's live set, so by default its tile has half the rows. Both tiles are visible on
+  the object and can be set (``tiling(..., backward=(rows, cols))``).
+* ``"auto"`` sizes come from one cost model (:func:`_relative_cost`): the work of a tile
+  size is padded items x bytes per item + chunks x a per-chunk loop overhead, and the
+  bytes per item follow one rule for every primitive (:func:`item_bytes`: three times the
+  intermediates of one item, as traced: the forward's live values, the vjp's residuals
+  and their cotangents). The user function is traced for that estimate only when the
+  size is ``"auto"``.
+
+The cost model's known limit: it counts padding and loop overhead only, so it cannot
+tell a cheap, memory-bound pair function (faster with cache-sized tiles on CPU) from a
+compute-bound one (fastest with the largest tile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from memwise import knobs
+
+__all__ = [
+    "TILE_BYTES",
+    "Chunking",
+    "Tiling",
+    "chunking",
+    "tiling",
+    "item_bytes",
+    "leading_length",
+]
+
+# A tile of about this many bytes of intermediates: large enough that the per-tile loop
+# overhead is negligible, small enough to be a rounding error next to the inputs.
+TILE_BYTES = 8 * 2**20
+
+# Per-chunk loop overhead, in bytes of intermediates processed: a loop iteration costs a
+# few microseconds, about as long as streaming 64 KiB of intermediates. The cost of a
+# chunk size is then (padded items x bytes per item + chunks x this), so cheap items
+# want large chunks and expensive items amortise the loop at any size.
+_LOOP_OVERHEAD_BYTES = 64 * 2**10
+
+# Bytes per item when nothing better is known (or tracing the function failed).
+_FALLBACK_ITEM_BYTES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunking:
+    """How one axis of ``length`` items is cut into ``n_chunks`` chunks of ``size``.
+
+    The last chunk is padded to ``size`` by repeating the last item, so a chunk body sees
+    only values the user's function accepts; :meth:`mask` says which slots are real.
+
+    Example::
+
+        >>> c = Chunking(10, 4)
+        >>> c.n_chunks, c.padded, c.ragged
+        (3, 12, True)
+    """
+
+    length: int
+    size: int
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.length // self.size)
+
+    @property
+    def padded(self) -> int:
+        return self.n_chunks * self.size
+
+    @property
+    def ragged(self) -> bool:
+        return self.padded != self.length
+
+    def split(self, tree: Any, *, pad: str = "edge") -> Any:
+        """``(length, ...)`` leaves -> ``(n_chunks, size, ...)``; pad ``"edge"`` or ``"zero"``."""
+
+        def one(leaf):
+            leaf = jnp.asarray(leaf)
+            extra = self.padded - self.length
+            if extra:
+                if pad == "edge":
+                    tail = jnp.broadcast_to(leaf[-1:], (extra,) + leaf.shape[1:])
+                else:
+                    tail = jnp.zeros((extra,) + leaf.shape[1:], leaf.dtype)
+                leaf = jnp.concatenate([leaf, tail], axis=0)
+            return leaf.reshape((self.n_chunks, self.size) + leaf.shape[1:])
+
+        return jax.tree.map(one, tree)
+
+    def merge(self, tree: Any) -> Any:
+        """``(n_chunks, size, ...)`` leaves -> ``(length, ...)`` (padding dropped)."""
+        return jax.tree.map(
+            lambda a: a.reshape((self.padded,) + a.shape[2:])[: self.length], tree
+        )
+
+    def ids(self) -> np.ndarray:
+        """Global index of every slot, ``(n_chunks, size)`` int32 (padding >= length)."""
+        return np.arange(self.padded, dtype=np.int32).reshape(self.n_chunks, self.size)
+
+    def mask(self) -> np.ndarray:
+        """``(n_chunks, size)`` bool: True for real items, False for padding."""
+        return self.ids() < self.length
+
+    def block(self, leaf: jax.Array, start: jax.Array, *, axis: int = 0) -> jax.Array:
+        """The ``size`` items from ``start`` along ``axis`` of an unpadded array.
+
+        No padded copy of ``leaf`` is made (it may be a large n x m mask or bias): the
+        slice is clamped inside the array and rolled so slot ``k`` holds item
+        ``start + k``; slots past the end hold other items, masked by the caller.
+        """
+        clamped = jnp.minimum(start, self.length - self.size)
+        out = lax.dynamic_slice_in_dim(leaf, clamped, self.size, axis=axis)
+        if not self.ragged:
+            return out
+        return jnp.roll(out, clamped - start, axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """A 2-D tiling of an ``n x m`` pairwise computation, forward and backward.
+
+    ``rows``/``cols`` cut the forward pass; ``backward_rows``/``backward_cols`` the
+    backward pass. Made by :func:`tiling`, which also takes a resolved ``Tiling`` as
+    ``chunk_size`` (so a caller resolves once and hands the object down).
+
+    Example::
+
+        >>> t = tiling(20_000, 20_000, (1024, 2048))
+        >>> (t.rows.size, t.cols.size), (t.backward_rows.size, t.backward_cols.size)
+        ((1024, 2048), (512, 2048))
+    """
+
+    rows: Chunking
+    cols: Chunking
+    backward_rows: Chunking
+    backward_cols: Chunking
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows.length, self.cols.length
+
+    def _backward(self) -> tuple[int, int] | None:
+        """The backward tile as set explicitly, or None where it follows the default."""
+        explicit = (self.backward_rows.size, self.backward_cols.size)
+        return None if explicit == _default_backward(self.rows.size, self.cols.size) else explicit
+
+    def resized(self, n: int, m: int) -> Tiling:
+        """The same tile sizes for an ``n x m`` computation (clipped to it)."""
+        return tiling(n, m, (self.rows.size, self.cols.size), backward=self._backward())
+
+    def transposed(self) -> Tiling:
+        """The tiles for the ``m x n`` problem (rows and columns swapped).
+
+        A backward tile set explicitly is swapped too; a default one follows the default
+        rule in the new orientation (half the new rows).
+        """
+        backward = self._backward()
+        return tiling(self.cols.length, self.rows.length, (self.cols.size, self.rows.size),
+                      backward=None if backward is None else backward[::-1])
+
+
+ChunkSize = Union[int, tuple, str, Tiling]
+
+
+def _check_positive_int(value: Any, arg: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{arg} must be a positive int, a (rows, cols) tuple of them, or 'auto'; "
+            f"got {value!r}"
+        )
+    if value <= 0:
+        raise ValueError(f"{arg} must be >= 1, got {value}; pass e.g. {arg}=1024 or 'auto'")
+    return int(value)
+
+
+def leading_length(tree: Any, arg: str) -> int:
+    """The common leading length of the leaves of ``tree`` (the items to chunk over)."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError(f"{arg} has no arrays: pass an array or a pytree of arrays")
+    lengths = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if None in lengths:
+        raise ValueError(f"every leaf of {arg} needs a leading axis to chunk over (got a scalar)")
+    if len(lengths) != 1:
+        raise ValueError(
+            f"the leaves of {arg} have different leading lengths {sorted(lengths)}; "
+            "they must all index the same items"
+        )
+    return lengths.pop()
+
+
+def item_bytes(fn: Callable, *example_args: Any) -> int:
+    """Estimated bytes one item (or pair) costs inside a chunk: THE rule for ``"auto"``.
+
+    Three times the bytes of all intermediates of ``fn`` on one example, as traced: the
+    forward's live values, the vjp's residuals and their cotangents. XLA fuses many of
+    them, so the estimate errs on the lean side.
+    """
+    try:
+        jaxpr = jax.make_jaxpr(fn)(*example_args)
+    except Exception:  # the caller reports real errors; this is only an estimate
+        return _FALLBACK_ITEM_BYTES
+    total = 0
+    for eqn in jaxpr.jaxpr.eqns:
+        for var in eqn.outvars:
+            aval = getattr(var, "aval", None)
+            if hasattr(aval, "shape") and hasattr(aval, "dtype"):
+                total += int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+    return 3 * max(total, 4)
+
+
+def _relative_cost(work: Sequence[float]) -> list[float]:
+    """Relative compute per candidate, made nondecreasing as knobs.auto expects."""
+    base = work[0]
+    out, running = [], 1.0
+    for w in work:
+        running = max(running, w / base)
+        out.append(running)
+    return out
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def _bytes(estimate: int | Callable[[], int] | None) -> int:
+    """Bytes per item from a number or a zero-argument estimator (called only here)."""
+    if callable(estimate):
+        estimate = estimate()
+    return max(int(estimate or _FALLBACK_ITEM_BYTES), 1)
+
+
+def chunking(
+    length: int,
+    chunk_size: int | str | Chunking,
+    *,
+    item_bytes: int | Callable[[], int] | None = None,
+    arg: str = "chunk_size",
+) -> Chunking:
+    """Resolve ``chunk_size`` for one axis of ``length`` items.
+
+    Args:
+      length: number of items (>= 1).
+      chunk_size: a positive int (clipped to ``length``), a resolved :class:`Chunking`,
+        or ``"auto"``: a :func:`memwise.knobs.auto` knob whose candidates run from one
+        chunk (fastest) to small chunks, defaulting to about :data:`TILE_BYTES` of
+        intermediates per chunk.
+      item_bytes: bytes per item for ``"auto"``, or a zero-argument function giving it
+        (called only for ``"auto"``; see :func:`item_bytes`).
+      arg: argument name used in error messages.
+
+    Example::
+
+        >>> c = chunking(10, 4)
+        >>> c, c.split(jnp.arange(10.0)).shape     # 3 chunks, the last padded with 9.0
+        (Chunking(length=10, size=4), (3, 4))
+    """
+    if length < 1:
+        raise ValueError(f"cannot chunk an axis of length {length}: it needs >= 1 item")
+    if isinstance(chunk_size, Chunking):
+        if chunk_size.length != length:
+            raise ValueError(
+                f"{arg} was resolved for {chunk_size.length} items, but this axis has {length}"
+            )
+        return chunk_size
+    if isinstance(chunk_size, str):
+        if chunk_size != "auto":
+            raise ValueError(f"{arg} must be a positive int or 'auto', got {chunk_size!r}")
+        per_item = _bytes(item_bytes)
+        default = _pow2_floor(max(1, TILE_BYTES // per_item))
+        candidates = [length] + [
+            s for s in (2**k for k in range(16, -1, -1)) if s < length and s >= 1
+        ][:12]
+
+        def work(size: int) -> int:
+            c = Chunking(length, size)
+            return c.padded * per_item + _LOOP_OVERHEAD_BYTES * c.n_chunks
+
+        size = knobs.auto(
+            "chunk_size",
+            candidates=candidates,
+            cost=_relative_cost([work(c) for c in candidates]),
+            default=min(default, length),
+        )
+        return Chunking(length, min(int(size), length))
+    return Chunking(length, min(_check_positive_int(chunk_size, arg), length))
+
+
+def _default_backward(rows: int, cols: int) -> tuple[int, int]:
+    # A tile's vjp holds its scores, their cotangent and fn's residuals: about twice a
+    # forward tile's live set. Half the rows keeps the gradient's peak near the forward's.
+    return max(1, rows // 2), cols
+
+
+def _tile_pair(value: Any, arg: str) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{arg} as a tuple must be (rows, cols), got {value!r}")
+        return _check_positive_int(value[0], f"{arg}[0]"), _check_positive_int(value[1], f"{arg}[1]")
+    size = _check_positive_int(value, arg)
+    return size, size
+
+
+def _auto_tile(n: int, m: int, per_pair: int) -> tuple[int, int]:
+    def fit(pairs: int) -> tuple[int, int]:
+        cols = min(m, _pow2_floor(max(1, int(math.isqrt(max(pairs, 1))))))
+        rows = min(n, _pow2_floor(max(1, pairs // cols)))
+        cols = min(m, _pow2_floor(max(1, pairs // rows)))
+        return rows, cols
+
+    default = fit(TILE_BYTES // per_pair)
+    candidates = []
+    for k in range(26, 7, -1):  # largest first
+        tile = fit(2**k)
+        if tile not in candidates:
+            candidates.append(tile)
+    if default not in candidates:
+        candidates.append(default)
+        candidates.sort(key=lambda t: -t[0] * t[1])
+
+    def work(tile):
+        r, c = Chunking(n, tile[0]), Chunking(m, tile[1])
+        return r.padded * c.padded * per_pair + _LOOP_OVERHEAD_BYTES * r.n_chunks * c.n_chunks
+
+    return knobs.auto(
+        "chunk_size",
+        candidates=candidates,
+        cost=_relative_cost([work(t) for t in candidates]),
+        default=default,
+    )
+
+
+def tiling(
+    n: int,
+    m: int,
+    chunk_size: ChunkSize,
+    *,
+    pair_bytes: int | Callable[[], int] | None = None,
+    backward: int | tuple[int, int] | None = None,
+    arg: str = "chunk_size",
+) -> Tiling:
+    """Resolve a 2-D ``chunk_size`` into a :class:`Tiling` of an ``n x m`` computation.
+
+    Args:
+      n, m: rows and columns (>= 1 each).
+      chunk_size: an int (square tiles), a ``(rows, cols)`` tuple, a resolved
+        :class:`Tiling` (returned as it is; one of another shape lends its tile sizes,
+        e.g. per device inside ``shard_map``), or ``"auto"``: a
+        :func:`memwise.knobs.auto` knob over square-ish power-of-two tiles, largest first,
+        defaulting to about :data:`TILE_BYTES` of intermediates per tile. Sizes are
+        clipped to ``n`` and ``m``.
+      pair_bytes: bytes per pair for ``"auto"``, or a zero-argument function giving it
+        (called only for ``"auto"``; see :func:`item_bytes`).
+      backward: the backward pass's tile (an int or ``(rows, cols)``); default: the
+        forward tile with half the rows, since a tile's vjp holds about twice what its
+        forward holds.
+      arg: argument name used in error messages.
+
+    Example::
+
+        >>> t = tiling(20_000, 20_000, (1024, 2048))
+        >>> t.rows.n_chunks, t.cols.n_chunks
+        (20, 10)
+    """
+    if n < 1 or m < 1:
+        raise ValueError(f"cannot tile an empty {n} x {m} pairwise computation")
+    if isinstance(chunk_size, Tiling):
+        return chunk_size if chunk_size.shape == (n, m) else chunk_size.resized(n, m)
+    if isinstance(chunk_size, str):
+        if chunk_size != "auto":
+            raise ValueError(
+                f"{arg} must be a positive int, a (rows, cols) tuple or 'auto', "
+                f"got {chunk_size!r}"
+            )
+        rows, cols = _auto_tile(n, m, _bytes(pair_bytes))
+    else:
+        rows, cols = _tile_pair(chunk_size, arg)
+    rows, cols = min(rows, n), min(cols, m)
+    if backward is None:
+        back_rows, back_cols = _default_backward(rows, cols)
+    else:
+        back_rows, back_cols = _tile_pair(backward, "backward")
+    return Tiling(
+        Chunking(n, rows), Chunking(m, cols),
+        Chunking(n, min(back_rows, n)), Chunking(m, min(back_cols, m)),
+    )

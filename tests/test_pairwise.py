@@ -1,0 +1,188 @@
+"""Tests for memwise.pairwise: pairwise_reduce against dense JAX in every reduction and
+orientation, input validation, and the gradient's memory from compiled_memory at two sizes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import memwise as mw
+from memwise.measure import compiled_memory
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64_in_this_module():
+    # Scoped to this module: a global jax_enable_x64 would change every other module's
+    # dtypes (and OTT comparisons' iteration counts) once pytest collects this file.
+    with jax.enable_x64(True):
+        yield
+
+MiB = 2**20
+
+
+
+def _dense(fn, x, y, reduce, weights=None, axis=1):
+    m = jax.vmap(jax.vmap(fn, (None, 0)), (0, None))(x, y)
+    if axis == 0:
+        m = m.T
+    if reduce == "sum":
+        return m if weights is None else m * weights[None]
+    return m if weights is None else m + weights[None]
+
+
+def dense_reduce(fn, x, y, reduce, weights=None, axis=1):
+    m = _dense(fn, x, y, reduce, weights, axis)
+    return {
+        "sum": lambda: jnp.sum(m, 1),
+        "logsumexp": lambda: jax.nn.logsumexp(m, 1),
+        "max": lambda: jnp.max(m, 1),
+        "min": lambda: jnp.min(m, 1),
+    }[reduce]()
+
+
+def _close(a, b, dtype):
+    tol = 1e-10 if dtype == jnp.float64 else 2e-4
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+
+@pytest.mark.parametrize("bad", [0, -3, (0, 4), (4, -1)])
+def test_chunk_size_must_be_positive(bad):
+    with pytest.raises(ValueError, match="chunk_size"):
+        mw.pairwise_reduce(lambda a, b: a @ b, jnp.ones((4, 2)), jnp.ones((4, 2)),
+                           chunk_size=bad)
+    if isinstance(bad, int):
+        with pytest.raises(ValueError, match="chunk_size"):
+            mw.chunked_map(jnp.sin, jnp.ones(4), chunk_size=bad)
+
+
+def test_bad_inputs_have_clear_errors():
+    x, y = jnp.ones((4, 3)), jnp.ones((5, 2))
+    with pytest.raises(ValueError, match="trailing shapes"):
+        mw.pairwise_reduce(lambda a, b: jnp.sum((a - b) ** 2), x, y, chunk_size=2)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        mw.pairwise_reduce(lambda a, b: a @ b, x, x, reduce="mean", chunk_size=2)
+    with pytest.raises(ValueError, match="weights must have shape"):
+        mw.pairwise_reduce(lambda a, b: a @ b, x, x, weights=jnp.ones(3), chunk_size=2)
+    with pytest.raises(ValueError, match="axis"):
+        mw.pairwise_reduce(lambda a, b: a @ b, x, x, axis=2, chunk_size=2)
+    with pytest.raises(ValueError, match="leading lengths"):
+        mw.chunked_sum(lambda t: t[0] + t[1], (jnp.ones(3), jnp.ones(4)), chunk_size=2)
+    with pytest.raises(TypeError, match="chunk_size"):
+        mw.chunked_sum(jnp.sin, jnp.ones(3), chunk_size=1.5)
+
+
+# --------------------------------------------------------------------------------------
+# pairwise_reduce: values and gradients equal dense
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    n=st.integers(1, 9), m=st.integers(1, 9), d=st.integers(1, 3),
+    rows=st.integers(1, 5), cols=st.integers(1, 5),
+    reduce=st.sampled_from(["sum", "logsumexp", "max", "min"]),
+    axis=st.sampled_from([0, 1]),
+    dtype=st.sampled_from([jnp.float32, jnp.float64]),
+    weighted=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_pairwise_matches_dense(n, m, d, rows, cols, reduce, axis, dtype, weighted, seed):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(keys[0], (n, d), dtype)
+    y = jax.random.normal(keys[1], (m, d), dtype)
+    scale = jnp.asarray(0.7, dtype)
+    weighted = weighted and reduce in ("sum", "logsumexp")
+    w = jax.random.normal(keys[2], ((n if axis == 0 else m),), dtype) if weighted else None
+
+    def ours(x, y, w, scale):
+        return mw.pairwise_reduce(lambda a, b: -scale * jnp.sum((a - b) ** 2), x, y,
+                                  reduce=reduce, weights=w, chunk_size=(rows, cols), axis=axis)
+
+    def dense(x, y, w, scale):
+        return dense_reduce(lambda a, b: -scale * jnp.sum((a - b) ** 2), x, y, reduce, w, axis)
+
+    _close(ours(x, y, w, scale), dense(x, y, w, scale), dtype)
+    argnums = (0, 1, 3) + ((2,) if weighted else ())
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    for g1, g2 in zip(jax.grad(loss(ours), argnums)(x, y, w, scale),
+                      jax.grad(loss(dense), argnums)(x, y, w, scale)):
+        _close(g1, g2, dtype)
+
+
+def test_pairwise_pytree_points_and_vector_weights():
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    x = {"p": jax.random.normal(keys[0], (7, 2)), "s": jax.random.uniform(keys[1], (7,))}
+    y = {"p": jax.random.normal(keys[2], (5, 2)), "s": jnp.linspace(0.5, 1.0, 5)}
+    w = jax.random.normal(keys[3], (5, 3))
+
+    def kernel(a, b):
+        return jnp.exp(-jnp.sum((a["p"] - b["p"]) ** 2) * a["s"] * b["s"])
+
+    def ours(x, y, w):
+        return mw.pairwise_reduce(kernel, x, y, weights=w, chunk_size=(3, 2))
+
+    def dense(x, y, w):
+        return jax.vmap(jax.vmap(kernel, (None, 0)), (0, None))(x, y) @ w
+
+    assert ours(x, y, w).shape == (7, 3)
+    _close(ours(x, y, w), dense(x, y, w), jnp.float64)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
+    g1, g2 = jax.grad(loss(ours), (0, 1, 2))(x, y, w), jax.grad(loss(dense), (0, 1, 2))(x, y, w)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        _close(a, b, jnp.float64)
+
+
+def test_argmax_argmin_and_jit_vmap():
+    x = jax.random.normal(jax.random.PRNGKey(2), (3, 11, 2))
+    y = jax.random.normal(jax.random.PRNGKey(3), (9, 2))
+    fn = lambda a, b: a @ b  # noqa: E731
+    f = jax.jit(jax.vmap(lambda x: mw.pairwise_reduce(fn, x, y, reduce="argmax", chunk_size=4)))
+    np.testing.assert_array_equal(f(x), jnp.argmax(x @ y.T, -1))
+    am = mw.pairwise_reduce(fn, x[0], y, reduce="argmin", chunk_size=(4, 2))
+    np.testing.assert_array_equal(am, jnp.argmin(x[0] @ y.T, -1))
+    g = jax.vmap(jax.grad(lambda x: jnp.sum(
+        mw.pairwise_reduce(fn, x, y, reduce="logsumexp", chunk_size=4))))(x)
+    g_dense = jax.vmap(jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x @ y.T, 1))))(x)
+    _close(g, g_dense, jnp.float64)
+
+
+def test_logsumexp_masks_with_minus_inf_log_weights():
+    x = jax.random.normal(jax.random.PRNGKey(4), (6, 2))
+    logw = jnp.array([0.0, -jnp.inf, 1.0, -jnp.inf, 0.5])
+    y = jax.random.normal(jax.random.PRNGKey(5), (5, 2))
+    f = lambda x: mw.pairwise_reduce(lambda a, b: a @ b, x, y, reduce="logsumexp",  # noqa: E731
+                                     weights=logw, chunk_size=2)
+    d = lambda x: jax.nn.logsumexp(x @ y.T + logw, 1)  # noqa: E731
+    _close(f(x), d(x), jnp.float64)
+    _close(jax.grad(lambda x: jnp.sum(f(x)))(x), jax.grad(lambda x: jnp.sum(d(x)))(x),
+           jnp.float64)
+
+
+# --------------------------------------------------------------------------------------
+# Memory: compiled, never run
+
+
+def _lse_loss(x, y, chunk_size):
+    return jnp.sum(mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y,
+                                      reduce="logsumexp", chunk_size=chunk_size))
+
+
+@pytest.mark.parametrize("chunk_size", ["auto", (1024, 1024)])
+def test_gradient_memory_is_tiled_at_20k(chunk_size):
+    f = functools.partial(_lse_loss, chunk_size=chunk_size)
+    temps = {}
+    for n in (20_000, 40_000):
+        pts = jax.ShapeDtypeStruct((n, 2), jnp.float32)
+        fwd = compiled_memory(f, pts, pts)
+        grad = compiled_memory(f, pts, pts, grad=True, argnums=(0, 1))
+        temps[n] = grad.temp_bytes
+        assert grad.temp_bytes <= 2 * fwd.temp_bytes, (n, fwd, grad)
+        assert grad.temp_bytes < 64 * MiB
+    # Doubling n adds only O(n) vectors (padded points, per-row results), never a tile row:
+    # a dense f32 20k x 20k matrix would be 1,526 MiB.
+    assert temps[40_000] - temps[20_000] < 100 * 20_000
+
+

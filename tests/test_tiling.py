@@ -1,0 +1,112 @@
+"""Tests for memwise.tiling: chunkings and tilings (forward and backward tiles), the
+``"auto"`` knob and its cost model, and that the user's function is traced only for it."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import memwise as mw
+from memwise import knobs, tiling
+from memwise.measure import compiled_memory
+
+
+def test_chunking_pads_edge_and_masks():
+    c = tiling.chunking(10, 4)
+    assert (c.n_chunks, c.padded, c.ragged) == (3, 12, True)
+    parts = c.split(jnp.arange(10.0))
+    assert parts.shape == (3, 4)
+    np.testing.assert_array_equal(parts[-1], [8, 9, 9, 9])
+    np.testing.assert_array_equal(c.mask()[-1], [True, True, False, False])
+    np.testing.assert_array_equal(c.merge(parts), np.arange(10.0))
+    block = c.block(jnp.arange(10.0), jnp.asarray(8))
+    np.testing.assert_array_equal(block[:2], [8, 9])
+
+
+def test_chunking_takes_a_resolved_chunking_of_the_same_length():
+    c = tiling.chunking(10, 4)
+    assert tiling.chunking(10, c) is c
+    with pytest.raises(ValueError, match="resolved for 10 items"):
+        tiling.chunking(12, c)
+
+
+def test_tiling_forms_and_auto_knob():
+    t = tiling.tiling(100, 50, (16, 64))
+    assert (t.rows.size, t.cols.size) == (16, 50)
+    t = tiling.tiling(100, 50, 8)
+    assert (t.rows.size, t.cols.size) == (8, 8)
+
+    with knobs.recording() as recorded:
+        t = tiling.tiling(20_000, 20_000, "auto", pair_bytes=64)
+    assert recorded[0].kind == "chunk_size" and recorded[0].default == (t.rows.size, t.cols.size)
+    assert t.rows.size * t.cols.size * 64 <= 2 * tiling.TILE_BYTES
+    costs = recorded[0].cost
+    assert all(a <= b for a, b in zip(costs, costs[1:]))
+
+
+def test_backward_tile_is_explicit():
+    t = tiling.tiling(1000, 600, (128, 256))
+    # default: half the rows, since a tile's vjp holds about twice its forward
+    assert (t.backward_rows.size, t.backward_cols.size) == (64, 256)
+    t = tiling.tiling(1000, 600, (128, 256), backward=(32, 512))
+    assert (t.backward_rows.size, t.backward_cols.size) == (32, 512)
+    assert tiling.tiling(1000, 600, t) is t
+    with pytest.raises(ValueError, match="backward"):
+        tiling.tiling(1000, 600, 128, backward=(0, 4))
+
+
+def test_transposed_and_resized_tilings():
+    t = tiling.tiling(1000, 600, (128, 256))
+    tt = t.transposed()
+    assert tt.shape == (600, 1000)
+    assert (tt.rows.size, tt.cols.size) == (256, 128)
+    # a default backward tile follows the rule in the new orientation
+    assert (tt.backward_rows.size, tt.backward_cols.size) == (128, 128)
+    explicit = tiling.tiling(1000, 600, (128, 256), backward=(16, 32)).transposed()
+    assert (explicit.backward_rows.size, explicit.backward_cols.size) == (32, 16)
+    small = tiling.tiling(100, 50, t)  # another shape lends its tile sizes, clipped
+    assert small.shape == (100, 50) and (small.rows.size, small.cols.size) == (100, 50)
+
+
+def test_user_function_is_traced_only_for_auto():
+    calls = []
+
+    def estimate():
+        calls.append(1)
+        return 128
+
+    tiling.tiling(100, 100, (10, 10), pair_bytes=estimate)
+    tiling.chunking(100, 10, item_bytes=estimate)
+    assert calls == []
+    tiling.tiling(100, 100, "auto", pair_bytes=estimate)
+    tiling.chunking(100, "auto", item_bytes=estimate)
+    assert len(calls) == 2
+
+
+def test_item_bytes_counts_intermediates_three_times():
+    # a (4,) product and its (4,) tanh, float32: 32 bytes traced, 96 with the vjp's share
+    assert tiling.item_bytes(lambda x: jnp.tanh(x * 2.0), jnp.ones(4)) == 3 * 32
+
+
+def test_explicit_backward_tile_changes_the_backward_memory_only():
+    def loss(x, y, chunk_size):
+        return jnp.sum(mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y,
+                                          reduce="logsumexp", chunk_size=chunk_size))
+
+    import jax
+
+    pts = jax.ShapeDtypeStruct((8192, 16), jnp.float32)
+    default = tiling.tiling(8192, 8192, (1024, 1024))
+    lean = tiling.tiling(8192, 8192, (1024, 1024), backward=(64, 256))
+    fwd = [compiled_memory(lambda x, y: loss(x, y, t), pts, pts).temp_bytes
+           for t in (default, lean)]
+    grad = [compiled_memory(lambda x, y: loss(x, y, t), pts, pts, grad=True,
+                            argnums=(0, 1)).temp_bytes for t in (default, lean)]
+    assert fwd[0] == fwd[1]
+    # the default backward tile is 512 x 1024 pairs of 16 floats; the lean one 64 x 256
+    assert grad[1] < grad[0] - 8 * 2**20, grad
+
+
+@pytest.mark.parametrize("bad", [0, -3, (0, 4), (4, -1), (1, 2, 3), "big", 2.5])
+def test_bad_tile_sizes_name_the_argument(bad):
+    with pytest.raises((ValueError, TypeError), match="chunk_size"):
+        tiling.tiling(10, 10, bad)
