@@ -1,10 +1,11 @@
 """Benchmark ``accelerator``: the headline cases on a GPU/TPU, unchanged code.
 
 memwise is developed on CPU; this script runs the same programs on whatever accelerator
-JAX finds, at the seeds' sizes: attention at L=16,384 (against ``jax.nn``'s
+JAX finds, at the sizes of the user reports: attention at L=16,384 (against ``jax.nn``'s
 ``dot_product_attention``, which may use cuDNN), the log-sum-exp reduction at
-n=m=50,000, the seed-002 Sinkhorn divergence gradient at n=50,000 and the seed-003 LSTM
-at T=10,000. On a CPU-only machine it says so and does nothing.
+n=m=50,000, the Sinkhorn divergence gradient of OTT-JAX issue 417 at n=50,000 and the
+LSTM of the Flax nn.remat discussion at T=10,000. On a CPU-only machine it says so and
+does nothing.
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ def _sinkhorn_table(quick: bool) -> dict:
     from memwise.scenarios import pointcloud
 
     n = 10_000 if quick else 50_000
-    x, y = pointcloud.seed_clouds(n)
+    x, y = pointcloud.report_clouds(n)
     loss = jax.value_and_grad(lambda x, y: mw.ot.sinkhorn_divergence(x, y))
     variants = [harness.Variant("memwise sinkhorn_divergence: value_and_grad (x)", loss, (x, y))]
-    table = harness.run_table(f"seed 002: Sinkhorn divergence of discs r=5, r=10, n=m={n}",
-                              variants, baseline=variants[0].name, quick=quick, repeats=3)
+    title = f"OTT-JAX issue 417: Sinkhorn divergence of discs r=5, r=10, n=m={n}"
+    table = harness.run_table(title, variants, baseline=variants[0].name, quick=quick, repeats=3)
     value, _ = jax.jit(loss)(x, y)
     table["rows"][0]["divergence"] = float(value)
     return table

@@ -44,12 +44,14 @@ def pointcloud_problem(quick: bool):
     from memwise.scenarios import pointcloud
 
     n = 2000 if quick else 4000
-    x, y = pointcloud.seed_clouds(n)
+    x, y = pointcloud.report_clouds(n)
 
     def loss(x, y):
         return mw.ot.sinkhorn_divergence(x, y, chunk_size="auto")
 
-    return f"pointcloud: Sinkhorn divergence, seed discs, n=m={n}, chunk_size='auto'", loss, (x, y)
+    title = (f"pointcloud: Sinkhorn divergence, OTT-JAX issue 417 discs, n=m={n}, "
+             "chunk_size='auto'")
+    return title, loss, (x, y)
 
 
 def kip_problem(quick: bool):

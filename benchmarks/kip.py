@@ -1,14 +1,15 @@
-"""Benchmark ``kip``: gradient memory of a KIP loss (seed 001) as the target set grows.
+"""Benchmark ``kip``: gradient memory of a KIP loss as the target set grows, the problem
+of the neural-tangents question "Question regarding OOM issues" (60,000 targets).
 
-The seed's setting: 100 support images 28x28x1, the infinite-width NTK of
+The report's setting: 100 support images 28x28x1, the infinite-width NTK of
 Conv(3x3)-Relu-Conv(3x3)-Relu-Flatten-Dense, the gradient of the KIP loss w.r.t. the
 support images and labels. Compiled only (XLA ``memory_analysis``), at 500 ... 60,000
 targets: the dense program (the KIP notebook's loss, the whole target-by-support kernel
 at once) and ``mw.ntk.kip_loss`` in (500 targets x 10 support) tiles. neural-tangents
-0.6.5's figures (shared/reference/README.md, same architecture and sizes, measured on jax
-0.4.30) are the anchor. A second table varies the support tile at 6,000 targets (a tile
-of the whole support set is "chunking the targets only"); a third times the dense and
-tiled gradients at 500 targets, where both run.
+0.6.5's figures (tests/data/neural_tangents_kernels.README.md, same architecture and
+sizes, measured on jax 0.4.30) are the anchor. A second table varies the support tile at
+6,000 targets (a tile of the whole support set is "chunking the targets only"); a third
+times the dense and tiled gradients at 500 targets, where both run.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from memwise.ntk import kip_loss
 from memwise.scenarios import kip
 
 SUPPORT, SIDE, CLASSES = 100, 28, 10
-# neural-tangents 0.6.5, gradient temp of the same KIP loss (shared/reference/README.md).
+# neural-tangents 0.6.5, gradient temp of the same KIP loss
+# (tests/data/neural_tangents_kernels.README.md).
 NEURAL_TANGENTS_MIB = {500: 1500, 1000: 2999, 2000: 5996}
 MIB = 2**20
 

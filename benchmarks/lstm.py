@@ -1,7 +1,8 @@
-"""Benchmark ``lstm`` (seed 003): gradient of a Flax LSTM over T steps, six ways.
+"""Benchmark ``lstm``: gradient of a Flax LSTM over T steps, six ways; the LSTM of the Flax
+discussion "How to use nn.remat for LSTM to save memory?" (10,000 steps).
 
 Variants: ``nn.scan`` (``lax.scan``, all residuals), ``nn.scan(nn.remat(step))`` (the
-seed's fix), ``nn.remat_scan`` (Flax's nested remat; it has no per-step outputs, so only
+discussion's fix), ``nn.remat_scan`` (Flax's nested remat; it has no per-step outputs, so only
 seq2seq=False), Equinox's checkpointed scan (online treeverse) at its default checkpoint
 count and at c=16, and ``memwise.flax.scan`` at its default count and at c=16. Columns:
 XLA temp memory of the gradient, body evaluations counted with ``jax.debug.callback``
@@ -155,7 +156,7 @@ def _compile_table(quick):
     lengths = (1_000, 10_000) if quick else (1_000, 100_000)
 
     def variants_at(n):
-        size = dict(lstm.SIZES["seed"], seq_length=n, seq2seq=False)
+        size = dict(lstm.SIZES["report"], seq_length=n, seq2seq=False)
         shape = dict(hidden=size["hidden"], output_dim=size["output_dim"], seq2seq=False)
         x, y = lstm.data(size["batch"], n, size["input_dim"], size["output_dim"], False)
         params = lstm.model("scan", **shape).init(jax.random.PRNGKey(0), x[:, :2])["params"]
@@ -181,7 +182,7 @@ def _compile_table(quick):
 def main(quick: bool = False) -> None:
     tables = []
     for seq2seq in (False, True):
-        size = dict(lstm.SIZES["seed"], seq2seq=seq2seq)
+        size = dict(lstm.SIZES["report"], seq2seq=seq2seq)
         if quick:
             size.update(seq_length=1000)
         variants = _variants(size, quick)
@@ -195,7 +196,7 @@ def main(quick: bool = False) -> None:
     table = _compile_table(quick)
     harness.print_table(table)
     tables.append(table)
-    harness.save("lstm", tables, notes=__doc__.splitlines()[0], quick=quick)
+    harness.save("lstm", tables, notes=__doc__.split("\n\n")[0], quick=quick)
 
 
 if __name__ == "__main__":

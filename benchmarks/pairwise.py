@@ -1,8 +1,9 @@
 """Benchmark ``pairwise``: log-sum-exp of a squared-Euclidean cost and softmax attention,
 with gradients: dense JAX, ``lax.map(batch_size=)``, an OTT-style chunked scan (forward
-chunked, reverse mode keeps every chunk: seed 002) and memwise, measured in one run.
+chunked, reverse mode keeps every chunk, as in OTT-JAX issue 417) and memwise, measured
+in one run.
 
-Targets (issue 4): gradient temp within 2x of the forward's and < 64 MiB at n=m=20,000
+Targets: gradient temp within 2x of the forward's and < 64 MiB at n=m=20,000
 (OTT 0.6.0: 4,579 MiB); attention at L=16,384, d=64: gradient temp < 128 MiB; gradient
 wall time <= 3x the forward's and no slower than dense where dense fits.
 """

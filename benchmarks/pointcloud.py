@@ -1,11 +1,12 @@
-"""Seed 002: Sinkhorn divergence between point clouds with gradients, memwise vs OTT-JAX.
+"""Benchmark ``pointcloud``: Sinkhorn divergence of point clouds with gradients, memwise vs
+OTT-JAX, on the problem of OTT-JAX issue 417.
 
-Part 1 runs the seed's exact program (n = 50,000 points in discs of radius 5 and 10,
+Part 1 runs the report's exact program (n = 50,000 points in discs of radius 5 and 10,
 default epsilon, gradient in x) with ``mw.ot.sinkhorn_divergence`` and reports the
 process's peak RSS, the compiled temp memory, iterations, wall time and the value.
 
-Part 2 compares, at n = m = 20,000 (discs of radius 1 and 2, epsilon 0.1, threshold 1e-3,
-the setting of DESIGN.md's OTT measurement), the gradient of one Sinkhorn solve's
+Part 2 compares, at n = m = 20,000 (discs of radius 1 and 2, epsilon 0.1, threshold 1e-3),
+the gradient of one Sinkhorn solve's
 ``reg_ot_cost``: memwise with and without epsilon scaling, OTT-JAX dense on the current
 jax, plain dense JAX (compile only: they hold the 20,000 x 20,000 matrix several times),
 and OTT-JAX online (``batch_size=1000``), which no longer runs on current jax and is run
@@ -98,9 +99,9 @@ def ott_online(n: int, eps: float, threshold: float, run: bool) -> dict:
     return json.loads(lines[-1][len("RESULT"):])
 
 
-def seed_case(n: int) -> dict:
-    """The seed's program with memwise; run first so peak RSS is this case's."""
-    x, y = pointcloud.seed_clouds(n)
+def report_case(n: int) -> dict:
+    """The program of OTT-JAX issue 417 with memwise; run first so peak RSS is this case's."""
+    x, y = pointcloud.report_clouds(n)
 
     def loss(x, y):
         value, (xy, xx, yy) = ot.sinkhorn_divergence(x, y, return_results=True)
@@ -194,16 +195,18 @@ def comparison(n: int, eps: float, threshold: float, run_ott_online: bool) -> di
 
 
 def main(quick: bool = False) -> None:
-    seed_n = 5_000 if quick else 50_000
+    report_n = 5_000 if quick else 50_000
     compare_n = 2_000 if quick else 20_000
-    seed = seed_case(seed_n)
-    print(json.dumps(seed, indent=1))
-    seed_table = {"title": f"seed 002 end to end with memwise (n={seed_n:,}, grad in x)",
-                  "baseline": "memwise", "rows": [{"variant": "memwise", **seed}]}
+    report = report_case(report_n)
+    print(json.dumps(report, indent=1))
+    report_table = {
+        "title": f"OTT-JAX issue 417 end to end with memwise (n={report_n:,}, grad in x)",
+        "baseline": "memwise", "rows": [{"variant": "memwise", **report}]}
     table = comparison(compare_n, eps=0.1, threshold=1e-3, run_ott_online=True)
     harness.print_table(table)
-    save("pointcloud", [seed_table, table], quick=quick, notes=(
-        "Seed case: peak RSS of the benchmark process after the seed run (compile included). "
+    save("pointcloud", [report_table, table], quick=quick, notes=(
+        "OTT-JAX issue 417 case: peak RSS of the benchmark process after its run (compile "
+        "included). "
         "Comparison: compiled temp of the gradient of one Sinkhorn solve's reg_ot_cost; "
         "solve_s is one timed solve after compilation (not interleaved: each takes tens "
         "of seconds on this shared 2-core machine). OTT online runs in a venv pinned to "

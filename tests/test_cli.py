@@ -88,6 +88,19 @@ def test_scenarios_registry():
         scenarios.load("mlp", "huge")
 
 
+@pytest.mark.parametrize("size", ["report", "seed"])
+def test_demo_size_report_and_its_older_name_seed(size, monkeypatch):
+    # Both values pick the sizes of the original user reports; nothing is built here.
+    calls = []
+    monkeypatch.setattr(cli, "demo", lambda names, size, plot: calls.append(size) or 0)
+    assert cli.main(["demo", "mlp", "--size", size]) == 0
+    assert calls == [size]
+    from memwise.scenarios import mlp
+
+    monkeypatch.setattr(mlp, "make", lambda **size: size)
+    assert scenarios.load("mlp", size) == mlp.SIZES["report"]
+
+
 def test_python_dash_m_and_console_script(user_file):
     for command in ([sys.executable, "-m", "memwise"], [str(Path(sys.executable).parent / "memwise")]):
         result = subprocess.run([*command, "report", f"{user_file}:factory"],

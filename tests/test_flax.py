@@ -23,7 +23,7 @@ def assert_tree_close(a, b, rtol=1e-5, atol=1e-6):
 
 
 @pytest.mark.parametrize("seq2seq", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_seed_lstm_one_line_change_matches_nn_scan(seq2seq):
+def test_remat_discussion_lstm_one_line_change_matches_nn_scan(seq2seq):
     shape = dict(hidden=8, output_dim=3, seq2seq=seq2seq)
     x, y = lstm.data(2, 40, 5, 3, seq2seq)
     flax_net = lstm.model("scan", **shape)
@@ -141,5 +141,5 @@ def test_lstm_scenario_agrees_at_small_size():
     naive = jax.jit(scenario.naive)(*scenario.args)
     ours = jax.jit(scenario.memwise)(*scenario.args)
     assert scenario.agree(naive, ours)
-    assert set(lstm.SIZES) == {"default", "seed"}
-    assert lstm.SIZES["seed"]["seq_length"] == 10_000
+    assert set(lstm.SIZES) == {"default", "report"}
+    assert lstm.SIZES["report"]["seq_length"] == 10_000

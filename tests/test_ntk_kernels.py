@@ -1,4 +1,4 @@
-"""Infinite-width kernels against neural-tangents' values (shared/reference) and each other."""
+"""Infinite-width kernels against neural-tangents' values (tests/data) and each other."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ ARCHITECTURES = {
 
 @pytest.fixture(scope="module")
 def reference():
-    # A copy of shared/reference/neural_tangents_kernels.npz (neural-tangents 0.6.5 on
-    # jax 0.4.30, float64; see data/neural_tangents_kernels.README.md).
+    # Kernels computed by neural-tangents 0.6.5 on jax 0.4.30 in float64 (see
+    # data/neural_tangents_kernels.README.md).
     return dict(np.load(REFERENCE))
 
 

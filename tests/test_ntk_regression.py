@@ -25,7 +25,7 @@ def _naive_predict(kernel_fn, x_train, y_train, x_test, ridge):
 
 
 def _naive_kip(kernel_fn, xs, ys, xt, yt, ridge):
-    # The loss of the KIP notebook (seed 001), written densely.
+    # The loss of the KIP notebook (the KIP report's loss_fn), written densely.
     pred = _naive_predict(kernel_fn, xs, ys, xt, ridge)
     return 0.5 * jnp.mean((pred - yt) ** 2)
 

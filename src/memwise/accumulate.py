@@ -5,9 +5,9 @@ micro-batch means, so its gradient is the mean of the micro-batch gradients. Com
 them one after the other inside one ``lax.scan`` holds the activations of one
 micro-batch (batch / m examples) plus one running sum of the gradients, instead of the
 activations of the whole batch: the standard trick of large-batch training (and of the
-ViT fine-tuning code of seed 000, ``utils.accumulate_gradient``), here as one function
-that also averages across devices (``lax.pmean`` over ``axis_name``) and whose
-micro-batch count ``fit`` can choose.
+ViT fine-tuning code behind the neural-tangents issue 144 report,
+``utils.accumulate_gradient``), here as one function that also averages across devices
+(``lax.pmean`` over ``axis_name``) and whose micro-batch count ``fit`` can choose.
 """
 
 from __future__ import annotations

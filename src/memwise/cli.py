@@ -212,8 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p_demo = commands.add_parser("demo", help="naive JAX vs memwise on every scenario")
     p_demo.add_argument("names", nargs="*", help="scenarios (default: all)")
-    p_demo.add_argument("--size", choices=("default", "seed"), default="default",
-                        help="'seed' uses the user reports' own sizes (slow)")
+    p_demo.add_argument("--size", choices=("default", "report", "seed"), default="default",
+                        help="'report' (or its older name 'seed') uses the sizes of the "
+                             "original user reports (slow)")
     p_demo.add_argument("--plot", metavar="PATH", help="write a bar chart of the table")
 
     p_report = commands.add_parser("report", help="memory report of MODULE:FACTORY")

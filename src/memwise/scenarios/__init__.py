@@ -1,10 +1,11 @@
-"""The seed problems as runnable pairs: the naive JAX program and the memwise one.
+"""Users' memory problems as runnable pairs: the naive JAX program and the memwise one.
 
-Each module here answers one user report (``shared/seeds``) and exposes
-``SIZES = {"default": {...}, "seed": {...}}`` and ``make(**size) -> Scenario``. The two
-programs of a scenario take the same arguments and compute the same pytree, so
-``memwise demo`` can compile both, compare their compiled peaks, run both when they fit
-and check that they agree.
+Each module here but ``mlp`` (a worked example) answers one public user report, named in
+its docstring, and exposes ``SIZES = {"default": {...}, "report": {...}}`` ("report": the
+sizes of the original user report) and ``make(**size) -> Scenario``. The two programs of
+a scenario take the same arguments and compute the same pytree, so ``memwise demo`` can
+compile both, compare their compiled peaks, run both when they fit and check that they
+agree.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 __all__ = ["NAMES", "Scenario", "available", "load"]
 
-# Demo order: the foundation's example first, then the seeds.
+# Demo order: the worked example first, then the user reports.
 NAMES = ("mlp", "lstm", "pointcloud", "kip", "linearize")
 
 
@@ -63,11 +64,17 @@ def available() -> tuple[str, ...]:
     return tuple(n for n in NAMES if importlib.util.find_spec(f"{__name__}.{n}") is not None)
 
 
+# Older name of the "report" size, still accepted (``memwise demo --size seed``).
+_SIZE_ALIASES = {"seed": "report"}
+
+
 def load(name: str, size: str = "default") -> Scenario:
-    """Builds scenario ``name`` at ``size`` ("default" or "seed")."""
+    """Builds scenario ``name`` at ``size``: "default" (small, quick) or "report" (the
+    sizes of the original user report; "seed" is accepted as an alias)."""
     if name not in available():
         raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(available())}")
     module = importlib.import_module(f"{__name__}.{name}")
+    size = _SIZE_ALIASES.get(size, size)
     if size not in module.SIZES:
         raise ValueError(f"size must be one of {sorted(module.SIZES)}, got {size!r}")
     return module.make(**module.SIZES[size])

@@ -1,7 +1,8 @@
-"""Scenario ``kip`` (seed 001): the gradient of a KIP loss with a 2-layer conv NTK.
+"""Scenario ``kip``: the gradient of a KIP loss with a 2-layer conv NTK.
 
-The user learns 100 support images (28x28x1, MNIST-sized) by kernel inducing points
-(Nguyen et al. 2021) against 60,000 targets with the infinite-width NTK of
+From the neural-tangents question "Question regarding OOM issues": the user learns 100
+support images (28x28x1, MNIST-sized) by kernel inducing points (Nguyen et al. 2021)
+against 60,000 targets with the infinite-width NTK of
 Conv(3x3)-Relu-Conv(3x3)-Relu-Flatten-Dense, and runs out of memory: neural-tangents'
 gradient needs about 3 MiB of temporaries per target image (176 GiB at 60,000). The
 naive program is the KIP notebook's loss written densely (the whole target-by-support
@@ -20,14 +21,14 @@ from memwise.scenarios import Scenario
 
 SIZES = {
     "default": dict(n_support=10, n_target=200, side=14, chunk_size=(50, 5)),
-    "seed": dict(n_support=100, n_target=60_000, side=28, chunk_size=(500, 10)),
+    "report": dict(n_support=100, n_target=60_000, side=28, chunk_size=(500, 10)),
 }
 
 RIDGE = 1e-6
 
 
 def kernel_fn() -> kernels.KernelFn:
-    """The seed's architecture: stax.Conv(64,(3,3),SAME) Relu, twice, Flatten, Dense(10)."""
+    """The report's network: stax.Conv(64,(3,3),SAME) Relu, twice, Flatten, Dense(10)."""
     k = kernels
     return k.serial(k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
 

@@ -1,14 +1,14 @@
-"""Scenario ``linearize`` (seed 000): training a linearized Vision Transformer.
+"""Scenario ``linearize``: training a linearized Vision Transformer.
 
-The user linearizes a Flax ViT with neural-tangents' ``nt.linearize(vit_apply, params)``
-and trains the linear model; every step fails with "Failed to load in-memory CUBIN: out
-of memory", even at batch size 1. ``nt.linearize`` returns a closure over ``params``, so
-``jit`` embeds all the weights in the compiled program as constants. The naive program
-here is that closure (``f(p0, x) + jvp(f, p0, p - p0)`` with ``p0`` closed over); the
-memwise program is the same loss through :func:`memwise.linearize`, whose result is a
-pytree passed to the step as an argument. Both compute the loss and its gradient w.r.t.
-the new parameters; only the program size differs (and the naive one grows with the
-model).
+The neural-tangents issue 144 report: the user linearizes a Flax ViT with
+neural-tangents' ``nt.linearize(vit_apply, params)`` and trains the linear model; every
+step fails with "Failed to load in-memory CUBIN: out of memory", even at batch size 1.
+``nt.linearize`` returns a closure over ``params``, so ``jit`` embeds all the weights in
+the compiled program as constants. The naive program here is that closure (``f(p0, x) +
+jvp(f, p0, p - p0)`` with ``p0`` closed over); the memwise program is the same loss
+through :func:`memwise.linearize`, whose result is a pytree passed to the step as an
+argument. Both compute the loss and its gradient w.r.t. the new parameters; only the
+program size differs (and the naive one grows with the model).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from memwise.scenarios import Scenario
 SIZES = {
     "default": dict(image=16, patch=4, dim=32, depth=2, heads=2, mlp=64, batch=8),
     # About 5M parameters.
-    "seed": dict(image=32, patch=4, dim=256, depth=6, heads=8, mlp=1024, batch=64),
+    "report": dict(image=32, patch=4, dim=256, depth=6, heads=8, mlp=1024, batch=64),
 }
 
 CLASSES = 10

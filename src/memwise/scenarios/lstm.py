@@ -1,12 +1,13 @@
-"""Scenario ``lstm`` (seed 003): training a Flax LSTM over a 10,000-step sequence.
+"""Scenario ``lstm``: training a Flax LSTM over a 10,000-step sequence.
 
-The user wraps the LSTM cell in ``nn.remat`` inside ``nn.scan`` and finds only a constant
-saving: ``lax.scan`` still stores one carry per step, so the gradient's memory is O(T).
-They ask for the O(sqrt T) of Chen et al. (2016). The memwise program changes one line,
+From the Flax discussion "How to use nn.remat for LSTM to save memory?": the user wraps
+the LSTM cell in ``nn.remat`` inside ``nn.scan`` and finds only a constant saving:
+``lax.scan`` still stores one carry per step, so the gradient's memory is O(T). They ask
+for the O(sqrt T) of Chen et al. (2016). The memwise program changes one line,
 ``nn.scan`` -> ``memwise.flax.scan(..., checkpoints=...)``, which runs the optimal
 binomial checkpointing schedule (Griewank & Walther 2000) and keeps O(checkpoints)
-carries. Both programs compute ``jax.value_and_grad`` of the seed's l2 loss with respect
-to the parameters.
+carries. Both programs compute ``jax.value_and_grad`` of the discussion's l2 loss with
+respect to the parameters.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from memwise.scenarios import Scenario
 SIZES = {
     "default": dict(batch=10, seq_length=1000, hidden=32, input_dim=8, output_dim=4,
                     seq2seq=False),
-    "seed": dict(batch=10, seq_length=10_000, hidden=128, input_dim=32, output_dim=4,
-                 seq2seq=True),
+    "report": dict(batch=10, seq_length=10_000, hidden=128, input_dim=32, output_dim=4,
+                   seq2seq=True),
 }
 
 KINDS = ("scan", "remat", "memwise")
@@ -38,10 +39,10 @@ def model(
     checkpoints=None,
     counter: Callable | None = None,
 ):
-    """The seed's ``SimpleLSTM`` with its loop written three ways.
+    """The discussion's ``SimpleLSTM`` with its loop written three ways.
 
     ``kind``: ``"scan"`` (``nn.scan``, all residuals), ``"remat"`` (``nn.scan`` over an
-    ``nn.remat`` step: the seed's fix) or ``"memwise"`` (``memwise.flax.scan`` with
+    ``nn.remat`` step: the user's fix) or ``"memwise"`` (``memwise.flax.scan`` with
     ``checkpoints``). ``counter``, if given, is called (via ``jax.debug.callback``) once
     per evaluation of the cell, to count recomputation.
     """
@@ -67,8 +68,8 @@ def model(
             jax.debug.callback(counter, x)
         carry, h = self.cell(carry, x)
         # seq2seq=False needs only the last h, which is in the final carry: stacking
-        # every step's h (as the seed's outputs[:, -1] does) would cost T x B x hidden
-        # floats, and their cotangent as much again, in every variant.
+        # every step's h (as the discussion's outputs[:, -1] does) would cost T x B x
+        # hidden floats, and their cotangent as much again, in every variant.
         return carry, (h if seq2seq else None)
 
     if kind == "remat":
@@ -99,7 +100,7 @@ def model(
 
 
 def loss_fn(net) -> Callable:
-    """The seed's loss: mean l2 loss of the predictions, as a function of params."""
+    """The discussion's loss: mean l2 loss of the predictions, as a function of params."""
 
     def loss(params, x, y):
         preds = net.apply({"params": params}, x)

@@ -1,6 +1,6 @@
 """Scenario ``mlp``: the gradient of a deep residual tanh MLP, layer loop vs ``mw.scan``.
 
-Not a seed report but the foundation's worked example of where a gradient's memory goes:
+Not from a user report but a worked example of where a gradient's memory goes:
 ``jax.grad`` of a Python loop over layers keeps every layer's activations (and tanh's
 derivative) for the backward pass, O(depth) arrays of batch x width. Stacking the layers'
 weights and running them with ``mw.scan`` keeps O(checkpoints) activations instead, at
@@ -18,7 +18,8 @@ from memwise.scenarios import Scenario
 
 SIZES = {
     "default": dict(depth=64, width=256, batch=1024),
-    "seed": dict(depth=128, width=512, batch=4096),
+    # No user report behind this one: the larger size that ``--size report`` runs.
+    "report": dict(depth=128, width=512, batch=4096),
 }
 
 

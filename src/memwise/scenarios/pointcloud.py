@@ -1,11 +1,12 @@
-"""Scenario ``pointcloud`` (seed 002): the gradient of a Sinkhorn divergence between discs.
+"""Scenario ``pointcloud``: the gradient of a Sinkhorn divergence between discs.
 
-The user compares two clouds of 50,000 points drawn uniformly from discs of radius 5 and
-10 with OTT-JAX's ``sinkhorn_divergence`` (default epsilon, ``use_danskin=True``) and
-needs its gradient in ``x``. OTT's online ``PointCloud(batch_size=...)`` chunks only the
-forward pass, so the gradient materialises the 50,000 x 50,000 cost matrix several times
-(29.8 GiB in the report). The naive program here is the same algorithm written with dense
-matrices in plain JAX (what fits in memory only for small clouds); the memwise program is
+OTT-JAX issue 417: the user compares two clouds of 50,000 points drawn uniformly from
+discs of radius 5 and 10 with OTT-JAX's ``sinkhorn_divergence`` (default epsilon,
+``use_danskin=True``) and needs its gradient in ``x``. OTT's online
+``PointCloud(batch_size=...)`` chunks only the forward pass, so the gradient
+materialises the 50,000 x 50,000 cost matrix several times (29.8 GiB in the report). The
+naive program here is the same algorithm written with dense matrices in plain JAX (what
+fits in memory only for small clouds); the memwise program is
 ``mw.ot.sinkhorn_divergence``, whose forward and backward passes are chunked.
 """
 
@@ -19,20 +20,20 @@ from memwise.scenarios import Scenario
 
 SIZES = {
     "default": dict(n=1500, radius_x=5.0, radius_y=10.0, threshold=1e-3),
-    "seed": dict(n=50_000, radius_x=5.0, radius_y=10.0, threshold=1e-3),
+    "report": dict(n=50_000, radius_x=5.0, radius_y=10.0, threshold=1e-3),
 }
 
 
 def disc(radius: float, n: int, key: jax.Array) -> jax.Array:
-    """``n`` points uniform in a disc (the seed's sampler: sqrt for uniform area)."""
+    """``n`` points uniform in a disc (the report's sampler: sqrt for uniform area)."""
     key_r, key_phi = jax.random.split(key)
     r = radius * jnp.sqrt(jax.random.uniform(key_r, (n,)))
     phi = 2 * jnp.pi * jax.random.uniform(key_phi, (n,))
     return jnp.stack((r * jnp.cos(phi), r * jnp.sin(phi)), axis=1)
 
 
-def seed_clouds(n: int, radius_x: float = 5.0, radius_y: float = 10.0):
-    """The seed's clouds. The report samples both discs with the same key (``key_x``)."""
+def report_clouds(n: int, radius_x: float = 5.0, radius_y: float = 10.0):
+    """The clouds of OTT-JAX issue 417 (both discs sampled with one key, ``key_x``)."""
     key = jax.random.PRNGKey(42)
     key, key_x, key_y = jax.random.split(key, 3)
     return disc(radius_x, n, key_x), disc(radius_y, n, key_x)
@@ -103,7 +104,7 @@ def dense_divergence(x, y, threshold=1e-3):
 
 
 def make(n: int, radius_x: float, radius_y: float, threshold: float) -> Scenario:
-    x, y = seed_clouds(n, radius_x, radius_y)
+    x, y = report_clouds(n, radius_x, radius_y)
 
     def naive(x, y):
         return jax.value_and_grad(dense_divergence)(x, y, threshold)
