@@ -1,9 +1,9 @@
 """Flax adapters for :func:`memwise.scan`: a linen lifted scan and an NNX helper.
 
 Flax's ``nn.scan`` runs ``jax.lax.scan``, so ``jax.grad`` of a recurrent model keeps one
-carry (and one step's residuals) per step, even with ``nn.remat`` on the cell (the seed
-report: a 10,000-step LSTM). :func:`scan` has the calling convention of ``nn.scan`` for
-the usual recurrent case (``variable_broadcast="params"``, ``split_rngs={"params":
+carry (and one step's residuals) per step, even with ``nn.remat`` on the cell (the Flax
+LSTM over 10,000 steps in the ``nn.remat`` discussion). :func:`scan` has the calling
+convention of ``nn.scan`` for the usual recurrent case (``variable_broadcast="params"``, ``split_rngs={"params":
 False}``, ``in_axes``, ``out_axes``) and runs the loop with ``memwise.scan`` and its
 optimal binomial checkpointing (Griewank & Walther 2000), so the fix is one line::
 

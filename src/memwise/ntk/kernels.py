@@ -121,7 +121,7 @@ def _broadcast_variances(
     return v1, v2
 
 
-def _is_zero(ntk: Any) -> bool:
+def _is_zero_ntk(ntk: Any) -> bool:
     """The NTK of the input is exactly zero: a Python 0.0 until the first linear layer.
 
     Kept symbolic so that no array of zeros is windowed or scaled (XLA would spend seconds
@@ -190,13 +190,13 @@ def _linear_ntk(ntk: Any, nngp: jax.Array, transform) -> Any:
     """NTK parameterization: a linear layer's own weights add its NNGP to the NTK."""
     if ntk is None:
         return None
-    if _is_zero(ntk):
+    if _is_zero_ntk(ntk):
         return nngp
     return nngp + transform(ntk)
 
 
 def _scale_ntk(ntk: Any, factor) -> Any:
-    if ntk is None or _is_zero(ntk):
+    if ntk is None or _is_zero_ntk(ntk):
         return ntk
     return ntk * factor
 
@@ -330,7 +330,7 @@ class Erf(Layer):
     def apply(self, state, layout):
         prod = (1 + 2 * state.var1) * (1 + 2 * state.var2)
         nngp = 2 / jnp.pi * jnp.arcsin(jnp.clip(2 * state.nngp / jnp.sqrt(prod), -1.0, 1.0))
-        if state.ntk is None or _is_zero(state.ntk):
+        if state.ntk is None or _is_zero_ntk(state.ntk):
             return nngp, state.ntk
         return nngp, state.ntk * 4 / (jnp.pi * jnp.sqrt(prod - 4 * state.nngp**2))
 
@@ -350,7 +350,7 @@ class Flatten(Layer):
                 a = _diagonal_pairs(a, layout)
             return jnp.mean(a, axis=tuple(range(layout.batch_ndim, a.ndim)))
 
-        ntk = state.ntk if state.ntk is None or _is_zero(state.ntk) else flatten(state.ntk)
+        ntk = state.ntk if state.ntk is None or _is_zero_ntk(state.ntk) else flatten(state.ntk)
         return flatten(state.nngp), ntk
 
 
@@ -376,7 +376,7 @@ class GlobalAvgPool(Layer):
         def pool(a):
             return jnp.mean(a, axis=layout.spatial_axes()) if layout.spatial_ndim else a
 
-        ntk = state.ntk if state.ntk is None or _is_zero(state.ntk) else pool(state.ntk)
+        ntk = state.ntk if state.ntk is None or _is_zero_ntk(state.ntk) else pool(state.ntk)
         return pool(state.nngp), ntk
 
 
@@ -488,7 +488,7 @@ class KernelFn:
             out_layout = layer.out_layout(layout)
             nngp, ntk = layer.apply(_State(nngp, ntk, var1, var2), layout)
             layout = out_layout
-        if _is_zero(ntk):  # no linear layer: the NTK is zero
+        if _is_zero_ntk(ntk):  # no linear layer: the NTK is zero
             ntk = jnp.zeros_like(nngp)
         values = {"nngp": nngp, "ntk": ntk}
         out = tuple(values[g] for g in gets)
