@@ -212,16 +212,41 @@ def test_bad_values_under_jit_report_not_converged_not_silent_nan():
     assert not bool(out.converged)
 
 
-def test_second_order_and_forward_mode_raise_type_error():
+FORWARD_MODE = {
+    "jvp": lambda fn, x: jax.jvp(fn, (x,), (jnp.ones_like(x),)),
+    "jacfwd": lambda fn, x: jax.jacfwd(fn)(x),
+    "hessian": lambda fn, x: jax.hessian(fn)(x),
+    "linearize": lambda fn, x: jax.linearize(fn, x)[1](jnp.ones_like(x)),
+    "grad_of_grad": lambda fn, x: jax.grad(lambda x: jnp.sum(jax.grad(fn)(x) ** 2))(x),
+}
+
+
+@pytest.mark.parametrize("jit", ["eager", "jit_outside", "jit_inside"])
+@pytest.mark.parametrize("transform", sorted(FORWARD_MODE))
+def test_forward_mode_and_second_order_raise_memwise_type_error(transform, jit):
     x, y, _, _ = clouds(10, n=16, m=12)
-    loss = lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).reg_ot_cost  # noqa: E731
-    with pytest.raises(TypeError, match="first-order"):
-        jax.grad(lambda x: jnp.sum(jax.grad(loss)(x) ** 2))(x)
-    # Forward mode stops at JAX's own custom_vjp TypeError (forward-over-reverse too).
-    with pytest.raises(TypeError):
-        jax.hessian(loss)(x)
-    with pytest.raises(TypeError):
-        jax.jvp(loss, (x,), (jnp.ones_like(x),))
+    for loss in (lambda x: ot.sinkhorn_divergence(x, y, epsilon=0.3, chunk_size=8),
+                 lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).reg_ot_cost):
+        apply = FORWARD_MODE[transform]
+        if jit == "jit_inside":
+            call = lambda x: apply(jax.jit(loss), x)  # noqa: E731
+        elif jit == "jit_outside":
+            call = jax.jit(lambda x: apply(loss, x))
+        else:
+            call = lambda x: apply(loss, x)  # noqa: E731
+        with pytest.raises(TypeError, match="first-order reverse mode only"):
+            call(x)
+
+
+def test_reverse_mode_composes_with_vmap_and_jit():
+    x, y, _, _ = clouds(12, n=16, m=12)
+    xs = jnp.stack([x, x + 0.3])
+    loss = lambda x: ot.sinkhorn_divergence(x, y, epsilon=0.3, chunk_size=8)  # noqa: E731
+    single = jnp.stack([jax.grad(loss)(xi) for xi in xs])
+    np.testing.assert_allclose(jax.jit(jax.vmap(jax.grad(loss)))(xs), single, atol=1e-5)
+    np.testing.assert_allclose(jax.grad(lambda xs: jax.vmap(loss)(xs).sum())(xs), single,
+                               atol=1e-5)
+    np.testing.assert_allclose(jax.jacrev(jax.jit(loss))(x), single[0], atol=1e-5)
 
 
 def test_vmap_over_problems():

@@ -15,10 +15,11 @@ solver's ``lax.while_loop`` is therefore never differentiated: the backward pass
 chunked ``logsumexp`` over the cost matrix at the stopped potentials, and its own chunked
 vjp yields ``sum_j P_ij grad_x C(x_i, y_j)``. So the gradient costs the memory of one
 forward pass and the time of about two Sinkhorn iterations. The envelope gradient is exact
-only at convergence: lower ``threshold`` when gradients must be accurate. It is a
-first-order object, so second-order derivatives raise a ``TypeError`` (they would
-silently drop how the potentials move with the points); forward mode (``jax.jvp``,
-``jax.jacfwd``) stops at JAX's custom_vjp ``TypeError``: use ``jax.grad`` / ``jax.vjp``.
+only at convergence: lower ``threshold`` when gradients must be accurate. Only
+first-order reverse mode is supported (``jax.grad``, ``jax.vjp``, ``jax.jacrev``):
+forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) and second derivatives
+(``jax.hessian``, grad of grad) raise memwise's ``TypeError``, eagerly and under ``jit``
+(a second derivative would silently drop how the potentials move with the points).
 
 Conventions match OTT-JAX 0.6 (``ott.solvers.linear.sinkhorn``): ``reg_ot_cost`` is
 ``min_P <P, C> + eps KL(P | a b^T)``, errors are L1 marginal errors compared with
@@ -37,6 +38,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from memwise.pairwise import pairwise_reduce
 from memwise.tiling import Tiling, item_bytes, tiling
@@ -116,23 +119,60 @@ _BUILTIN_COSTS: dict[str, CostFn] = {
 
 
 # ---------------------------------------------------------------------------------------
-# Higher-order guard.
+# First-order reverse mode only.
+
+_FIRST_ORDER_ONLY = (
+    "memwise.ot supports first-order reverse mode only (jax.grad, jax.vjp, "
+    "jax.value_and_grad, jax.jacrev): its derivatives are custom reverse-mode rules at "
+    "the converged potentials (envelope theorem for reg_ot_cost, implicit "
+    "differentiation for f and g), so forward mode (jax.jvp, jax.jacfwd, jax.linearize) "
+    "and second derivatives (jax.hessian, grad of grad) are not available; "
+    "differentiating the rules again would silently drop how the potentials move. "
+    "Differentiate once in reverse mode (for a Hessian-vector product, take finite "
+    "differences of jax.grad)."
+)
+
+
+def _forward_mode_error(*_, **__):
+    raise TypeError(_FIRST_ORDER_ONLY)
+
+
+# Every differentiable input passes through `_reverse_only_p`, an identity whose tangent
+# is the linear `_tangent_p`. Reverse mode only transposes `_tangent_p` (to the
+# identity); forward mode evaluates it, eagerly, batched (jacfwd, hessian) or compiled
+# (under jit), and each of those raises memwise's error before JAX's generic custom_vjp
+# one. A custom_jvp cannot do this: grad runs jvp rules too. (JAX's documented
+# primitive-extension API, jax.extend and jax.interpreters; no jax._src.)
+_tangent_p = Primitive("memwise_ot_tangent")
+_tangent_p.def_impl(_forward_mode_error)
+_tangent_p.def_abstract_eval(lambda tangent: tangent)
+ad.deflinear2(_tangent_p, lambda cotangent, _: [cotangent])
+batching.primitive_batchers[_tangent_p] = _forward_mode_error
+mlir.register_lowering(_tangent_p, _forward_mode_error)
+
+_reverse_only_p = Primitive("memwise_ot_reverse_only")
+_reverse_only_p.def_impl(lambda value: value)
+_reverse_only_p.def_abstract_eval(lambda value: value)
+mlir.register_lowering(_reverse_only_p, lambda ctx, value: [value])
+batching.primitive_batchers[_reverse_only_p] = (
+    lambda args, dims: (_reverse_only_p.bind(*args), dims[0]))
+ad.primitive_jvps[_reverse_only_p] = lambda primals, tangents: (
+    _reverse_only_p.bind(primals[0]),
+    tangents[0] if type(tangents[0]) is ad.Zero else _tangent_p.bind(tangents[0]),
+)
+
+
+def _reverse_mode_only(tree: Any) -> Any:
+    return jax.tree.map(_reverse_only_p.bind, tree)
 
 
 @jax.custom_jvp
 def _first_order_only(value: Array) -> Array:
+    """Identity on the backward rules' inputs: differentiating a rule raises."""
     return value
 
 
-@_first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
-    raise TypeError(
-        "memwise.ot computes first-order derivatives only: its gradient uses the envelope "
-        "(Danskin) theorem, which treats the optimal potentials as constants, so "
-        "differentiating that gradient again (jax.hessian, grad of grad, jvp of grad) "
-        "would silently drop how the potentials move. Use jax.grad / jax.vjp / "
-        "jax.value_and_grad once."
-    )
+_first_order_only.defjvp(_forward_mode_error)
 
 
 # ---------------------------------------------------------------------------------------
@@ -473,6 +513,7 @@ def _prepare(x, y, a, b, cost, epsilon, max_iterations, threshold, epsilon_scali
     b = _check_weights("b", b, y.shape[0], dtype)
     _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
     cost_fn, consts = _resolve_cost(cost, x, y)
+    x, y, a, b, consts = _reverse_mode_only((x, y, a, b, consts))
     return x, y, a, b, cost_fn, consts, dtype
 
 
@@ -495,7 +536,7 @@ def _epsilon(epsilon, cost_fn, consts, x, y, chunk, dtype) -> Array:
         return jax.lax.stop_gradient(
             _default_epsilon(cost_fn, stopped[0], stopped[1], stopped[2], chunk)
         ).astype(dtype)
-    return jnp.asarray(epsilon, dtype)
+    return _reverse_mode_only(jnp.asarray(epsilon, dtype))
 
 
 # ---------------------------------------------------------------------------------------
