@@ -153,3 +153,40 @@ def test_composes_with_jit_and_vmap():
     expected = jax.jit(kernel_fn)(x, y)
     rows = jax.jit(jax.vmap(lambda xi: kernel_fn(xi[None], y)[0]))(x)
     np.testing.assert_allclose(rows, expected, rtol=1e-5)
+
+
+NO_BIAS = {
+    "conv_relu2_flatten": ARCHITECTURES["conv_relu2_flatten"],
+    "conv_relu_gap": ARCHITECTURES["conv_relu_gap"],
+    "fc_relu_erf_relu": lambda: k.serial(
+        k.Dense(), k.Relu(), k.Dense(W_std=1.5), k.Erf(), k.Dense(), k.Relu(), k.Dense()
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_BIAS))
+def test_zero_inputs_give_the_limit_of_vanishing_inputs(name):
+    # Without a bias an all-zero input (or a pixel whose receptive field is all zero) has
+    # zero variance, and ReLU's cos = cov / sqrt(var1 var2) is 0/0. The kernel is the
+    # limit of the input scaled by t -> 0: finite, and so are its gradients.
+    rng = np.random.default_rng(7)
+    shape = (4, 6, 6, 2) if name.startswith("conv") else (4, 5)
+    x, scaled = rng.normal(size=shape), rng.normal(size=shape)
+    zero = x.copy()
+    zero[0] = 0.0
+    scaled[1:] = x[1:]
+    scaled[0] *= 1e-6
+    if name.startswith("conv"):  # half an image zero: zero variance at some pixels only
+        zero[1, :, :3] = 0.0
+        scaled[1, :, :3] = 1e-6 * rng.normal(size=scaled[1, :, :3].shape)
+    with jax.enable_x64(True):
+        kernel_fn = _jit(NO_BIAS[name]())
+        other = jnp.asarray(rng.normal(size=(3,) + shape[1:]))
+        for x2 in (None, other):
+            got = kernel_fn(jnp.asarray(zero), x2)
+            limit = kernel_fn(jnp.asarray(scaled), x2)
+            for a, b in zip(got, limit):
+                assert np.all(np.isfinite(a))
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(b)))
+    grad = jax.jit(jax.grad(lambda x: sum(map(jnp.sum, kernel_fn(x, x[::-1])))))
+    assert np.all(np.isfinite(grad(jnp.asarray(zero, jnp.float32))))

@@ -145,3 +145,17 @@ def test_auto_chunk_size_is_a_knob():
         value = jax.jit(lambda x, y: kip_loss(FC, x, y, xt, yt, ridge=1e-3, chunk_size="auto"))(x, y)
     assert [k.kind for k in recorded] == ["chunk_size"]
     np.testing.assert_allclose(value, _naive_kip(FC, x, y, xt, yt, 1e-3), rtol=1e-4)
+
+
+def test_zero_training_input_keeps_predictions_finite():
+    # An all-zero input has zero variance without a bias (ReLU's 0/0); one such training
+    # point made every prediction NaN.
+    kernel_fn = k.serial(k.Dense(), k.Relu(), k.Dense())
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.normal(size=(7, 3)), jnp.float32).at[2].set(0.0)
+    y, xt = jnp.sin(x[:, :2]), jnp.asarray(rng.normal(size=(5, 3)), jnp.float32).at[0].set(0.0)
+    predict = lambda x: kernel_regression(kernel_fn, x, y, xt, ridge=1e-2, chunk_size=(2, 3))
+    got = jax.jit(predict)(x)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, _naive_predict(kernel_fn, x, y, xt, 1e-2), rtol=1e-4, atol=1e-5)
+    assert np.all(np.isfinite(jax.jit(jax.grad(lambda x: jnp.sum(predict(x))))(x)))

@@ -28,6 +28,7 @@ computes each input's own variances at every nonlinearity (cost linear in n), an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -134,21 +135,48 @@ def _is_zero_ntk(ntk: Any) -> bool:
 # Square roots with a finite derivative at zero
 
 
-@jax.custom_jvp
-def _safe_sqrt(x: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _safe_sqrt(x: jax.Array, zero_below: str) -> jax.Array:
+    """``sqrt(max(x, 0))`` whose derivative is 0 (not infinite) where ``x`` is (near) zero.
+
+    ``zero_below="rounding"``: for ``1 - cos^2``, O(1) quantities. sin(theta) is
+    identically zero on the diagonal of a kernel (an input against itself); its true
+    derivative along such inputs is zero, while sqrt's would be infinite, so values at
+    the rounding level (8 eps) count as that zero.
+
+    ``zero_below="tiny"``: for variances, which scale with the inputs (a row scaled by
+    1e-3 has variances near 1e-6, not rounding noise): only values below the smallest
+    normal float count as zero, as neural-tangents' ``_sqrt`` does (its tolerance
+    1e-30). An all-zero input has zero variance; its kernel row is the limit of a row
+    scaled by t -> 0 (see :func:`_correlation`).
+    """
     return jnp.sqrt(jnp.maximum(x, 0.0))
 
 
 @_safe_sqrt.defjvp
-def _safe_sqrt_jvp(primals, tangents):
-    # sin(theta) = sqrt(1 - cos^2) is identically zero on the diagonal of a kernel
-    # (an input against itself); its true derivative along such inputs is zero, while
-    # sqrt's would be infinite. Treat values at the rounding level as that zero.
+def _safe_sqrt_jvp(zero_below, primals, tangents):
     (x,), (t,) = primals, tangents
-    y = _safe_sqrt(x)
-    tiny = 8 * jnp.finfo(jnp.result_type(x)).eps
+    y = _safe_sqrt(x, zero_below)
+    info = jnp.finfo(jnp.result_type(x))
+    tiny = 8 * info.eps if zero_below == "rounding" else info.tiny
     positive = x > tiny
     return y, jnp.where(positive, t * 0.5 / jnp.where(positive, y, 1.0), 0.0)
+
+
+def _correlation(cov: jax.Array, var1: jax.Array, var2: jax.Array):
+    """``(sqrt(var1 var2), cos)``, ``cos = cov / sqrt(var1 var2)`` clipped to [-1, 1].
+
+    An input of zero variance (an all-zero input with no bias, or a pixel whose whole
+    receptive field is zero) has zero covariance with everything: ``cos`` is 0/0. Its
+    kernel entries are the limit of a scaled input, t -> 0: a ReLU's output variance and
+    covariances go to zero whatever the angle, so any ``cos`` gives the limit; as
+    neural-tangents (``_arctan2(..., fill_zero=pi / 2)``) the pair counts as orthogonal,
+    ``cos = 0``. Both square roots and the division have finite derivatives there.
+    """
+    norm = _safe_sqrt(var1, "tiny") * _safe_sqrt(var2, "tiny")
+    positive = norm > 0
+    cos = jnp.where(positive, cov / jnp.where(positive, norm, 1.0), 0.0)
+    return norm, jnp.clip(cos, -1.0, 1.0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -307,9 +335,8 @@ class Relu(Layer):
         return True
 
     def apply(self, state, layout):
-        norm = jnp.sqrt(state.var1) * jnp.sqrt(state.var2)
-        cos = jnp.clip(state.nngp / norm, -1.0, 1.0)
-        sin = _safe_sqrt(1.0 - cos**2)
+        norm, cos = _correlation(state.nngp, state.var1, state.var2)
+        sin = _safe_sqrt(1.0 - cos**2, "rounding")
         theta = jnp.arctan2(sin, cos)
         nngp = norm * (sin + (jnp.pi - theta) * cos) / (2 * jnp.pi)
         return nngp, _scale_ntk(state.ntk, (jnp.pi - theta) / (2 * jnp.pi))
