@@ -405,11 +405,71 @@ _reg_ot_cost.defvjp(_reg_ot_cost_fwd, _reg_ot_cost_bwd)
 
 
 # ---------------------------------------------------------------------------------------
-# Input handling.
+# Input handling: what a public call checks and resolves, once, before any solve.
+
+
+class _Problem(NamedTuple):
+    """A validated call: the data, the cost with its hoisted arrays, tiling, epsilon."""
+
+    x: Array
+    y: Array
+    a: Array
+    b: Array
+    cost: Callable
+    consts: tuple
+    chunk: Tiling
+    eps: Array
+    dtype: Any
+
+
+def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
+             epsilon_scaling) -> _Problem:
+    _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
+    x, y = _check_points("x", x), _check_points("y", y)
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"x and y must have the same dimension: x is {x.shape}, y is {y.shape}")
+    dtype = jnp.result_type(x.dtype, y.dtype)
+    x, y = x.astype(dtype), y.astype(dtype)
+    a = _check_weights("a", a, x.shape[0], dtype)
+    b = _check_weights("b", b, y.shape[0], dtype)
+    cost_fn, consts = _resolve_cost(cost, x, y)
+    # One tiling (one "auto" knob for memwise.fit) serves every pass of the call: the
+    # solves, the backward and the divergence's self terms (their sizes clipped).
+    chunk = tiling(
+        x.shape[0], y.shape[0], chunk_size,
+        pair_bytes=lambda: item_bytes(lambda xi, yj: cost_fn(xi, yj, *consts), x[0], y[0]),
+    )
+    if epsilon is None:
+        stopped = jax.lax.stop_gradient((consts, x, y))
+        eps = jax.lax.stop_gradient(
+            _default_epsilon(cost_fn, stopped[0], stopped[1], stopped[2], chunk))
+    else:
+        eps = jnp.asarray(epsilon, dtype)
+    x, y, a, b, consts, eps = _reverse_mode_only((x, y, a, b, consts, eps))
+    return _Problem(x, y, a, b, cost_fn, consts, chunk, eps.astype(dtype), dtype)
 
 
 def _is_concrete(value: Any) -> bool:
     return not isinstance(value, jax.core.Tracer)
+
+
+def _check_options(epsilon, max_iterations, threshold, epsilon_scaling):
+    if epsilon is not None and _is_concrete(epsilon):
+        eps_value = np.asarray(epsilon)
+        if eps_value.shape != () or not np.isfinite(eps_value) or eps_value <= 0:
+            raise ValueError(
+                f"epsilon must be a positive finite scalar (or None for 0.05 x std of the "
+                f"cost matrix), got {epsilon!r}")
+    if not isinstance(max_iterations, (int, np.integer)) or max_iterations < 1:
+        raise ValueError(f"max_iterations must be an int >= 1, got {max_iterations!r}")
+    if not np.isscalar(threshold) or not threshold > 0:
+        raise ValueError(f"threshold must be a positive float, got {threshold!r}")
+    if epsilon_scaling is not None and not (
+            np.isscalar(epsilon_scaling) and 0 < epsilon_scaling < 1):
+        raise ValueError(
+            "epsilon_scaling must be None (plain Sinkhorn) or a float in (0, 1), the "
+            f"factor epsilon shrinks by per iteration (e.g. 0.5); got {epsilon_scaling!r}")
 
 
 def _check_points(name: str, points: Any) -> Array:
@@ -417,15 +477,13 @@ def _check_points(name: str, points: Any) -> Array:
     if points.ndim != 2:
         raise ValueError(
             f"{name} must be a [num_points, dim] array, got shape {points.shape}; "
-            f"reshape 1-D data with {name}[:, None]"
-        )
+            f"reshape 1-D data with {name}[:, None]")
     if points.shape[0] == 0:
         raise ValueError(f"{name} has no points (shape {points.shape})")
     if not jnp.issubdtype(points.dtype, jnp.floating):
         raise TypeError(
             f"{name} must hold floats, got {points.dtype}; convert with "
-            f"{name}.astype(jnp.float32)"
-        )
+            f"{name}.astype(jnp.float32)")
     if _is_concrete(points) and not np.all(np.isfinite(np.asarray(points))):
         raise ValueError(f"{name} contains NaN or infinite coordinates; drop those points")
     return points
@@ -437,8 +495,7 @@ def _check_weights(name: str, weights: Any, size: int, dtype) -> Array:
     weights = jnp.asarray(weights)
     if weights.shape != (size,):
         raise ValueError(
-            f"{name} must have shape ({size},) (one weight per point), got {weights.shape}"
-        )
+            f"{name} must have shape ({size},) (one weight per point), got {weights.shape}")
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         raise TypeError(f"{name} must hold floats, got {weights.dtype}")
     if _is_concrete(weights):
@@ -466,77 +523,15 @@ def _resolve_cost(cost: str | CostFn, x: Array, y: Array) -> tuple[Callable, tup
     except Exception as err:  # noqa: BLE001 - re-raised with the contract
         raise TypeError(
             "cost must be a function of two points (arrays of shape [dim]) returning a "
-            f"scalar; calling it on x[0], y[0] failed: {err}"
-        ) from err
+            f"scalar; calling it on x[0], y[0] failed: {err}") from err
     if getattr(out, "shape", None) != ():
         raise TypeError(
             f"cost must return a scalar for two points, it returned shape "
-            f"{getattr(out, 'shape', type(out))}"
-        )
+            f"{getattr(out, 'shape', type(out))}")
     # Closed-over arrays (a learned metric, ...) become explicit arguments, so the
     # custom vjp can return their gradient and the solver loop can stop it.
     converted, consts = jax.closure_convert(cost, x[0], y[0])
     return converted, tuple(consts)
-
-
-def _check_options(epsilon, max_iterations, threshold, epsilon_scaling):
-    if epsilon is not None and _is_concrete(epsilon):
-        eps_value = np.asarray(epsilon)
-        if eps_value.shape != () or not np.isfinite(eps_value) or eps_value <= 0:
-            raise ValueError(
-                f"epsilon must be a positive finite scalar (or None for 0.05 x std of the "
-                f"cost matrix), got {epsilon!r}"
-            )
-    if not isinstance(max_iterations, (int, np.integer)) or max_iterations < 1:
-        raise ValueError(f"max_iterations must be an int >= 1, got {max_iterations!r}")
-    if not np.isscalar(threshold) or not threshold > 0:
-        raise ValueError(f"threshold must be a positive float, got {threshold!r}")
-    if epsilon_scaling is not None and not (
-        np.isscalar(epsilon_scaling) and 0 < epsilon_scaling < 1
-    ):
-        raise ValueError(
-            "epsilon_scaling must be None (plain Sinkhorn) or a float in (0, 1), the "
-            f"factor epsilon shrinks by per iteration (e.g. 0.5); got {epsilon_scaling!r}"
-        )
-
-
-def _prepare(x, y, a, b, cost, epsilon, max_iterations, threshold, epsilon_scaling):
-    x = _check_points("x", x)
-    y = _check_points("y", y)
-    if x.shape[1] != y.shape[1]:
-        raise ValueError(
-            f"x and y must have the same dimension: x is {x.shape}, y is {y.shape}"
-        )
-    dtype = jnp.result_type(x.dtype, y.dtype)
-    x, y = x.astype(dtype), y.astype(dtype)
-    a = _check_weights("a", a, x.shape[0], dtype)
-    b = _check_weights("b", b, y.shape[0], dtype)
-    _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
-    cost_fn, consts = _resolve_cost(cost, x, y)
-    x, y, a, b, consts = _reverse_mode_only((x, y, a, b, consts))
-    return x, y, a, b, cost_fn, consts, dtype
-
-
-def _resolve_chunk_size(chunk_size: ChunkSize, cost, consts, x, y) -> Tiling:
-    """The tiling of every pass of one call, resolved once.
-
-    One resolution (one ``"auto"`` knob for :func:`memwise.fit`) serves the forward
-    passes, the backward and the self terms of the divergence, so they share one tile
-    (the self terms' ``n x n`` and ``m x m`` passes take its sizes, clipped).
-    """
-    return tiling(
-        x.shape[0], y.shape[0], chunk_size,
-        pair_bytes=lambda: item_bytes(lambda xi, yj: cost(xi, yj, *consts), x[0], y[0]),
-    )
-
-
-def _epsilon(epsilon, cost_fn, consts, x, y, chunk, dtype) -> Array:
-    if epsilon is None:
-        stopped = jax.lax.stop_gradient((consts, x, y))
-        return jax.lax.stop_gradient(
-            _default_epsilon(cost_fn, stopped[0], stopped[1], stopped[2], chunk)
-        ).astype(dtype)
-    return _reverse_mode_only(jnp.asarray(epsilon, dtype))
 
 
 # ---------------------------------------------------------------------------------------
@@ -602,52 +597,50 @@ def sinkhorn(
         True
         >>> grad_x = jax.grad(lambda x: mw.ot.sinkhorn(x, y, epsilon=0.1).reg_ot_cost)(x)
     """
-    x, y, a, b, cost_fn, consts, dtype = _prepare(
-        x, y, a, b, cost, epsilon, max_iterations, threshold, epsilon_scaling)
-    n, m = x.shape[0], y.shape[0]
-    chunk = _resolve_chunk_size(chunk_size, cost_fn, consts, x, y)
-    eps = _epsilon(epsilon, cost_fn, consts, x, y, chunk, dtype)
+    p = _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
+                 epsilon_scaling)
+    n, m = p.x.shape[0], p.y.shape[0]
     if init is None:
-        g_init = jnp.zeros((m,), dtype)
+        g_init = jnp.zeros((m,), p.dtype)
     else:
         f0, g_init = init
         if jnp.shape(f0) != (n,) or jnp.shape(g_init) != (m,):
             raise ValueError(
                 f"init must be (f, g) of shapes ({n},), ({m},), got "
-                f"{jnp.shape(f0)}, {jnp.shape(g_init)}"
-            )
-        g_init = jnp.asarray(g_init, dtype)
-    return _sinkhorn(x, y, a, b, eps, cost_fn, consts, chunk, g_init,
-                     max_iterations, threshold, epsilon_scaling)
+                f"{jnp.shape(f0)}, {jnp.shape(g_init)}")
+        g_init = jnp.asarray(g_init, p.dtype)
+    return _sinkhorn(p, g_init, max_iterations=max_iterations, threshold=threshold,
+                     epsilon_scaling=epsilon_scaling)
 
 
-def _sinkhorn(x, y, a, b, eps, cost_fn, consts, chunk, g_init, max_iterations,
-              threshold, epsilon_scaling) -> SinkhornResult:
+def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold,
+              epsilon_scaling) -> SinkhornResult:
     sx, sy, sa, sb, seps, sconsts, sg = jax.lax.stop_gradient(
-        (x, y, a, b, eps, consts, g_init))
+        (p.x, p.y, p.a, p.b, p.eps, p.consts, g_init))
     eps_start = None
     if epsilon_scaling is not None:
-        eps_start = _max_cost(cost_fn, sconsts, sx, sy, chunk)
+        eps_start = _max_cost(p.cost, sconsts, sx, sy, p.chunk)
     f, g, errors, n_iterations, error, mass = _solve(
-        cost_fn, sconsts, sx, sy, sa, sb, seps, sg, chunk_size=chunk,
+        p.cost, sconsts, sx, sy, sa, sb, seps, sg, chunk_size=p.chunk,
         max_iterations=max_iterations, threshold=threshold, scaling=epsilon_scaling,
         eps_start=eps_start)
-    reg = _reg_ot_cost(cost_fn, chunk, x, y, a, b, eps, consts, f, g, mass)
+    reg = _reg_ot_cost(p.cost, p.chunk, p.x, p.y, p.a, p.b, p.eps, p.consts, f, g, mass)
     converged = (error < threshold) & ~jnp.any(jnp.isnan(errors))
     return SinkhornResult(f, g, reg, converged, n_iterations, errors, seps)
 
 
-def _symmetric_reg_ot_cost(x, a, eps, cost_fn, consts, chunk, max_iterations, threshold,
-                           epsilon_scaling):
-    sx, sa, seps, sconsts = jax.lax.stop_gradient((x, a, eps, consts))
+def _self_transport(p: _Problem, x, a, *, max_iterations, threshold,
+                    epsilon_scaling) -> SinkhornResult:
+    """OT(a, a) of the points x (one of p.x, p.y) with their weights a."""
+    sx, sa, seps, sconsts = jax.lax.stop_gradient((x, a, p.eps, p.consts))
     eps_start = None
     if epsilon_scaling is not None:
-        eps_start = _max_cost(cost_fn, sconsts, sx, sx, chunk)
+        eps_start = _max_cost(p.cost, sconsts, sx, sx, p.chunk)
     f, errors, n_iterations, error, mass = _solve_symmetric(
-        cost_fn, sconsts, sx, sa, seps, jnp.zeros_like(sa), chunk_size=chunk,
+        p.cost, sconsts, sx, sa, seps, jnp.zeros_like(sa), chunk_size=p.chunk,
         max_iterations=max_iterations, threshold=threshold, scaling=epsilon_scaling,
         eps_start=eps_start)
-    reg = _reg_ot_cost(cost_fn, chunk, x, x, a, a, eps, consts, f, f, mass)
+    reg = _reg_ot_cost(p.cost, p.chunk, x, x, a, a, p.eps, p.consts, f, f, mass)
     converged = (error < threshold) & ~jnp.any(jnp.isnan(errors))
     return SinkhornResult(f, f, reg, converged, n_iterations, errors, seps)
 
@@ -696,21 +689,15 @@ def sinkhorn_divergence(
         >>> loss, grad_x = jax.value_and_grad(
         ...     lambda x: mw.ot.sinkhorn_divergence(x, y, epsilon=0.1))(x)
     """
-    x, y, a, b, cost_fn, consts, dtype = _prepare(
-        x, y, a, b, cost, epsilon, max_iterations, threshold, epsilon_scaling)
-    m = y.shape[0]
-    chunk = _resolve_chunk_size(chunk_size, cost_fn, consts, x, y)
-    eps = _epsilon(epsilon, cost_fn, consts, x, y, chunk, dtype)
+    p = _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
+                 epsilon_scaling)
     options = dict(max_iterations=max_iterations, threshold=threshold,
                    epsilon_scaling=epsilon_scaling)
-    xy = _sinkhorn(x, y, a, b, eps, cost_fn, consts, chunk, jnp.zeros((m,), dtype),
-                   **options)
-    # The self terms reuse the cross term's tile (clipped to their sizes by the helper).
-    xx = _symmetric_reg_ot_cost(x, a, eps, cost_fn, consts, chunk, **options)
-    yy = _symmetric_reg_ot_cost(y, b, eps, cost_fn, consts, chunk, **options)
-    stopped_eps = jax.lax.stop_gradient(eps)
+    xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.dtype), **options)
+    xx = _self_transport(p, p.x, p.a, **options)
+    yy = _self_transport(p, p.y, p.b, **options)
     divergence = (xy.reg_ot_cost - 0.5 * (xx.reg_ot_cost + yy.reg_ot_cost)
-                  + 0.5 * stopped_eps * (jnp.sum(a) - jnp.sum(b)) ** 2)
+                  + 0.5 * jax.lax.stop_gradient(p.eps) * (jnp.sum(p.a) - jnp.sum(p.b)) ** 2)
     if return_results:
         return divergence, (xy, xx, yy)
     return divergence
