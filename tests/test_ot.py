@@ -212,6 +212,22 @@ def test_bad_values_under_jit_report_not_converged_not_silent_nan():
     assert not bool(out.converged)
 
 
+def test_unequal_weight_totals_raise_or_give_nan_under_jit():
+    x, y, a, b = clouds(13, n=20, m=30)
+    for solve in (ot.sinkhorn, ot.sinkhorn_divergence):
+        with pytest.raises(ValueError, match=r"sum\(a\) = 1 and sum\(b\) = 3"):
+            solve(x, y, a, 3 * b, epsilon=0.1)
+    run = jax.jit(lambda a, b: ot.sinkhorn_divergence(
+        x, y, a, b, epsilon=0.1, chunk_size=8, return_results=True))
+    divergence, (xy, _, _) = run(a, 3 * b)
+    assert np.isnan(divergence) and np.isnan(xy.reg_ot_cost) and not bool(xy.converged)
+    # A mismatch at the weights' rounding level is balanced (b takes a's total).
+    reference, (xy, _, _) = run(a, b)
+    rounded, (xy_rounded, _, _) = run(a, b * (1 + 3e-6))
+    assert bool(xy.converged) and bool(xy_rounded.converged)
+    np.testing.assert_allclose(rounded, reference, rtol=1e-4)
+
+
 FORWARD_MODE = {
     "jvp": lambda fn, x: jax.jvp(fn, (x,), (jnp.ones_like(x),)),
     "jacfwd": lambda fn, x: jax.jacfwd(fn)(x),

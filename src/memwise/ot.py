@@ -420,6 +420,7 @@ class _Problem(NamedTuple):
     chunk: Tiling
     eps: Array
     dtype: Any
+    mass_rtol: float  # relative mismatch of sum(a), sum(b) that is only rounding
 
 
 def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
@@ -431,8 +432,20 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
             f"x and y must have the same dimension: x is {x.shape}, y is {y.shape}")
     dtype = jnp.result_type(x.dtype, y.dtype)
     x, y = x.astype(dtype), y.astype(dtype)
+    # Totals that differ by the weights' rounding only (4 ulps, at least 1e-5) are
+    # balanced: b is rescaled to sum(a) before solving (see _sinkhorn).
+    mass_rtol = max([1e-5] + [4 * float(jnp.finfo(jnp.asarray(w).dtype).eps)
+                              for w in (a, b) if w is not None
+                              and jnp.issubdtype(jnp.asarray(w).dtype, jnp.floating)])
     a = _check_weights("a", a, x.shape[0], dtype)
     b = _check_weights("b", b, y.shape[0], dtype)
+    if _is_concrete(a) and _is_concrete(b):
+        total_a, total_b = float(np.sum(np.asarray(a))), float(np.sum(np.asarray(b)))
+        if abs(total_a - total_b) > mass_rtol * max(total_a, total_b):
+            raise ValueError(
+                f"a and b must have the same total for balanced OT, got sum(a) = "
+                f"{total_a:.6g} and sum(b) = {total_b:.6g}; normalise both (a / a.sum(), "
+                "b / b.sum()), or leave them None for uniform weights")
     cost_fn, consts = _resolve_cost(cost, x, y)
     # One tiling (one "auto" knob for memwise.fit) serves every pass of the call: the
     # solves, the backward and the divergence's self terms (their sizes clipped).
@@ -447,7 +460,7 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
     else:
         eps = jnp.asarray(epsilon, dtype)
     x, y, a, b, consts, eps = _reverse_mode_only((x, y, a, b, consts, eps))
-    return _Problem(x, y, a, b, cost_fn, consts, chunk, eps.astype(dtype), dtype)
+    return _Problem(x, y, a, b, cost_fn, consts, chunk, eps.astype(dtype), dtype, mass_rtol)
 
 
 def _is_concrete(value: Any) -> bool:
@@ -567,7 +580,10 @@ def sinkhorn(
       x: ``[n, d]`` source points.
       y: ``[m, d]`` target points.
       a: ``[n]`` nonnegative source weights (default uniform ``1/n``); zeros allowed.
-      b: ``[m]`` target weights (default uniform ``1/m``).
+      b: ``[m]`` target weights (default uniform ``1/m``). Balanced OT needs
+        ``sum(a) == sum(b)`` up to the weights' rounding: other totals raise a
+        ``ValueError``, or, for weights traced under ``jit``, give NaN costs with
+        ``converged=False``.
       epsilon: entropic regularisation; ``None`` means ``0.05 * std(C)`` as in OTT-JAX 0.6
         (not differentiated).
       cost: ``"sqeuclidean"`` (``|x|^2 + |y|^2 - 2 x.y`` per tile), ``"euclidean"``,
@@ -615,8 +631,15 @@ def sinkhorn(
 
 def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold,
               epsilon_scaling) -> SinkhornResult:
+    # Unequal totals have no balanced plan: traced weights (concrete ones raised in
+    # _prepare) make the problem NaN, so it reports converged=False. A rounding-level
+    # mismatch would keep the column error from falling below it: b takes a's total.
+    total_a, total_b = jnp.sum(p.a), jnp.sum(p.b)
+    balanced = jnp.abs(total_a - total_b) <= p.mass_rtol * jnp.maximum(total_a, total_b)
+    eps = jnp.where(balanced, p.eps, jnp.nan)
+    b = p.b * jax.lax.stop_gradient(total_a / total_b)
     sx, sy, sa, sb, seps, sconsts, sg = jax.lax.stop_gradient(
-        (p.x, p.y, p.a, p.b, p.eps, p.consts, g_init))
+        (p.x, p.y, p.a, b, eps, p.consts, g_init))
     eps_start = None
     if epsilon_scaling is not None:
         eps_start = _max_cost(p.cost, sconsts, sx, sy, p.chunk)
@@ -624,9 +647,10 @@ def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold,
         p.cost, sconsts, sx, sy, sa, sb, seps, sg, chunk_size=p.chunk,
         max_iterations=max_iterations, threshold=threshold, scaling=epsilon_scaling,
         eps_start=eps_start)
-    reg = _reg_ot_cost(p.cost, p.chunk, p.x, p.y, p.a, p.b, p.eps, p.consts, f, g, mass)
+    reg = _reg_ot_cost(p.cost, p.chunk, p.x, p.y, p.a, b, eps, p.consts, f, g, mass)
     converged = (error < threshold) & ~jnp.any(jnp.isnan(errors))
-    return SinkhornResult(f, g, reg, converged, n_iterations, errors, seps)
+    return SinkhornResult(f, g, reg, converged, n_iterations, errors,
+                          jax.lax.stop_gradient(p.eps))
 
 
 def _self_transport(p: _Problem, x, a, *, max_iterations, threshold,
