@@ -120,6 +120,21 @@ def test_default_epsilon_is_ott_default_and_scaling_agrees():
     assert int(scaled.n_iterations) < int(plain.n_iterations)
 
 
+@pytest.mark.parametrize("n,m,shift", [(5, 7, 0.0), (1, 1, 0.0), (1, 1, 1.0), (1, 4, 0.5)])
+def test_default_epsilon_is_floored_when_every_cost_is_equal(n, m, shift):
+    # One point each or all points in one place: OTT's default epsilon is 0 (cost NaN).
+    point = jnp.array([0.3, -1.2])
+    x, y = jnp.tile(point, (n, 1)), jnp.tile(point + shift, (m, 1))
+    cost = float(jnp.sum((point - (point + shift)) ** 2))
+    out = ot.sinkhorn(x, y)
+    assert float(out.epsilon) > 0 and bool(out.converged)
+    np.testing.assert_allclose(out.reg_ot_cost, cost, atol=1e-5)  # any plan costs C
+    divergence = ot.sinkhorn_divergence(x, y)
+    np.testing.assert_allclose(divergence, cost, atol=1e-5)
+    grad = jax.grad(lambda x: ot.sinkhorn_divergence(x, y))(x)
+    np.testing.assert_allclose(grad.sum(0), 2 * (point - (point + shift)), atol=1e-4)
+
+
 def dense_reg_cost(cost, x, y, a, b, eps, iterations=3000):
     """Naive JAX reference: dense log-domain Sinkhorn, envelope gradient by autodiff."""
     c = jax.vmap(jax.vmap(cost, (None, 0)), (0, None))(x, y)

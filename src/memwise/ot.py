@@ -52,6 +52,8 @@ ChunkSize = int | tuple[int, int] | str | Tiling
 
 # OTT-JAX's DEFAULT_EPSILON_SCALE: epsilon=None means this times the cost matrix's std.
 DEFAULT_EPSILON_SCALE = 0.05
+# epsilon=None is floored at DEFAULT_EPSILON_SCALE times this fraction of |mean(C)|.
+_EPSILON_FLOOR = 0.01
 # OTT's Cosine cost regularises its denominator by this ridge.
 _COSINE_RIDGE = 1e-8
 _COSTS = ("sqeuclidean", "euclidean", "cosine")
@@ -206,24 +208,22 @@ def _safe_log(weights: Array) -> Array:
 
 
 def _default_epsilon(cost, consts, x, y, chunk_size) -> Array:
-    """0.05 x std of all ``C(x_i, y_j)`` (OTT-JAX 0.6's default), in two chunked passes."""
-    n, m = x.shape[0], y.shape[0]
-    mean = jnp.sum(
-        pairwise_reduce(
-            lambda xi, yj: cost(xi, yj, *consts), x, y, reduce="sum", chunk_size=chunk_size
-        )
-    ) / float(n * m)
+    """0.05 x std of all ``C(x_i, y_j)`` (OTT-JAX 0.6's default), in two chunked passes.
+
+    Floored, where OTT's is 0 or degenerate, at 0.05 x (1% of ``|mean(C)|``), or 0.05
+    when every cost is 0: then ``|mean(C)| / epsilon <= 2000``, so float32 rounding of
+    the costs stays about 1e-4 of epsilon. With every cost equal (one point, or all points in one
+    place) any epsilon gives the exact answer, ``C`` itself; OTT's epsilon 0 gives NaN.
+    """
+    def passes(fn):
+        return jnp.sum(pairwise_reduce(fn, x, y, reduce="sum", chunk_size=chunk_size))
+
+    mean = passes(lambda xi, yj: cost(xi, yj, *consts)) / float(x.shape[0] * y.shape[0])
     # Centred second pass: avoids E[C^2] - E[C]^2 cancellation in float32.
-    var = jnp.sum(
-        pairwise_reduce(
-            lambda xi, yj: (cost(xi, yj, *consts) - mean) ** 2,
-            x,
-            y,
-            reduce="sum",
-            chunk_size=chunk_size,
-        )
-    ) / float(n * m)
-    return DEFAULT_EPSILON_SCALE * jnp.sqrt(var)
+    var = passes(lambda xi, yj: (cost(xi, yj, *consts) - mean) ** 2) / float(
+        x.shape[0] * y.shape[0])
+    scale = jnp.maximum(jnp.sqrt(var), _EPSILON_FLOOR * jnp.abs(mean))
+    return DEFAULT_EPSILON_SCALE * jnp.where(scale > 0, scale, 1.0)
 
 
 def _max_cost(cost, consts, x, y, chunk_size) -> Array:
@@ -585,7 +585,8 @@ def sinkhorn(
         ``ValueError``, or, for weights traced under ``jit``, give NaN costs with
         ``converged=False``.
       epsilon: entropic regularisation; ``None`` means ``0.05 * std(C)`` as in OTT-JAX 0.6
-        (not differentiated).
+        (not differentiated), floored where ``std(C) < 1% |mean(C)|`` (a single point,
+        coincident points: OTT's epsilon is then 0 and its cost NaN).
       cost: ``"sqeuclidean"`` (``|x|^2 + |y|^2 - 2 x.y`` per tile), ``"euclidean"``,
         ``"cosine"``, or a function of two ``[d]`` points returning a scalar (it may close
         over arrays; their gradient is returned).
