@@ -167,18 +167,107 @@ def test_shape_dtype_structs_compile_without_data():
     assert memory.output_bytes == 4096 * 4096 * 4
 
 
-def test_bad_inputs():
-    x = jnp.ones(3)
-    with pytest.raises(TypeError, match="fn must be callable"):
-        mw.memory_report(42, x)
-    with pytest.raises(ValueError, match="argnums=3 is out of range"):
-        mw.memory_report(lambda a: jnp.sum(a), x, grad=True, argnums=3)
-    with pytest.raises(TypeError, match="one scalar"):
-        mw.memory_report(jnp.sin, x, grad=True)
-    with pytest.raises(TypeError, match="float output"):
-        mw.memory_report(lambda a: jnp.sum(a).astype(jnp.int32), x, grad=True)
-    with pytest.raises(TypeError, match="cannot be differentiated"):
-        mw.memory_report(lambda a: jnp.sum(a * 1.0), jnp.arange(3), grad=True)
+def layers_loss(x, n_layers, *, mode="sum", act=jnp.tanh):
+    """A Python int used in range, a string option and a function: static arguments."""
+    for _ in range(n_layers):
+        x = act(x * 2.0)  # layers line
+    return jnp.sum(x) if mode == "sum" else jnp.mean(x)
+
+
+def test_static_arguments_are_passed_as_python_values():
+    x = jnp.ones((16, 8))
+    report = mw.memory_report(layers_loss, x, 3, mode="mean", act=jnp.sin, grad=True,
+                              static_argnums=1, static_argnames=("mode", "act"))
+    bound = mw.memory_report(lambda x: layers_loss(x, 3, mode="mean", act=jnp.sin), x, grad=True)
+    for field in ("peak_bytes", "temp_bytes", "argument_bytes", "output_bytes", "residual_bytes"):
+        assert getattr(report, field) == getattr(bound, field), field
+    assert report.name == "layers_loss"
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, 1) if text.rstrip().endswith("# layers line"))
+    sources = {r.source for r in report.residuals}
+    assert f"{__file__}:{line}" in sources and not any("argument" in s for s in sources)
+    # a static name also marks its position, as in jax.jit; negative positions count back
+    sizes = lambda m: (m.peak_bytes, m.temp_bytes, m.argument_bytes)
+    by_name = measure.compiled_memory(layers_loss, x, 3, static_argnames=("n_layers",))
+    by_position = measure.compiled_memory(layers_loss, x, 3, static_argnums=-1)
+    bound = measure.compiled_memory(lambda x: layers_loss(x, 3), x)
+    assert sizes(by_name) == sizes(by_position) == sizes(bound)
+    # the executable takes the traced arguments, None in place of the static ones
+    exe, _ = measure.compile_measured(layers_loss, x, 2, static_argnums=1)
+    np.testing.assert_allclose(exe(x, None), layers_loss(x, 2), rtol=1e-6)
+
+
+def test_static_argument_keeps_the_names_of_the_others():
+    def loss(n_layers, x):
+        return layers_loss(x, n_layers)
+
+    report = mw.memory_report(loss, 2, jnp.ones(8), grad=True, argnums=1, static_argnums=0)
+    assert report.residuals and all(r.source != "argument 'n_layers'" for r in report.residuals)
+    kept = mw.measure.residuals(lambda n, x: jnp.sum(jnp.sin(x) * n), 2.0, jnp.ones(8),
+                                argnums=1, static_argnums=0)
+    assert ("cos", (8,), "/") in [(r.what, r.shape, r.source[:1]) for r in kept]
+    assert not any(r.source.startswith("argument") for r in kept)
+
+
+X = jnp.ones(3)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: mw.memory_report(42, X), TypeError, "fn must be callable"),
+        (lambda: mw.memory_report(jnp.sum, X, grad=1), TypeError, "grad must be True or False"),
+        (lambda: mw.memory_report(jnp.sum, X, grad=True, argnums=3), ValueError,
+         "argnums=3 is out of range"),
+        (lambda: mw.memory_report(jnp.sum, X, grad=True, argnums=True), TypeError,
+         "argnums must be an int"),
+        (lambda: mw.memory_report(jnp.sum, X, grad=True, argnums="x"), TypeError,
+         "argnums must be an int"),
+        (lambda: mw.memory_report(jnp.sin, X, grad=True), TypeError, "one scalar"),
+        (lambda: mw.memory_report(lambda a: (jnp.sum(a), None), X, grad=True), TypeError,
+         "one scalar array"),
+        (lambda: mw.memory_report(lambda a: {"loss": jnp.sum(a)}, X, grad=True), TypeError,
+         "one scalar array"),
+        (lambda: mw.memory_report(lambda a: jnp.sum(a).astype(jnp.int32), X, grad=True),
+         TypeError, "real float output"),
+        (lambda: mw.memory_report(lambda a: jnp.sum(a) * 1j, X, grad=True), TypeError,
+         "real float output"),
+        (lambda: mw.memory_report(lambda a: jnp.sum(a * 1.0), jnp.arange(3), grad=True),
+         TypeError, r"argument 0 \('a'\) has a leaf of dtype int32"),
+        (lambda: mw.memory_report(lambda p, x: jnp.sum(x), None, X, grad=True), ValueError,
+         r"argument 0 \('p'\), which holds no arrays"),
+        (lambda: mw.memory_report(layers_loss, X, 2, mode="mean"), TypeError,
+         r"keyword argument 'mode' is a str.*static_argnames=\('mode',\)"),
+        (lambda: mw.memory_report(lambda f, x: jnp.sum(f(x)), jnp.sin, X), TypeError,
+         r"argument 0 \('f'\) is a .*static_argnums=\(0,\)"),
+        (lambda: mw.memory_report(lambda x, opts: jnp.sum(x), X, {"mode": "a"}), TypeError,
+         r"argument 1 \('opts'\)\['mode'\] is a str"),
+        (lambda: mw.memory_report(layers_loss, X, 2), TypeError,
+         r"argument 'n_layers' as a Python value.*static_argnums=\(1,\)"),
+        (lambda: mw.memory_report(layers_loss, X, 2, grad=True, argnums=1, static_argnums=1),
+         ValueError, r"argnums=1 names argument 1 \('n_layers'\), which is static"),
+        (lambda: mw.memory_report(layers_loss, X, 2, static_argnums=5), ValueError,
+         "static_argnums=5 is out of range"),
+        (lambda: mw.memory_report(layers_loss, X, 2, static_argnames=("depth",)), ValueError,
+         r"static_argnames=\('depth',\) names no parameter"),
+        (lambda: mw.memory_report(layers_loss, X, 2, static_argnums=1.0), TypeError,
+         "static_argnums must be an int"),
+        (lambda: mw.memory_report(layers_loss, X, 2, static_argnums=1, static_argnames=3),
+         TypeError, "static_argnames must be a str"),
+        (lambda: measure.residuals(jnp.sum, X, argnums=2), ValueError, "argnums=2 is out of range"),
+    ],
+)
+def test_bad_input_table(call, error, match):
+    # Each bad input is a TypeError/ValueError naming the argument and the fix.
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_zero_size_and_none_leaves_are_measured():
+    empty = mw.memory_report(lambda a: jnp.sum(a**2), jnp.ones((0, 3)), grad=True)
+    assert empty.argument_bytes == 0 and empty.residual_bytes == 0
+    with_none = mw.memory_report(lambda p: jnp.sum(p["w"] ** 2), {"w": X, "b": None}, grad=True)
+    assert with_none.argument_bytes == 12
 
 
 def test_without_positional_arguments():
@@ -203,7 +292,9 @@ def test_residuals_equal_those_of_the_report():
 @pytest.mark.parametrize(
     "budget, expected",
     [(1024, 1024), ("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536),
-     ("2gb", 2 * 10**9), (" 3 b ", 3)],
+     ("2gb", 2 * 10**9), (" 3 b ", 3), ("1e9", 10**9), ("1E3 kb", 10**6), ("1,000", 1000),
+     ("1,000,000 B", 10**6), ("1_000", 1000), ("2.5GiB", int(2.5 * 2**30)),
+     ("2.5 GB", 25 * 10**8), (".5 MiB", 2**19), ("+7", 7), (np.int64(5), 5)],
 )
 def test_parse_budget(budget, expected):
     assert measure.parse_budget(budget) == expected
@@ -217,13 +308,18 @@ def test_parse_budget_fraction_of_device():
 
 @pytest.mark.parametrize(
     "budget, error",
-    [(0, ValueError), (-5, ValueError), (1.5, ValueError), (0.0, ValueError),
-     ("lots", ValueError), ("5 parsecs", ValueError), ("0 MiB", ValueError),
-     (None, TypeError), (True, TypeError), ([1], TypeError)],
+    [(0, ValueError), (-5, ValueError), (1.5, ValueError), (0.0, ValueError), (1e9, ValueError),
+     (float("nan"), ValueError), (float("inf"), ValueError), ("lots", ValueError),
+     ("abc", ValueError), ("5 parsecs", ValueError), ("0 MiB", ValueError), ("0", ValueError),
+     ("-1", ValueError), ("-2GiB", ValueError), ("nan", ValueError), ("inf", ValueError),
+     ("1e400", ValueError), ("0.4", ValueError), ("1,00", ValueError), ("1__0", ValueError),
+     ("", ValueError), ("GiB", ValueError), (None, TypeError), (True, TypeError),
+     ([1], TypeError)],
 )
 def test_bad_budgets(budget, error):
-    with pytest.raises(error, match="budget"):
+    with pytest.raises(error, match="budget") as raised:
         measure.parse_budget(budget)
+    assert "'8GiB'" in str(raised.value) and "'1e9'" in str(raised.value)  # accepted forms
 
 
 def test_format_bytes():

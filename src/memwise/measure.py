@@ -7,7 +7,8 @@ module is the one place memwise reads those numbers (:func:`compiled_memory`), a
 what the compiler cannot say: which arrays the backward pass of ``jax.grad`` keeps
 (``residuals``, from ``jax.ad_checkpoint``'s saved-residual analysis) and the line of user
 code that produced each of them (:func:`memory_report`). It also reads budgets
-(:func:`parse_budget`: bytes, ``"8GiB"``, or a fraction of :func:`device_memory_bytes`).
+(:func:`parse_budget`: bytes, ``"8GiB"``, ``"1e9"``, or a fraction of
+:func:`device_memory_bytes`).
 
 Peak memory is argument + output - alias + temp, or XLA's ``peak_memory_in_bytes`` where
 jaxlib reports a larger value (it also counts constants baked into the program). The max
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -29,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise import _jax_private
+from memwise import _arguments, _jax_private
 
 __all__ = [
     "CompiledMemory",
@@ -38,6 +41,7 @@ __all__ = [
     "compile_measured",
     "compiled_memory",
     "device_memory_bytes",
+    "host_memory_bytes",
     "memory_report",
     "parse_budget",
     "residuals",
@@ -94,53 +98,26 @@ class CompiledMemory:
         )
 
 
-def _check_fn_and_argnums(
-    fn: Any, args: Sequence[Any], argnums: int | Sequence[int], grad: bool
-) -> tuple[int, ...]:
-    """The argument positions to differentiate (none when ``grad`` is False)."""
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
-    if not grad:  # argnums only choose what a gradient differentiates
-        return ()
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums or not all(isinstance(i, int) for i in nums):
-        raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
-    if not args:
-        raise ValueError(
-            f"grad=True differentiates the positional arguments chosen by argnums={argnums!r}, "
-            "but fn was given no positional arguments; pass the arrays to differentiate "
-            "positionally, or measure fn itself with grad=False"
-        )
-    for i in nums:
-        if not -len(args) <= i < len(args):
-            raise ValueError(
-                f"argnums={argnums!r} is out of range for {len(args)} positional "
-                f"argument(s); pass argnums between 0 and {len(args) - 1}"
-            )
-    return tuple(i % len(args) for i in nums)
-
-
 def _check_differentiable(fn: Callable, args: Sequence[Any], kwargs: dict, argnums):
     out = jax.eval_shape(fn, *args, **kwargs)
-    leaves = jax.tree_util.tree_leaves(out)
-    if len(leaves) != 1 or leaves[0].shape != ():
-        shapes = [tuple(leaf.shape) for leaf in leaves]
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(out)) or out.shape != ():
+        shapes = [tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(out)]
         raise TypeError(
-            "grad=True needs fn to return one scalar; it returned "
+            "grad=True needs fn to return one scalar array; it returned "
             f"{jax.tree_util.tree_structure(out)} with shapes {shapes}. Reduce the output "
-            "(e.g. jnp.sum) or measure fn itself with grad=False"
+            "(e.g. jnp.sum), return the loss alone, or measure fn itself with grad=False"
         )
-    if not jnp.issubdtype(leaves[0].dtype, jnp.inexact):
+    if not jnp.issubdtype(out.dtype, jnp.floating):
         raise TypeError(
-            f"grad=True needs a float output, fn returned {leaves[0].dtype}; "
-            "cast the loss to a float dtype"
+            f"grad=True needs a real float output, fn returned {out.dtype}; "
+            "cast the loss to a float dtype (for a complex loss, take its real part)"
         )
     for i in argnums:
         for leaf in jax.tree_util.tree_leaves(args[i]):
             dtype = jnp.result_type(leaf)
             if not jnp.issubdtype(dtype, jnp.inexact):
                 raise TypeError(
-                    f"argument {i} has a leaf of dtype {dtype}, which cannot be "
+                    f"{_arguments.describe(fn, i)} has a leaf of dtype {dtype}, which cannot be "
                     "differentiated; choose float arguments with argnums"
                 )
 
@@ -156,17 +133,25 @@ def compile_measured(
     *args: Any,
     grad: bool = False,
     argnums: int | Sequence[int] = 0,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
     **kwargs: Any,
 ) -> tuple[Any, CompiledMemory]:
     """Compiles ``fn`` (or ``jax.grad(fn, argnums)``) for ``args``: (executable, memory).
 
-    The executable is a ``jax.stages.Compiled`` to call with the same arguments; use it
-    when the program is also to be run, so it is compiled once.
+    The executable is a ``jax.stages.Compiled``; call it with the traced arguments
+    (``None`` in place of static positional ones, static keywords left out). Use it when
+    the program is also to be run, so it is compiled once. ``static_argnums`` and
+    ``static_argnames`` are those of ``jax.jit``.
     """
-    nums = _check_fn_and_argnums(fn, args, argnums, grad)
-    if grad:
-        _check_differentiable(fn, args, kwargs, nums)
-    traced = jax.jit(_target(fn, grad, nums)).trace(*args, **kwargs)
+    fn, args, kwargs, nums = _arguments.prepare(
+        fn, args, kwargs, grad=grad, argnums=argnums, static_argnums=static_argnums,
+        static_argnames=static_argnames,
+    )
+    with _arguments.static_hint(fn):
+        if grad:
+            _check_differentiable(fn, args, kwargs, nums)
+        traced = jax.jit(_target(fn, grad, nums)).trace(*args, **kwargs)
     constant_bytes = sum(
         int(np.asarray(c).nbytes) if hasattr(c, "shape") else 0 for c in traced.jaxpr.consts
     )
@@ -183,12 +168,16 @@ def compiled_memory(
     *args: Any,
     grad: bool = False,
     argnums: int | Sequence[int] = 0,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
     **kwargs: Any,
 ) -> CompiledMemory:
     """Compiles ``fn`` (or ``jax.grad(fn, argnums)``) for ``args`` and returns its buffers.
 
     Nothing runs: arguments may be ``jax.ShapeDtypeStruct``s. This is the one function
-    memwise uses to measure memory, in tests, benchmarks and ``fit``.
+    memwise uses to measure memory, in tests, benchmarks and ``fit``. Arguments named by
+    ``static_argnums``/``static_argnames`` (Python ints, strings, callables) are passed
+    to ``fn`` as they are, as ``jax.jit`` passes static arguments.
 
     Example::
 
@@ -198,7 +187,10 @@ def compiled_memory(
         >>> mem.temp_bytes >= 0
         True
     """
-    return compile_measured(fn, *args, grad=grad, argnums=argnums, **kwargs)[1]
+    return compile_measured(
+        fn, *args, grad=grad, argnums=argnums, static_argnums=static_argnums,
+        static_argnames=static_argnames, **kwargs,
+    )[1]
 
 
 # ----------------------------------------------------------------------------------------
@@ -308,7 +300,12 @@ def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
 
 
 def residuals(
-    fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, **kwargs: Any
+    fn: Callable,
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    **kwargs: Any,
 ) -> tuple[Residual, ...]:
     """What ``jax.grad(fn, argnums)`` keeps for its backward pass, by source, largest first.
 
@@ -322,8 +319,12 @@ def residuals(
         >>> [(r.what, r.shape, r.nbytes) for r in kept]  # sin's backward keeps cos(x)
         [('cos', (8,), 32)]
     """
-    nums = _check_fn_and_argnums(fn, args, argnums, grad=True)
-    return tuple(_group_residuals(saved_residuals(fn, *args, argnums=nums, **kwargs)))
+    fn, args, kwargs, nums = _arguments.prepare(
+        fn, args, kwargs, grad=True, argnums=argnums, static_argnums=static_argnums,
+        static_argnames=static_argnames,
+    )
+    with _arguments.static_hint(fn):
+        return tuple(_group_residuals(saved_residuals(fn, *args, argnums=nums, **kwargs)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -332,6 +333,14 @@ def residuals(
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
+
+_BUDGET_FORMS = ("bytes as an int (1 << 30) or a string ('8GiB', '2.5 GB', '512MB', '1e9', "
+         "'1,000,000', '1_000_000'), or a fraction of device memory in (0, 1] such as 0.8")
+
+# A number (thousands separated by ',' or '_' allowed, decimals, an exponent), then a unit.
+_NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+(?:_\d+)*)(?:\.\d*)?|\.\d+"
+_BUDGET_RE = re.compile(rf"\s*(?P<sign>[+-]?)\s*(?P<number>(?:{_NUMBER})(?:[eE][+-]?\d+)?)"
+                        r"\s*(?P<unit>[a-zA-Z]*)\s*")
 
 
 def host_memory_bytes() -> int:
@@ -354,44 +363,47 @@ def device_memory_bytes() -> int:
 
 
 def parse_budget(budget: int | float | str) -> int:
-    """Bytes from ``1 << 30``, ``"8GiB"``, ``"512MB"`` or a device fraction like ``0.8``.
+    """Bytes from ``1 << 30``, ``"8GiB"``, ``"2.5 GB"``, ``"1e9"``, ``"1,000"`` or ``0.8``.
 
-    A float is a fraction of :func:`device_memory_bytes`; a string is a number with a
-    decimal (``MB``) or binary (``MiB``) unit.
+    An int or a string is bytes: a string is a number (thousands separated by ``,`` or
+    ``_``, decimals and exponents allowed) with an optional decimal (``MB``) or binary
+    (``MiB``) unit. A float is a fraction of :func:`device_memory_bytes` in (0, 1].
+
+    Raises:
+      ValueError: for zero, negative, NaN or infinite budgets and unreadable strings; the
+        message lists the accepted forms.
+      TypeError: for other types (a bool, None, a list).
 
     Example::
 
         >>> from memwise.measure import parse_budget
         >>> parse_budget("1.5 KiB"), parse_budget("2MB"), parse_budget(4096)
         (1536, 2000000, 4096)
+        >>> parse_budget("1e9"), parse_budget("1,000"), parse_budget("2.5GiB")
+        (1000000000, 1000, 2684354560)
     """
-    if isinstance(budget, bool):
-        raise TypeError("budget must be bytes, a size string or a fraction, not a bool")
-    if isinstance(budget, int):
+    if isinstance(budget, bool) or not isinstance(budget, (numbers.Real, str)):
+        raise TypeError(f"budget must be {_BUDGET_FORMS}; got {type(budget).__name__} {budget!r}")
+    if isinstance(budget, numbers.Integral):
         if budget <= 0:
-            raise ValueError(f"budget must be positive, got {budget}")
-        return budget
-    if isinstance(budget, float):
-        if not 0 < budget <= 1:
+            raise ValueError(f"budget must be positive, got {budget}; pass {_BUDGET_FORMS}")
+        return int(budget)
+    if isinstance(budget, numbers.Real):
+        if not 0 < budget <= 1:  # also rejects NaN
             raise ValueError(
-                f"a float budget is a fraction of device memory in (0, 1], got {budget}; "
-                "pass bytes as an int or a string like '8GiB'"
+                f"a float budget is a fraction of device memory in (0, 1], got {budget!r}; "
+                f"for bytes pass an int or a string: {_BUDGET_FORMS}"
             )
         return int(budget * device_memory_bytes())
-    if isinstance(budget, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-        if match is None or match[2].lower() not in _UNITS:
-            raise ValueError(
-                f"cannot read budget {budget!r}; write bytes with a unit such as '8GiB', "
-                "'512MB' or '1.5 GB'"
-            )
-        value = int(float(match[1]) * _UNITS[match[2].lower()])
-        if value <= 0:
-            raise ValueError(f"budget must be positive, got {budget!r}")
-        return value
-    raise TypeError(
-        f"budget must be bytes, a size string or a fraction, got {type(budget).__name__}"
-    )
+    match = _BUDGET_RE.fullmatch(budget)
+    if match is None or match["unit"].lower() not in _UNITS:
+        raise ValueError(f"cannot read budget {budget!r}; write {_BUDGET_FORMS}")
+    value = float(match["number"].replace(",", "")) * _UNITS[match["unit"].lower()]
+    if match["sign"] == "-" or not math.isfinite(value) or int(value) <= 0:
+        raise ValueError(
+            f"budget must be a finite size of at least one byte, got {budget!r}; write {_BUDGET_FORMS}"
+        )
+    return int(value)
 
 
 # ----------------------------------------------------------------------------------------
@@ -521,6 +533,8 @@ def memory_report(
     *args: Any,
     grad: bool = False,
     argnums: int | Sequence[int] = 0,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
     **kwargs: Any,
 ) -> MemoryReport:
     """Where the memory of ``fn`` (or of its gradient) goes, by compiling, never running.
@@ -529,7 +543,10 @@ def memory_report(
       fn: the function to measure; with ``grad=True`` it must return a float scalar.
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``s).
       grad: measure ``jax.grad(fn, argnums)`` and list what its backward pass keeps.
-      argnums: the arguments to differentiate with ``grad=True``.
+      argnums: the arguments to differentiate with ``grad=True`` (never static ones).
+      static_argnums, static_argnames: arguments passed to ``fn`` as Python values, as
+        ``jax.jit`` passes static arguments: an int used in ``range``, a string option,
+        a function.
       **kwargs: keyword arguments passed to ``fn``.
 
     Returns:
@@ -546,10 +563,11 @@ def memory_report(
         >>> report = mw.memory_report(loss, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
         >>> print(report.to_text())  # doctest: +SKIP
     """
-    memory = compiled_memory(fn, *args, grad=grad, argnums=argnums, **kwargs)
+    static = {"static_argnums": static_argnums, "static_argnames": static_argnames}
+    memory = compiled_memory(fn, *args, grad=grad, argnums=argnums, **static, **kwargs)
     return MemoryReport(
         name=getattr(fn, "__name__", type(fn).__name__),
         grad=grad,
-        residuals=residuals(fn, *args, argnums=argnums, **kwargs) if grad else (),
+        residuals=residuals(fn, *args, argnums=argnums, **static, **kwargs) if grad else (),
         **dataclasses.asdict(memory),
     )

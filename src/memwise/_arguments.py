@@ -1,0 +1,266 @@
+"""The arguments of a call to measure, as ``jax.jit`` sees them, checked before tracing.
+
+``memory_report``, ``compiled_memory`` and ``fit`` take a function and its arguments the
+way ``jax.jit`` does, ``static_argnums``/``static_argnames`` included. Static arguments
+are bound into the function and replaced by ``None`` (a pytree without leaves) in the
+call, so positions, argument names and leaves still line up with the user's call (the
+saved-residual analysis names arguments through them). Everything a trace would fail on
+with a raw JAX traceback (a string or a function among the traced arguments, argnums out
+of range or naming a static argument) is checked first, with a message that names the
+argument and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+
+__all__ = [
+    "abstract",
+    "check_static_options",
+    "describe",
+    "index_tuple",
+    "prepare",
+    "signature",
+    "static_arguments",
+    "static_hint",
+]
+
+
+def index_tuple(value: Any, name: str) -> tuple[int, ...]:
+    """``argnums``-style input (an int or a sequence of ints, never bools) as a tuple."""
+    items = (value,) if isinstance(value, int) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}")
+    return items
+
+
+def _name_tuple(value: Any, name: str) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(n, str) for n in items):
+        raise TypeError(f"{name} must be a str or a tuple of str, got {value!r}")
+    return items
+
+
+def _parameters(fn: Callable) -> dict[str, inspect.Parameter] | None:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins and other callables without a signature
+        return None
+
+
+def _positional_names(params: dict[str, inspect.Parameter] | None) -> list[str]:
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in (params or {}).values() if p.kind in kinds]
+
+
+def check_static_options(fn: Callable, static_argnums: Any, static_argnames: Any) -> None:
+    """Checks ``static_argnums``/``static_argnames`` against ``fn``'s signature, as jax.jit."""
+    nums = index_tuple(static_argnums, "static_argnums")
+    names = _name_tuple(static_argnames, "static_argnames")
+    params = _parameters(fn)
+    if params is None:
+        return
+    kinds = {p.kind for p in params.values()}
+    positional = _positional_names(params)
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        for i in nums:
+            if not -len(positional) <= i < len(positional):
+                raise ValueError(
+                    f"static_argnums={static_argnums!r} is out of range: fn takes "
+                    f"{len(positional)} positional argument(s) {positional}"
+                )
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        unknown = [n for n in names if n not in params]
+        if unknown:
+            raise ValueError(
+                f"static_argnames={static_argnames!r} names no parameter of fn: {unknown}; "
+                f"its parameters are {list(params)}"
+            )
+
+
+def static_arguments(
+    fn: Callable, args: Sequence[Any], kwargs: dict, static_argnums: Any = (),
+    static_argnames: Any = (),
+) -> tuple[frozenset[int], frozenset[str]]:
+    """Positions and keywords of the static arguments of ``fn(*args, **kwargs)``.
+
+    As in ``jax.jit``, a name in ``static_argnames`` also marks that parameter's position
+    and a position in ``static_argnums`` its name; negative positions count from the end.
+    """
+    check_static_options(fn, static_argnums, static_argnames)
+    positional = _positional_names(_parameters(fn))
+    nums = index_tuple(static_argnums, "static_argnums")
+    names = set(_name_tuple(static_argnames, "static_argnames"))
+    names |= {positional[i] for i in nums if 0 <= i < len(positional)}
+    positions = {i % len(args) for i in nums if -len(args) <= i < len(args)}
+    positions |= {i for i, name in enumerate(positional[: len(args)]) if name in names}
+    return frozenset(positions), frozenset(k for k in kwargs if k in names)
+
+
+def signature(args: Sequence[Any], kwargs: dict, positions: frozenset[int],
+              keywords: frozenset[str]) -> Any:
+    """What ``jax.jit`` keys a call on: the traced arguments' tree structure, shapes and
+    dtypes, and the static arguments' values (which must therefore be hashable)."""
+    traced = (tuple(None if i in positions else a for i, a in enumerate(args)),
+              {k: v for k, v in kwargs.items() if k not in keywords})
+    leaves, tree = jax.tree_util.tree_flatten(traced)
+    shapes = tuple(
+        (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
+        for x in leaves
+    )
+    static = (tuple((i, args[i]) for i in sorted(positions)),
+              tuple((k, kwargs[k]) for k in sorted(keywords)))
+    try:
+        hash(static)
+    except TypeError as error:
+        raise TypeError(
+            f"static arguments must be hashable, as for jax.jit ({error}); pass a tuple "
+            "instead of a list, or a frozen dataclass"
+        ) from None
+    return tree, shapes, static
+
+
+def abstract(args: Sequence[Any], kwargs: dict, positions: frozenset[int],
+             keywords: frozenset[str]) -> tuple[tuple, dict]:
+    """The arguments with every traced array replaced by its ``jax.ShapeDtypeStruct``."""
+
+    def shaped(tree: Any) -> Any:
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, tree
+        )
+
+    return (tuple(a if i in positions else shaped(a) for i, a in enumerate(args)),
+            {k: v if k in keywords else shaped(v) for k, v in kwargs.items()})
+
+
+def describe(fn: Callable, where: int | str) -> str:
+    """``argument 2 ('n_layers')`` or ``keyword argument 'mode'``, for messages."""
+    if isinstance(where, str):
+        return f"keyword argument {where!r}"
+    positional = _positional_names(_parameters(fn))
+    return f"argument {where}" + (f" ({positional[where]!r})" if where < len(positional) else "")
+
+
+def _is_array_like(leaf: Any) -> bool:
+    return (isinstance(leaf, (bool, int, float, complex))
+            or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or hasattr(leaf, "__jax_array__"))
+
+
+def _check_traceable(fn: Callable, args: Sequence[Any], kwargs: dict) -> None:
+    """Every leaf of a non-static argument must be an array (or a number) jit can trace."""
+    for where, value in [*enumerate(args), *kwargs.items()]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            if not _is_array_like(leaf):
+                option = (f"static_argnames=({where!r},)" if isinstance(where, str)
+                          else f"static_argnums=({where},)")
+                raise TypeError(
+                    f"{describe(fn, where)}{jax.tree_util.keystr(path)} is a "
+                    f"{type(leaf).__name__}, which jax.jit cannot trace; pass it as static "
+                    f"with {option}, or pass an array"
+                )
+
+
+def _check_argnums(
+    fn: Callable, args: Sequence[Any], argnums: Any, positions: frozenset[int]
+) -> tuple[int, ...]:
+    nums = index_tuple(argnums, "argnums")
+    if not nums:
+        raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
+    if not args:
+        raise ValueError(
+            f"grad=True differentiates the positional arguments chosen by argnums={argnums!r}, "
+            "but fn was given no positional arguments; pass the arrays to differentiate "
+            "positionally, or measure fn itself with grad=False"
+        )
+    for i in nums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(
+                f"argnums={argnums!r} is out of range for {len(args)} positional "
+                f"argument(s); pass argnums between 0 and {len(args) - 1}"
+            )
+    nums = tuple(i % len(args) for i in nums)
+    for i in nums:
+        if i in positions:
+            raise ValueError(
+                f"argnums={argnums!r} names {describe(fn, i)}, which is static "
+                "(static_argnums/static_argnames); differentiate array arguments only"
+            )
+        if not jax.tree_util.tree_leaves(args[i]):
+            raise ValueError(
+                f"argnums={argnums!r} names {describe(fn, i)}, which holds no arrays "
+                f"({args[i]!r}); differentiate arguments that hold arrays"
+            )
+    return nums
+
+
+def prepare(
+    fn: Any, args: Sequence[Any], kwargs: dict, *, grad: bool, argnums: Any,
+    static_argnums: Any, static_argnames: Any,
+) -> tuple[Callable, tuple, dict, tuple[int, ...]]:
+    """(fn with its static arguments bound, the positional arguments with None in place
+    of the static ones, the keyword arguments without the static ones, the positions to
+    differentiate): everything checked before anything is traced.
+
+    None is a pytree without leaves, so positions, argument names and leaves line up with
+    the user's call.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
+    if not isinstance(grad, bool):
+        raise TypeError(f"grad must be True or False, got {grad!r}")
+    positions, keywords = static_arguments(fn, args, kwargs, static_argnums, static_argnames)
+    dynamic_args = tuple(None if i in positions else a for i, a in enumerate(args))
+    dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in keywords}
+    _check_traceable(fn, dynamic_args, dynamic_kwargs)
+    nums = _check_argnums(fn, args, argnums, positions) if grad else ()
+    if not positions and not keywords:
+        return fn, dynamic_args, dynamic_kwargs, nums
+    static_args = {i: args[i] for i in positions}
+    static_kwargs = {k: kwargs[k] for k in keywords}
+
+    @functools.wraps(fn)  # keeps fn's parameter names for the residuals' sources
+    def bound(*a, **kw):
+        a = tuple(static_args.get(i, x) for i, x in enumerate(a))
+        return fn(*a, **kw, **static_kwargs)
+
+    return bound, dynamic_args, dynamic_kwargs, nums
+
+
+_DEPENDS_ON = re.compile(r"depends on the value of the argument (\w+)")
+
+
+@contextlib.contextmanager
+def static_hint(fn: Callable) -> Iterator[None]:
+    """Names the static option when ``fn`` uses a traced argument as a Python value.
+
+    JAX's own error (an int in ``range``, an ``if`` on an argument) speaks of ``jit``,
+    which the user did not call; memwise's functions take the same static options.
+    """
+    try:
+        yield
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as error:
+        match = _DEPENDS_ON.search(str(error))
+        if match is None:
+            raise
+        name, positional = match[1], _positional_names(_parameters(fn))
+        option = (f"static_argnums=({positional.index(name)},)" if name in positional
+                  else f"static_argnames=({name!r},)")
+        raise TypeError(
+            f"fn uses argument {name!r} as a Python value ({str(error).splitlines()[0]}), so "
+            f"it cannot be traced; pass it as static with {option}"
+        ) from error
