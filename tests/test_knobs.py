@@ -1,5 +1,7 @@
 """knobs.auto: defaults outside a plan, recorded and assigned inside one."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from memwise import knobs
@@ -62,3 +64,28 @@ def test_bad_knob_definitions():
         knobs.auto("x", candidates=[], cost=[], default=1)
     with pytest.raises(ValueError, match="2 costs for 3 candidates"):
         knobs.auto("x", candidates=[1, 2, 3], cost=[1, 2], default=1)
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint], ids=["jit", "checkpoint"])
+def test_recordings_trace_cached_helpers_again(wrap):
+    # JAX caches the trace of a jitted or checkpointed helper; each recording keys those
+    # caches on its own cache_key, so the knob inside is recorded and takes the plan's
+    # value even when the helper was traced before (here outside any recording).
+    helper = wrap(lambda x: x + jnp.zeros(choose()))
+
+    def shape_under(plan=None, layout=None, cache_key=None):
+        with knobs.recording(plan, layout, cache_key=cache_key) as reached:
+            shape = jax.eval_shape(lambda x: helper(x), 1.0).shape
+        return shape, reached
+
+    assert jax.eval_shape(lambda x: helper(x), 1.0).shape == (1024,)  # cached, default
+    shape, layout = shape_under()
+    assert shape == (1024,) and [k.kind for k in layout] == ["chunk_size"]
+    for plan, size in (([0], 4096), ([2], 256), ([0], 4096)):
+        shape, reached = shape_under(plan, layout)
+        assert shape == (size,) and len(reached) == 1
+    # Recordings of one plan may share a key: the second reuses the trace, unrecorded.
+    key = knobs.fresh_cache_key()
+    assert shape_under([2], layout, key) == ((256,), layout)
+    assert shape_under([2], layout, key) == ((256,), [])
+    assert shape_under([0], layout)[0] == (4096,)

@@ -13,6 +13,12 @@ more than once (``jax.checkpoint``, ``custom_vjp``).
 Candidates are ordered from the fastest (most memory) to the leanest (least memory), so a
 plan is one index per knob and "more pressure" means "a larger index". This module only
 records; the search lives in ``fit.py``.
+
+JAX reuses the trace of a function it has traced before (``jax.jit``, ``jax.checkpoint``,
+keyed on argument types and the trace context), and a reused trace neither records its
+knobs again nor takes a new plan's values. Each recording therefore sets a JAX user
+context (``jax.make_user_context``, part of every such cache key) to its ``cache_key``:
+a fresh value unless the caller shares one between recordings of the same plan.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import os
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["Knob", "auto", "recording", "user_source"]
+import jax
+
+__all__ = ["CACHES_KEYED_ON_PLAN", "Knob", "auto", "fresh_cache_key", "recording", "user_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +84,20 @@ class _Recorder:
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
     "memwise_knob_recorder", default=None
 )
+
+# Created at import, before any trace: a user context made inside a trace would leave the
+# entries cached during that trace keyed without it. JAX releases without user contexts
+# fall back to fit clearing JAX's caches (see fit.Fitted._compile).
+_make_user_context = getattr(jax, "make_user_context", None)
+_PLAN_CONTEXT = _make_user_context(None) if _make_user_context is not None else None
+CACHES_KEYED_ON_PLAN = _PLAN_CONTEXT is not None
+_CACHE_KEYS = itertools.count()
+
+
+def fresh_cache_key() -> Hashable:
+    """A value no recording has used: a recording under it re-traces every function."""
+    return ("memwise", next(_CACHE_KEYS))
+
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -136,17 +159,30 @@ def auto(
 
 @contextlib.contextmanager
 def recording(
-    plan: Sequence[int] | None = None, layout: Sequence[Knob] | None = None
+    plan: Sequence[int] | None = None,
+    layout: Sequence[Knob] | None = None,
+    *,
+    cache_key: Hashable | None = None,
 ) -> Iterator[list[Knob]]:
     """Record the knobs a trace reaches; give ``layout[i]`` its candidate ``plan[i]``.
 
     ``layout`` is the list of knobs a previous recording of the same function yielded.
     With ``plan=None`` every knob takes its default. Yields the list of knobs reached,
     filled as tracing proceeds.
+
+    ``cache_key`` keys JAX's trace caches while recording. By default it is fresh, so
+    every jitted or checkpointed function is traced again and all its knobs are recorded.
+    Recordings that assign the same plan may pass the same key to share JAX's caches: a
+    knob inside a reused trace keeps that plan's value but is not recorded again.
     """
     recorder = _Recorder(plan, layout)
     token = _RECORDER.set(recorder)
+    keyed = (
+        _PLAN_CONTEXT(fresh_cache_key() if cache_key is None else cache_key)
+        if _PLAN_CONTEXT is not None else contextlib.nullcontext()
+    )
     try:
-        yield recorder.knobs
+        with keyed:
+            yield recorder.knobs
     finally:
         _RECORDER.reset(token)
