@@ -215,3 +215,136 @@ def test_search_never_compiles_more_than_max_compilations():
             assert (chosen is not None) == (budget >= leanest)
             if chosen is not None:
                 assert chosen.peak_bytes == peak(chosen.indices) <= budget
+
+
+def scan_loss(w, xs):
+    """One checkpoints='auto' knob over a scan of len(xs) steps."""
+    h, _ = mw.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros(xs.shape[1]), xs,
+                   checkpoints="auto")
+    return jnp.sum(h**2)
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint], ids=["jit", "checkpoint"])
+@pytest.mark.parametrize("term, kind", [(pairwise_loss, "chunk_size"), (scan_loss, "checkpoints")],
+                         ids=["pairwise", "scan"])
+def test_auto_knob_inside_a_jitted_or_checkpointed_helper(wrap, term, kind):
+    # JAX traces such a helper once and caches it; fit must still plan and apply its knob.
+    helper = wrap(term)
+
+    def loss(w, xs):
+        return helper(w, xs)
+
+    w, xs = jnp.eye(16) * 0.5, jnp.ones((256, 16)) * 0.1
+    expected = jax.grad(loss)(w, xs)  # the helper is now cached with the default knob
+    fastest = mw.fit(loss, budget="1GiB", policies=False).plan_for(w, xs)
+    assert [(e.kind, e.index) for e in fastest.entries] == [(kind, 0)]
+    fitted = mw.fit(loss, budget=fastest.peak_bytes - 1, policies=False, max_compilations=4)
+    for _ in range(2):  # the second call reuses the helper's trace under this plan
+        np.testing.assert_allclose(jax.grad(fitted)(w, xs), expected, rtol=1e-4, atol=1e-6)
+    entry = fitted.plan.entries[0]
+    assert entry.kind == kind and entry.index > 0 and __file__ in entry.source
+    assert compiled_memory(fitted, w, xs, grad=True).peak_bytes == fitted.plan.peak_bytes
+    assert fitted.plan.peak_bytes < fastest.peak_bytes
+
+
+def test_two_plans_of_one_jitted_helper_stay_apart():
+    helper = jax.jit(pairwise_loss)
+
+    def loss(w, xs):
+        return helper(w, xs)
+
+    w, xs = jnp.eye(16) * 0.5, jnp.ones((256, 16)) * 0.1
+    roomy = mw.fit(loss, budget="1GiB", policies=False)
+    tight = mw.fit(loss, budget=roomy.plan_for(w, xs).peak_bytes - 1, policies=False,
+                   max_compilations=4)
+    assert tight.plan_for(w, xs).values != roomy.plan_for(w, xs).values
+    for fitted in (roomy, tight, roomy, tight):
+        assert compiled_memory(fitted, w, xs, grad=True).peak_bytes == fitted.plan.peak_bytes
+
+
+def test_a_call_reaching_other_knobs_than_planned_is_an_error():
+    lines = {"first": True}
+
+    def loss(w, xs):
+        if lines["first"]:
+            return pairwise_loss(w, xs)
+        return scan_loss(w, xs)
+
+    w, xs = jnp.eye(16) * 0.5, jnp.ones((64, 16)) * 0.1
+    fitted = mw.fit(loss, budget="1GiB", policies=False)
+    fitted(w, xs)
+    lines["first"] = False
+    with pytest.raises(RuntimeError, match="did not reach the knobs it was planned with"):
+        fitted(w, xs)
+
+
+def static_loss(w, xs, n_layers, *, mode="sum", act=jnp.tanh):
+    """A Python int used in range, a string option and a function: static arguments."""
+    h = mw.chunked_map(lambda x: act(x @ w), xs, chunk_size="auto")
+    for _ in range(n_layers):
+        h = act(h @ w)
+    return jnp.sum(h) if mode == "sum" else jnp.mean(h)
+
+
+def test_static_arguments():
+    w, xs = jnp.eye(16) * 0.5, jnp.ones((128, 16)) * 0.1
+    fitted = mw.fit(static_loss, budget="1GiB", static_argnums=2, static_argnames=("mode", "act"))
+    grad = jax.jit(jax.grad(fitted), static_argnums=2, static_argnames=("mode", "act"))
+    for n_layers, mode in ((2, "sum"), (3, "mean")):
+        np.testing.assert_allclose(
+            grad(w, xs, n_layers, mode=mode, act=jnp.sin),
+            jax.grad(static_loss)(w, xs, n_layers, mode=mode, act=jnp.sin), rtol=1e-5)
+    assert len(fitted._signatures) == 2  # each static value is planned on its own
+    assert fitted.report_for(w, xs, 3, mode="mean", act=jnp.sin).peak_bytes == fitted.plan.peak_bytes
+
+
+W, XS = jnp.eye(16), jnp.ones((8, 16))
+
+
+@pytest.mark.parametrize(
+    "make, args, error, match",
+    [
+        (lambda: mw.fit(static_loss, budget="1GiB", static_argnums=(0, 2)), None, ValueError,
+         r"argnums=0 names static"),
+        (lambda: mw.fit(static_loss, budget="1GiB", static_argnums=7), None, ValueError,
+         "static_argnums=7 is out of range"),
+        (lambda: mw.fit(static_loss, budget="1GiB", static_argnames="nope"), None, ValueError,
+         "static_argnames='nope' names no parameter"),
+        (lambda: mw.fit(static_loss, budget="1GiB", static_argnums="2"), None, TypeError,
+         "static_argnums must be an int"),
+        (lambda: mw.fit(static_loss, budget="1GiB"), (W, XS, 3), TypeError,
+         r"argument 'n_layers' as a Python value.*static_argnums=\(2,\)"),
+        (lambda: mw.fit(static_loss, budget="1GiB", static_argnums=2), (W, XS, [3]), TypeError,
+         "static arguments must be hashable"),
+        (lambda: mw.fit(lambda w, xs, mode: pairwise_loss(w, xs), budget="1GiB"),
+         (W, XS, "x"), TypeError, r"argument 2 \('mode'\) is a str.*static_argnums=\(2,\)"),
+        (lambda: mw.fit(pairwise_loss, budget="1GiB", argnums="w"), None, TypeError, "argnums"),
+        (lambda: mw.fit(pairwise_loss, budget="1GiB", argnums=()), None, TypeError, "argnums"),
+        (lambda: mw.fit(pairwise_loss, budget="1GiB", argnums=2), (W, XS), ValueError,
+         r"argnums=2 is out of range"),
+        (lambda: mw.fit(lambda p, xs: jnp.sum(xs), budget="1GiB"), (None, XS), ValueError,
+         r"argnums=0 names argument 0 \('p'\), which holds no arrays"),
+        (lambda: mw.fit(pairwise_loss, budget="1GiB", grad="yes"), None, TypeError, "grad must"),
+        (lambda: mw.fit(pairwise_loss, budget="1GiB", policies=None), None, TypeError,
+         "policies must"),
+        (lambda: mw.fit(pairwise_loss, budget="1GiB", max_compilations=True), None, ValueError,
+         "max_compilations"),
+        (lambda: mw.fit(lambda w, xs: pairwise_loss(w, xs) * 1j, budget="1GiB"), (W, XS),
+         TypeError, "grad=True needs a real float output"),
+        (lambda: mw.fit(lambda w, xs: (pairwise_loss(w, xs), None), budget="1GiB"), (W, XS),
+         TypeError, "one scalar array"),
+        (lambda: mw.fit(pairwise_loss, budget="1GiB"), (W, jnp.ones((0, 16))), ValueError,
+         "empty"),
+    ],
+)
+def test_bad_input_table(make, args, error, match):
+    # Each bad input is a TypeError/ValueError naming the argument, raised before anything
+    # is compiled (plan_for runs the checks on the first argument signature).
+    with pytest.raises(error, match=match):
+        make() if args is None else make().plan_for(*args)
+
+
+def test_none_leaves_are_not_arrays():
+    fitted = mw.fit(lambda p, xs: pairwise_loss(p["w"], xs), budget="1GiB")
+    grads = jax.grad(fitted)({"w": W, "unused": None}, XS)
+    assert grads["unused"] is None and grads["w"].shape == W.shape

@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-from memwise import knobs, measure
+from memwise import _arguments, knobs, measure
 
 __all__ = ["Fitted", "MemoryBudgetError", "Plan", "Trial", "fit", "region"]
 
@@ -229,19 +229,14 @@ def _check_reached(found: Sequence[knobs.Knob], reached: Sequence[knobs.Knob]) -
     return {k.key for k in found} <= {k.key for k in reached}
 
 
-def _signature(args: Sequence[Any], kwargs: dict) -> Any:
-    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    shapes = tuple(
-        (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
-        for x in leaves
-    )
-    return tree, shapes
-
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, tree
-    )
+_SAME_KNOBS_FIX = (
+    "fn must reach the same 'auto' knobs, from the same lines, on every trace: do not "
+    "choose them from Python state that changes between calls, nor cache their results "
+    "outside JAX (functools.cache)." + ("" if knobs.CACHES_KEYED_ON_PLAN else (
+        f" jax {jax.__version__} has no jax.make_user_context, so a jax.jit or "
+        "jax.checkpoint helper traced earlier keeps the knobs of that trace: upgrade jax, "
+        "or call the helper's undecorated function inside fn."))
+)
 
 
 _Compile = Callable[[tuple[int, ...]], measure.CompiledMemory]
@@ -266,6 +261,10 @@ class _Signature:
     trials: dict[tuple[int, ...], Trial] = dataclasses.field(default_factory=dict)
     compilations: int = 0
     plan: Plan | None = None
+    # JAX's trace caches are keyed on this while the plan runs (knobs.recording): traces
+    # of jitted or checkpointed helpers are shared by the calls of this plan only.
+    cache_key: Any = dataclasses.field(default_factory=knobs.fresh_cache_key)
+    traced: bool = False  # whether a trace under cache_key has reached every knob
 
     def room(self) -> int:
         return self.max_compilations - self.compilations
@@ -341,13 +340,14 @@ class _Signature:
 class Fitted:
     """``fn`` with its ``"auto"`` knobs chosen to meet a memory budget. See :func:`fit`."""
 
-    def __init__(self, fn, budget, argnums, grad, policies, max_compilations):
+    def __init__(self, fn, budget, argnums, grad, policies, max_compilations, static):
         self.fn = fn
         self.budget_bytes = measure.parse_budget(budget)
         self.argnums = argnums
         self.grad = grad
         self.policies = policies
         self.max_compilations = max_compilations
+        self._static = static  # static_argnums and static_argnames, as for jax.jit
         self._signatures: dict[Any, _Signature] = {}
         self._last: _Signature | None = None
         functools.update_wrapper(self, fn)
@@ -364,13 +364,14 @@ class Fitted:
 
     def _program(
         self, indices: Sequence[int] | None, layout: Sequence[knobs.Knob] | None = None,
-        sink: list | None = None,
+        sink: list | None = None, cache_key: Any = None,
     ) -> Callable:
+        """``fn`` under a plan; ``cache_key=None`` traces every helper again (see knobs)."""
         fn, policies = self.fn, self.policies
 
         @functools.wraps(fn)  # keeps fn's argument names in reports
         def planned(*args, **kwargs):
-            with knobs.recording(indices, layout) as found:
+            with knobs.recording(indices, layout, cache_key=cache_key) as found:
                 if policies:
                     label = f"whole {getattr(fn, '__name__', 'fn')}"
                     out = _with_policy(fn, label, _where(fn))(*args, **kwargs)
@@ -384,36 +385,72 @@ class Fitted:
 
     def _knobs_of(self, args, kwargs) -> list[knobs.Knob]:
         found: list[knobs.Knob] = []
-        jax.eval_shape(self._program(None, None, found), *args, **kwargs)
+        # Checks the arguments (static ones, argnums) before anything is compiled.
+        program, args, kwargs, _ = _arguments.prepare(
+            self._program(None, None, found), args, kwargs, grad=self.grad,
+            argnums=self.argnums, **self._static,
+        )
+        with _arguments.static_hint(self.fn):
+            jax.eval_shape(program, *args, **kwargs)
         return found
 
     def _compile(self, indices, state: _Signature) -> measure.CompiledMemory:
-        for _ in range(2):
+        # Without user contexts (older JAX) a jitted or checkpointed helper may replay a
+        # trace made under another plan: clear JAX's caches once and retry.
+        attempts = 1 if knobs.CACHES_KEYED_ON_PLAN else 2
+        for attempt in range(attempts):
             reached: list[knobs.Knob] = []
             memory = measure.compiled_memory(
                 self._program(indices, state.layout, reached), *state.args, grad=self.grad,
-                argnums=self.argnums, **state.kwargs,
+                argnums=self.argnums, **self._static, **state.kwargs,
             )
             if _check_reached(state.layout, reached):
                 return memory
-            # A knob was not traced again: an inner jax.jit / checkpoint replayed a cached
-            # trace made under another plan. Clear JAX's trace caches once and retry.
-            jax.clear_caches()
+            if attempt + 1 < attempts:
+                jax.clear_caches()
         missing = {k.source for k in state.layout} - {k.source for k in reached}
         raise RuntimeError(
-            "mw.fit could not apply its plan: some 'auto' knobs were not traced again "
-            f"({sorted(missing)}). They may sit inside a function whose trace JAX caches "
-            "across calls; call them directly inside the fitted function."
+            f"mw.fit could not apply its plan: the 'auto' knobs at {sorted(missing)} were "
+            f"reached when fn was first traced but not when it was traced again. "
+            + _SAME_KNOBS_FIX
         )
+
+    def _planned_program(self, state: _Signature) -> Callable:
+        """``fn`` under the chosen plan, checked to reach the knobs it was planned with.
+
+        All calls share ``state.cache_key``, so a jitted or checkpointed helper traced
+        under this plan is reused (its knobs keep the plan's values, unrecorded) and is
+        never reused under another plan. The first trace must reach every planned knob.
+        """
+
+        @functools.wraps(self.fn)
+        def checked(*args, **kwargs):
+            reached: list[knobs.Knob] = []
+            out = self._program(state.plan.indices, state.layout, reached, state.cache_key)(
+                *args, **kwargs
+            )
+            planned, keys = {k.key for k in state.layout}, {k.key for k in reached}
+            reused = state.traced and knobs.CACHES_KEYED_ON_PLAN  # JAX may reuse a trace
+            if keys - planned or (planned - keys and not reused):
+                raise RuntimeError(
+                    "mw.fit: this call of the fitted function did not reach the knobs it "
+                    f"was planned with ({[k.source for k in state.layout]} vs "
+                    f"{[k.source for k in reached]}). " + _SAME_KNOBS_FIX
+                )
+            state.traced = True
+            return out
+
+        return checked
 
     # planning ------------------------------------------------------------------------
 
     def _planned(self, args: tuple, kwargs: dict) -> _Signature:
         """The state of this argument signature, searched on first use."""
-        key = _signature(args, kwargs)
+        static = _arguments.static_arguments(self.fn, args, kwargs, **self._static)
+        key = _arguments.signature(args, kwargs, *static)
         state = self._signatures.get(key)
         if state is None:
-            abstract_args, abstract_kwargs = _abstract(args), _abstract(kwargs)
+            abstract_args, abstract_kwargs = _arguments.abstract(args, kwargs, *static)
             state = _Signature(
                 abstract_args, abstract_kwargs, self._knobs_of(abstract_args, abstract_kwargs),
                 self.budget_bytes, self.max_compilations,
@@ -450,7 +487,7 @@ class Fitted:
         if self.grad and dominant != "arguments":
             residuals = measure.residuals(  # traced, not compiled
                 self._program(leanest, state.layout), *state.args, argnums=self.argnums,
-                **state.kwargs,
+                **self._static, **state.kwargs,
             )
             if residuals:
                 top = residuals[0]
@@ -471,17 +508,7 @@ class Fitted:
     # use -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state = self._planned(args, kwargs)
-        reached: list[knobs.Knob] = []
-        out = self._program(state.plan.indices, state.layout, reached)(*args, **kwargs)
-        if not _check_reached(state.layout, reached):
-            raise RuntimeError(
-                "mw.fit: this call of the fitted function did not reach the knobs it was "
-                f"planned with ({[k.source for k in state.layout]} vs "
-                f"{[k.source for k in reached]}); call 'auto' primitives from the same "
-                "lines on every call"
-            )
-        return out
+        return self._planned_program(self._planned(args, kwargs))(*args, **kwargs)
 
     def _latest(self) -> _Signature:
         if self._last is None:
@@ -506,9 +533,9 @@ class Fitted:
 
     def report_for(self, *args: Any, **kwargs: Any) -> measure.MemoryReport:
         """Memory report of the chosen program for arguments of these shapes."""
-        state = self._planned(args, kwargs)
-        program = self._program(state.plan.indices, state.layout)
-        return measure.memory_report(program, *args, grad=self.grad, argnums=self.argnums, **kwargs)
+        program = self._planned_program(self._planned(args, kwargs))
+        return measure.memory_report(program, *args, grad=self.grad, argnums=self.argnums,
+                                     **self._static, **kwargs)
 
     def plan_text(self, *args: Any, **kwargs: Any) -> str:
         """The plan for arguments of these shapes, as text."""
@@ -523,6 +550,8 @@ def fit(
     grad: bool = True,
     policies: bool = True,
     max_compilations: int = 10,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
 ) -> Fitted:
     """Chooses every ``"auto"`` knob inside ``fn`` so its compiled peak fits ``budget``.
 
@@ -535,12 +564,15 @@ def fit(
     Args:
       fn: the function; its ``mw.scan(checkpoints="auto")``, ``chunk_size="auto"``,
         ``microbatches="auto"`` and ``mw.region`` blocks are the knobs.
-      budget: bytes, a string such as ``"8GiB"`` / ``"512MB"``, or a fraction of the
-        device's memory such as ``0.8``.
-      argnums: arguments differentiated when ``grad=True``.
+      budget: bytes (an int, or a string such as ``"8GiB"``, ``"2.5 GB"``, ``"1e9"``,
+        ``"1,000,000"``), or a fraction of the device's memory such as ``0.8``.
+      argnums: arguments differentiated when ``grad=True`` (never static ones).
       grad: plan for ``jax.grad(fn, argnums)`` (True) or for ``fn`` itself.
       policies: also choose a ``jax.checkpoint`` policy for ``fn`` as a whole.
       max_compilations: compilations allowed to plan one argument signature (>= 2).
+      static_argnums, static_argnames: arguments passed to ``fn`` as Python values, as
+        ``jax.jit`` passes static arguments (hashable; each value is planned on its own).
+        Call ``jax.grad(fitted)`` inside ``jax.jit`` with the same static arguments.
 
     Raises:
       MemoryBudgetError: when even the leanest plan exceeds the budget; the message says
@@ -560,8 +592,22 @@ def fit(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(max_compilations, int) or max_compilations < 2:
+    for name, flag in (("grad", grad), ("policies", policies)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if (isinstance(max_compilations, bool) or not isinstance(max_compilations, int)
+            or max_compilations < 2):
         raise ValueError(f"max_compilations must be an int >= 2, got {max_compilations!r}")
-    if not isinstance(argnums, int):
-        argnums = tuple(argnums)
-    return Fitted(fn, budget, argnums, grad, policies, max_compilations)
+    nums = _arguments.index_tuple(argnums, "argnums")
+    if not nums:
+        raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
+    _arguments.check_static_options(fn, static_argnums, static_argnames)
+    clash = set(nums) & set(_arguments.index_tuple(static_argnums, "static_argnums"))
+    if grad and clash:
+        raise ValueError(
+            f"argnums={argnums!r} names static argument(s) {sorted(clash)} "
+            f"(static_argnums={static_argnums!r}); differentiate array arguments only"
+        )
+    static = {"static_argnums": static_argnums, "static_argnames": static_argnames}
+    argnums = argnums if isinstance(argnums, int) else nums
+    return Fitted(fn, budget, argnums, grad, policies, max_compilations, static)
