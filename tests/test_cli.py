@@ -1,6 +1,7 @@
 """The memwise command: demo, report (file and module factories), bench, errors."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,23 @@ USER_FILE = textwrap.dedent(
 
     def not_a_tuple():
         return 1
+
+    def nonscalar():
+        return (lambda x: x * 2), (jnp.ones(4),)
+
+    def not_callable():
+        return 3, (jnp.ones(4),)
+
+    def with_static():
+        def layers(x, n_layers, mode="sum"):
+            for _ in range(n_layers):
+                x = jnp.tanh(x @ x)
+            return jnp.sum(x) if mode == "sum" else jnp.mean(x)
+
+        return layers, (jnp.ones((8, 8)), 3), {"mode": "mean"}
+
+    def buggy():
+        return (lambda x: jnp.sum(x.no_such_attribute)), (jnp.ones(4),)
     """
 )
 
@@ -58,13 +76,54 @@ def test_report_module_factory_with_kwargs(user_file, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "spec, message",
-    [("no_colon", "MODULE:FACTORY"), ("{file}:missing", "no function"),
-     ("{file}:not_a_tuple", "must return"), ("/nope/x.py:f", "no such file")],
+    "argv, message",
+    [(["no_colon"], "MODULE:FACTORY"),
+     (["{file}:missing"], "has no function 'missing'"),
+     (["{file}:not_a_tuple"], "must return"),
+     (["/nope/x.py:f"], "no such file"),
+     (["no_such_module_xyz:factory"], "cannot import 'no_such_module_xyz'.*run memwise from"),
+     (["{imports_missing}:factory"], "no module named 'no_such_dependency_xyz'.*install it"),
+     (["{file}:factory", "--budget", "abc"], "--budget: cannot read budget 'abc'.*'8GiB'"),
+     (["{file}:factory", "--budget", "-1"], "--budget: budget must be .* got '-1'"),
+     (["{file}:factory", "--budget", "0"], "--budget: budget must be"),
+     (["{file}:nonscalar", "--grad"], "one scalar array.*drop --grad"),
+     (["{file}:not_callable"], "fn must be callable"),
+     (["{file}:factory", "--plot", "/no/such/folder/r.png"], "cannot write --plot.*does not exist"),
+     (["{file}:factory", "--plot", "{folder}"], "cannot write --plot.*is a folder")],
 )
-def test_report_errors(user_file, spec, message):
-    with pytest.raises(SystemExit, match=message):
-        cli.main(["report", spec.format(file=user_file)])
+def test_report_usage_errors_are_one_line_with_status_2(user_file, argv, message, capsys):
+    imports_missing = user_file.parent / "imports_missing.py"
+    imports_missing.write_text("import no_such_dependency_xyz\n")
+    argv = [a.format(file=user_file, imports_missing=imports_missing, folder=user_file.parent)
+            for a in argv]
+    assert cli.main(["report", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.startswith("memwise report: ") and captured.err.count("\n") == 1
+    assert re.search(message, captured.err), captured.err
+
+
+def test_usage_errors_from_a_shell(tmp_path):
+    # The real process: one line on stderr, exit status 2, no traceback.
+    for argv in (["report", "no_such_module_xyz:factory"],
+                 ["report", "no_such_module_xyz:factory", "--budget", "1e9xyz"]):
+        result = subprocess.run([sys.executable, "-m", "memwise", *argv], capture_output=True,
+                                text=True, timeout=120, cwd=tmp_path, check=False)
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_errors_in_the_users_code_keep_their_traceback(user_file):
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        cli.main(["report", f"{user_file}:buggy"])
+
+
+def test_report_non_array_arguments_are_static(user_file, capsys):
+    assert cli.main(["report", f"{user_file}:with_static", "--grad"]) == 0
+    assert "gradient of layers" in capsys.readouterr().out
+    assert cli.main(["report", f"{user_file}:with_static", "--grad", "--budget", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: peak" in out and "within budget 953.7 MiB" in out
 
 
 def test_demo_prints_table(capsys, tmp_path):
@@ -77,9 +136,9 @@ def test_demo_prints_table(capsys, tmp_path):
     assert plot.exists()
 
 
-def test_demo_unknown_scenario():
-    with pytest.raises(SystemExit, match="unknown scenario"):
-        cli.main(["demo", "nope"])
+def test_demo_unknown_scenario(capsys):
+    assert cli.main(["demo", "nope"]) == 2
+    assert "unknown scenario" in capsys.readouterr().err
 
 
 def test_scenarios_registry():

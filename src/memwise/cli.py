@@ -4,6 +4,11 @@
 peaks (XLA ``memory_analysis()``), runs them where they fit and checks they agree.
 ``report`` prints the memory report of a user's function. ``bench`` runs the benchmark
 scripts of a source checkout and regenerates BENCHMARKS.md.
+
+Exit status: 0 on success, 1 when a budget cannot be met (or a demo disagrees), 2 for a
+usage error (bad arguments or budget, a module or factory that cannot be found, input
+that memwise rejects), printed as one line on stderr that names the problem and the fix.
+Errors raised inside the user's own code keep their traceback.
 """
 
 from __future__ import annotations
@@ -15,11 +20,52 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
+
+_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+
+class UsageError(Exception):
+    """A bad command line: ``main`` prints it as one line on stderr and exits with 2."""
+
+
+def _raised_by_memwise(error: BaseException) -> bool:
+    """Whether memwise itself raised ``error`` (its input checks), not the user's code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
+
+
+def _check_plot_path(plot: str | None) -> None:
+    """Fail before compiling anything when --plot cannot be written."""
+    if plot is None:
+        return
+    folder = os.path.dirname(os.path.abspath(plot))
+    if os.path.isdir(plot):
+        raise UsageError(f"cannot write --plot {plot!r}: it is a folder; pass a file path")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(
+            f"cannot write --plot {plot!r}: folder {folder!r} does not exist or is not "
+            "writable; pass a path in a writable folder"
+        )
+    try:
+        from memwise.measure import _pyplot
+
+        _pyplot()
+    except ImportError as error:
+        raise UsageError(f"--plot {error}") from None
+
+
+def _save_plot(save: Callable[[str], None], plot: str) -> None:
+    try:
+        save(plot)
+    except OSError as error:
+        raise UsageError(f"cannot write --plot {plot!r} ({error}); pass a writable path") from None
+
 
 # Run a program only when its compiled peak leaves room for the rest of the process.
 _RUN_FRACTION_OF_RAM = 0.5
@@ -108,10 +154,10 @@ def demo(names: Sequence[str], size: str, plot: str | None) -> int:
     chosen = list(names) or list(scenarios.available())
     unknown = [n for n in chosen if n not in scenarios.available()]
     if unknown:
-        raise SystemExit(
-            f"memwise demo: unknown scenario(s) {unknown}; choose from "
-            f"{', '.join(scenarios.available())}"
+        raise UsageError(
+            f"unknown scenario(s) {unknown}; choose from {', '.join(scenarios.available())}"
         )
+    _check_plot_path(plot)
     print(f"memwise demo: {len(chosen)} scenario(s) at size {size!r}; compiled peaks from "
           "XLA memory_analysis() (arrays baked into a program as constants are listed "
           "apart), results checked against the naive program", flush=True)
@@ -127,7 +173,7 @@ def demo(names: Sequence[str], size: str, plot: str | None) -> int:
     print()
     _print_demo_table(rows)
     if plot:
-        _plot_demo(rows, plot)
+        _save_plot(lambda path: _plot_demo(rows, path), plot)
         print(f"\nwrote {plot}")
     return 0 if all(r["agree"] != "NO" for r in rows) else 1
 
@@ -136,53 +182,85 @@ def load_factory(spec: str) -> tuple[Any, tuple, dict]:
     """``MODULE:FACTORY`` (dotted module or a .py path) -> (fn, args, kwargs)."""
     module_name, sep, factory_name = spec.rpartition(":")
     if not sep or not module_name or not factory_name:
-        raise SystemExit(f"memwise report: expected MODULE:FACTORY, got {spec!r}")
-    if module_name.endswith(".py") or os.sep in module_name:
-        path = Path(module_name).resolve()
-        if not path.exists():
-            raise SystemExit(f"memwise report: no such file {module_name!r}")
-        loader_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[path.stem] = module
-        loader_spec.loader.exec_module(module)
-    else:
-        sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(module_name)
+        raise UsageError(f"expected MODULE:FACTORY (e.g. my_model:factory), got {spec!r}")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = Path(module_name).resolve()
+            if not path.is_file():
+                raise UsageError(f"no such file {module_name!r}; pass path/to/file.py:FACTORY")
+            loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[path.stem] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or str(error)
+        fix = ("run memwise from the folder that holds it, or pass path/to/file.py:FACTORY"
+               if module_name.split(".")[0] == missing.split(".")[0]
+               else f"{module_name} imports it: install it")
+        raise UsageError(f"cannot import {module_name!r}: no module named {missing!r}; {fix}") from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
-        raise SystemExit(f"memwise report: {module_name} has no function {factory_name!r}")
+        raise UsageError(f"{module_name} has no function {factory_name!r}")
     made = factory()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise SystemExit(
-            f"memwise report: {factory_name}() must return (fn, args) or (fn, args, kwargs)"
-        )
+        raise UsageError(f"{factory_name}() must return (fn, args) or (fn, args, kwargs)")
     fn, args = made[0], tuple(made[1])
     kwargs = dict(made[2]) if len(made) == 3 else {}
     return fn, args, kwargs
 
 
+def _static_options(args: tuple, kwargs: dict) -> dict:
+    """Factory arguments that hold no arrays (Python numbers, strings, functions) are
+    static: passed to ``fn`` as they are, as ``jax.jit(static_argnums=...)`` passes them."""
+    import jax
+
+    def holds_array(value: Any) -> bool:
+        return any(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                   for leaf in jax.tree_util.tree_leaves(value))
+
+    return {
+        "static_argnums": tuple(i for i, a in enumerate(args) if not holds_array(a)),
+        "static_argnames": tuple(k for k, v in kwargs.items() if not holds_array(v)),
+    }
+
+
 def report(spec: str, grad: bool, as_json: bool, plot: str | None,
            budget: str | None = None) -> int:
-    from memwise.measure import memory_report
+    from memwise.fit import MemoryBudgetError, fit
+    from memwise.measure import memory_report, parse_budget
 
-    fn, args, kwargs = load_factory(spec)
     if budget is not None:
-        from memwise.fit import MemoryBudgetError, fit
-
-        fitted = fit(fn, budget=budget, grad=grad)
         try:
-            result = fitted.report_for(*args, **kwargs)
-        except MemoryBudgetError as error:
-            print(f"memwise report: {error}", file=sys.stderr)
-            return 1
-        if not as_json:
-            print(fitted.plan_text(*args, **kwargs))
-            print()
-    else:
-        result = memory_report(fn, *args, grad=grad, **kwargs)
+            budget_bytes = parse_budget(budget)
+        except ValueError as error:
+            raise UsageError(f"--budget: {error}") from None
+    _check_plot_path(plot)
+    fn, args, kwargs = load_factory(spec)
+    static = _static_options(args, kwargs)
+    try:
+        if budget is not None:
+            fitted = fit(fn, budget=budget_bytes, grad=grad, **static)
+            try:
+                result = fitted.report_for(*args, **kwargs)
+            except MemoryBudgetError as error:
+                print(f"memwise report: {error}", file=sys.stderr)
+                return 1
+            if not as_json:
+                print(fitted.plan_text(*args, **kwargs))
+                print()
+        else:
+            result = memory_report(fn, *args, grad=grad, **static, **kwargs)
+    except (TypeError, ValueError) as error:
+        if not _raised_by_memwise(error):
+            raise  # a bug in the user's code: keep its traceback
+        hint = " (drop --grad to measure fn itself)" if grad and "grad=True" in str(error) else ""
+        raise UsageError(f"{spec}: {error}{hint}") from None
     print(result.to_json() if as_json else result.to_text())
     if plot:
-        result.plot(plot)
+        _save_plot(result.plot, plot)
         print(f"wrote {plot}", file=sys.stderr)
     return 0
 
@@ -192,8 +270,8 @@ def _benchmarks_dir() -> Path:
     for candidate in candidates:
         if (candidate / "run.py").exists():
             return candidate
-    raise SystemExit(
-        "memwise bench runs the scripts in a source checkout's benchmarks/ folder; "
+    raise UsageError(
+        "it runs the scripts in a source checkout's benchmarks/ folder; "
         "run it from a clone of the repository (pip install -e .)"
     )
 
@@ -219,22 +297,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p_report = commands.add_parser("report", help="memory report of MODULE:FACTORY")
     p_report.add_argument("factory", metavar="MODULE:FACTORY",
-                          help="zero-argument function returning (fn, args) or (fn, args, kwargs)")
+                          help="zero-argument function returning (fn, args) or (fn, args, "
+                               "kwargs); arguments that hold no arrays are static")
     p_report.add_argument("--grad", action="store_true", help="report jax.grad(fn)")
     p_report.add_argument("--json", action="store_true", help="print JSON")
     p_report.add_argument("--plot", metavar="PATH", help="bar chart of the largest residuals")
-    p_report.add_argument("--budget", help="fit fn's 'auto' knobs to this budget (e.g. 2GiB)")
+    p_report.add_argument("--budget", help="fit fn's 'auto' knobs to this budget "
+                                           "(e.g. 2GiB, '2.5 GB', 1e9)")
 
     p_bench = commands.add_parser("bench", help="run benchmarks/ and regenerate BENCHMARKS.md")
     p_bench.add_argument("names", nargs="*", help="benchmarks (default: all)")
     p_bench.add_argument("--quick", action="store_true", help="small sizes, one timing round")
 
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return demo(args.names, args.size, args.plot)
-    if args.command == "report":
-        return report(args.factory, args.grad, args.json, args.plot, args.budget)
-    return bench(args.names, args.quick)
+    try:
+        if args.command == "demo":
+            return demo(args.names, args.size, args.plot)
+        if args.command == "report":
+            return report(args.factory, args.grad, args.json, args.plot, args.budget)
+        return bench(args.names, args.quick)
+    except UsageError as error:
+        print(f"memwise {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover
