@@ -137,3 +137,58 @@ def test_temp_memory_is_one_tile():
     assert large <= 1.1 * small + 128 * 128 * 16 * 4, (small, large)
     jacobians_of_all = 128 * 4 * (3 * 512 + 512 + 512 * 4) * 4
     assert large < jacobians_of_all / 4
+
+
+@pytest.mark.parametrize("method", ["jacobian", "vjp", "pseudo"])
+def test_empty_inputs_give_an_empty_kernel(problem, method):
+    params, x1, x2, _ = problem
+    block = () if method == "pseudo" else (4, 4)
+    for a, b in ((x1[:0], x2), (x1, x2[:0]), (x1[:0], None)):
+        got = ntk.empirical(_mlp, params, a, b, method=method, chunk_size="auto")
+        n2 = len(a) if b is None else len(b)
+        assert got.shape == (len(a), n2) + block and got.dtype == jnp.float32
+    assert ntk.empirical(_mlp, params, x1[:0], x2, method=method, trace=True).shape == (0, 5)
+
+
+# Largest error relative to the reference's largest entry, against float64 on the same
+# rounded inputs.
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _assert_close(got, expected, dtype):
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    assert got.shape == expected.shape and np.all(np.isfinite(got))
+    scale = np.max(np.abs(expected))
+    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.parametrize("method, trace", [("jacobian", False), ("vjp", True), ("pseudo", False)])
+def test_dtypes(dtype, method, trace):
+    # Sums over the parameters accumulate in at least float32; the result keeps the dtype.
+    cast = lambda t: jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), t)  # noqa: E731
+    params = cast(_params(jax.random.PRNGKey(8), width=16))
+    x1 = cast(jax.random.normal(jax.random.PRNGKey(9), (5, 3)))
+    x2 = cast(jax.random.normal(jax.random.PRNGKey(10), (4, 3)))
+
+    def dense(p, x1, x2):
+        full = _dense_ntk(_mlp, p, x1, x2)
+        if method == "pseudo":
+            return jnp.sum(full, axis=(2, 3)) / 4
+        return jnp.trace(full, axis1=2, axis2=3) if trace else full
+
+    def kernel_and_sum(p):
+        kernel = ntk.empirical(_mlp, p, x1, x2, method=method, chunk_size=(2, 3), trace=trace)
+        return jnp.sum(kernel, dtype=jnp.float64 if dtype == "float64" else jnp.float32), kernel
+
+    with jax.enable_x64(dtype == "float64"):
+        (_, got), grads = jax.jit(jax.value_and_grad(kernel_and_sum, has_aux=True))(params)
+    with jax.enable_x64(True):
+        wide = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), (params, x1, x2))
+        expected = dense(*wide)
+        expected_grads = jax.grad(lambda p: jnp.sum(dense(p, *wide[1:])))(wide[0])
+    assert got.dtype == jnp.dtype(dtype)
+    _assert_close(got, expected, dtype)
+    for g, e in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected_grads)):
+        assert g.dtype == jnp.dtype(dtype)
+        _assert_close(g, e, dtype)

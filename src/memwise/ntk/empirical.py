@@ -38,20 +38,31 @@ __all__ = ["empirical"]
 _METHODS = ("jacobian", "vjp", "pseudo")
 
 
+def _accumulation_dtype(dtype: Any) -> Any:
+    """Sums over the parameters run in at least float32 (then cast back): a bfloat16 sum
+    over thousands of parameters would keep about two digits."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _tree_dot(a: Any, b: Any) -> jax.Array:
     """sum over leaves of <a_leaf, b_leaf> over all axes of the parameter leaves."""
-    pairs = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    return sum(jnp.sum(x * y) for x, y in pairs)
+    pairs = list(zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    dtype = jnp.result_type(*(x for pair in pairs for x in pair))
+    acc = _accumulation_dtype(dtype)
+    return sum(jnp.sum(x.astype(acc) * y.astype(acc)) for x, y in pairs).astype(dtype)
 
 
 def _contract_jacobians(j1: Any, j2: Any, out_ndim: int) -> jax.Array:
     """(O x P) . (O x P)^T summed over leaves -> (O, O) (or () for scalar outputs)."""
+    pairs = list(zip(jax.tree_util.tree_leaves(j1), jax.tree_util.tree_leaves(j2)))
+    dtype = jnp.result_type(*(x for pair in pairs for x in pair))
+    acc = _accumulation_dtype(dtype)
     total = None
-    for a, b in zip(jax.tree_util.tree_leaves(j1), jax.tree_util.tree_leaves(j2)):
+    for a, b in pairs:
         param_axes = list(range(out_ndim, a.ndim))
-        term = jnp.tensordot(a, b, axes=(param_axes, param_axes))
+        term = jnp.tensordot(a, b, axes=(param_axes, param_axes), preferred_element_type=acc)
         total = term if total is None else total + term
-    return total
+    return total.astype(dtype)
 
 
 def empirical(
@@ -82,7 +93,9 @@ def empirical(
     Returns:
       (n1, n2, *out, *out) for ``"jacobian"``/``"vjp"`` (``(n1, n2)`` when the output
       per input is a scalar or ``trace=True``); (n1, n2) for ``"pseudo"``. All methods
-      agree with ``jax.jacobian`` contracted densely.
+      agree with ``jax.jacobian`` contracted densely, also for empty ``x1`` or ``x2``
+      (an empty result). Sums over the parameters run in at least float32 and are cast
+      back to the Jacobians' dtype.
 
     Memory: one tile's Jacobians ((rows + cols) x O x P floats for ``"jacobian"``,
     cols x O x P for ``"vjp"``, (rows + cols) x P for ``"pseudo"``) plus the result.
@@ -117,7 +130,10 @@ def empirical(
     def one(p, x):
         return f(p, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
-    x_first = jax.tree_util.tree_map(lambda a: a[0], x1)
+    # One input's shape, not x1[0]: x1 may be empty.
+    x_first = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), x1
+    )
     out = jax.eval_shape(one, params, x_first)
     if not isinstance(out, jax.ShapeDtypeStruct):
         raise TypeError(f"f must return one array per batch, got {out}")
@@ -129,6 +145,9 @@ def empirical(
         def one_pair(xi, xj):
             return block_fn(jax.tree_util.tree_map(lambda a: a[None], xi))(xj)
 
+        if n1 == 0 or n2 == 0:  # no tile to run: the dense result, empty
+            block = jax.eval_shape(one_pair, x_first, x_first)  # (1, *block)
+            return jnp.zeros((n1, n2) + block.shape[1:], block.dtype)
         tiles = tiling(n1, n2, chunk_size, pair_bytes=lambda: item_bytes(one_pair, x_first, x_first))
 
         def block(x_rows):
