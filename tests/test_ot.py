@@ -135,6 +135,26 @@ def test_default_epsilon_is_floored_when_every_cost_is_equal(n, m, shift):
     np.testing.assert_allclose(grad.sum(0), 2 * (point - (point + shift)), atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-6), ("float64", 1e-4),
+                                        ("bfloat16", 1e-2), ("float16", 2e-3)])
+def test_divergence_in_each_float_dtype_is_the_float32_result_in_that_dtype(dtype, rtol):
+    x, y, _, _ = clouds(14)
+
+    @jax.jit
+    def value_and_grad(x, y):
+        return jax.value_and_grad(
+            lambda x: ot.sinkhorn_divergence(x, y, chunk_size=64, threshold=1e-4))(x)
+
+    with jax.enable_x64(dtype == "float64"):
+        low_x, low_y = x.astype(dtype), y.astype(dtype)
+        value, grad = value_and_grad(low_x, low_y)
+        # The float32 reference sees the same (rounded) points.
+        ref_value, ref_grad = value_and_grad(low_x.astype("float32"), low_y.astype("float32"))
+    assert value.dtype == dtype and grad.dtype == dtype
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=rtol)
+    assert rel(grad.astype("float32"), ref_grad) < max(rtol, 1e-4)
+
+
 def dense_reg_cost(cost, x, y, a, b, eps, iterations=3000):
     """Naive JAX reference: dense log-domain Sinkhorn, envelope gradient by autodiff."""
     c = jax.vmap(jax.vmap(cost, (None, 0)), (0, None))(x, y)

@@ -21,6 +21,10 @@ forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) and second derivat
 (``jax.hessian``, grad of grad) raise memwise's ``TypeError``, eagerly and under ``jit``
 (a second derivative would silently drop how the potentials move with the points).
 
+Precision: bfloat16 and float16 inputs are solved in float32 (log-domain potentials
+with 8 or 11 significant bits cannot resolve ``C / epsilon``) and every result, and the
+gradient, comes back in the input's dtype; the tile then holds float32 values.
+
 Conventions match OTT-JAX 0.6 (``ott.solvers.linear.sinkhorn``): ``reg_ot_cost`` is
 ``min_P <P, C> + eps KL(P | a b^T)``, errors are L1 marginal errors compared with
 ``threshold``, and ``epsilon=None`` is ``0.05`` times the standard deviation of the cost
@@ -419,7 +423,7 @@ class _Problem(NamedTuple):
     consts: tuple
     chunk: Tiling
     eps: Array
-    dtype: Any
+    dtype: Any  # of the results: the points' dtype (the solve runs in at least float32)
     mass_rtol: float  # relative mismatch of sum(a), sum(b) that is only rounding
 
 
@@ -431,14 +435,17 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
         raise ValueError(
             f"x and y must have the same dimension: x is {x.shape}, y is {y.shape}")
     dtype = jnp.result_type(x.dtype, y.dtype)
-    x, y = x.astype(dtype), y.astype(dtype)
+    # Half-precision potentials cannot resolve C / epsilon (bfloat16 keeps 8 bits):
+    # solve in float32, return in `dtype`.
+    work = jnp.promote_types(dtype, jnp.float32)
+    x, y = x.astype(work), y.astype(work)
     # Totals that differ by the weights' rounding only (4 ulps, at least 1e-5) are
     # balanced: b is rescaled to sum(a) before solving (see _sinkhorn).
     mass_rtol = max([1e-5] + [4 * float(jnp.finfo(jnp.asarray(w).dtype).eps)
                               for w in (a, b) if w is not None
                               and jnp.issubdtype(jnp.asarray(w).dtype, jnp.floating)])
-    a = _check_weights("a", a, x.shape[0], dtype)
-    b = _check_weights("b", b, y.shape[0], dtype)
+    a = _check_weights("a", a, x.shape[0], work)
+    b = _check_weights("b", b, y.shape[0], work)
     if _is_concrete(a) and _is_concrete(b):
         total_a, total_b = float(np.sum(np.asarray(a))), float(np.sum(np.asarray(b)))
         if abs(total_a - total_b) > mass_rtol * max(total_a, total_b):
@@ -458,9 +465,9 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
         eps = jax.lax.stop_gradient(
             _default_epsilon(cost_fn, stopped[0], stopped[1], stopped[2], chunk))
     else:
-        eps = jnp.asarray(epsilon, dtype)
+        eps = jnp.asarray(epsilon, work)
     x, y, a, b, consts, eps = _reverse_mode_only((x, y, a, b, consts, eps))
-    return _Problem(x, y, a, b, cost_fn, consts, chunk, eps.astype(dtype), dtype, mass_rtol)
+    return _Problem(x, y, a, b, cost_fn, consts, chunk, eps.astype(work), dtype, mass_rtol)
 
 
 def _is_concrete(value: Any) -> bool:
@@ -618,16 +625,16 @@ def sinkhorn(
                  epsilon_scaling)
     n, m = p.x.shape[0], p.y.shape[0]
     if init is None:
-        g_init = jnp.zeros((m,), p.dtype)
+        g_init = jnp.zeros((m,), p.x.dtype)
     else:
         f0, g_init = init
         if jnp.shape(f0) != (n,) or jnp.shape(g_init) != (m,):
             raise ValueError(
                 f"init must be (f, g) of shapes ({n},), ({m},), got "
                 f"{jnp.shape(f0)}, {jnp.shape(g_init)}")
-        g_init = jnp.asarray(g_init, p.dtype)
-    return _sinkhorn(p, g_init, max_iterations=max_iterations, threshold=threshold,
-                     epsilon_scaling=epsilon_scaling)
+        g_init = jnp.asarray(g_init, p.x.dtype)
+    return _in_dtype(_sinkhorn(p, g_init, max_iterations=max_iterations,
+                               threshold=threshold, epsilon_scaling=epsilon_scaling), p.dtype)
 
 
 def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold,
@@ -649,9 +656,7 @@ def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold,
         max_iterations=max_iterations, threshold=threshold, scaling=epsilon_scaling,
         eps_start=eps_start)
     reg = _reg_ot_cost(p.cost, p.chunk, p.x, p.y, p.a, b, eps, p.consts, f, g, mass)
-    converged = (error < threshold) & ~jnp.any(jnp.isnan(errors))
-    return SinkhornResult(f, g, reg, converged, n_iterations, errors,
-                          jax.lax.stop_gradient(p.eps))
+    return _result(p, f, g, reg, error, threshold, n_iterations, errors)
 
 
 def _self_transport(p: _Problem, x, a, *, max_iterations, threshold,
@@ -666,8 +671,18 @@ def _self_transport(p: _Problem, x, a, *, max_iterations, threshold,
         max_iterations=max_iterations, threshold=threshold, scaling=epsilon_scaling,
         eps_start=eps_start)
     reg = _reg_ot_cost(p.cost, p.chunk, x, x, a, a, p.eps, p.consts, f, f, mass)
+    return _result(p, f, f, reg, error, threshold, n_iterations, errors)
+
+
+def _result(p, f, g, reg, error, threshold, n_iterations, errors) -> SinkhornResult:
     converged = (error < threshold) & ~jnp.any(jnp.isnan(errors))
-    return SinkhornResult(f, f, reg, converged, n_iterations, errors, seps)
+    return SinkhornResult(f, g, reg, converged, n_iterations, errors,
+                          jax.lax.stop_gradient(p.eps))
+
+
+def _in_dtype(result: SinkhornResult, dtype) -> SinkhornResult:
+    return result._replace(**{name: getattr(result, name).astype(dtype) for name in (
+        "f", "g", "reg_ot_cost", "errors", "epsilon")})
 
 
 def sinkhorn_divergence(
@@ -718,11 +733,12 @@ def sinkhorn_divergence(
                  epsilon_scaling)
     options = dict(max_iterations=max_iterations, threshold=threshold,
                    epsilon_scaling=epsilon_scaling)
-    xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.dtype), **options)
+    xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.x.dtype), **options)
     xx = _self_transport(p, p.x, p.a, **options)
     yy = _self_transport(p, p.y, p.b, **options)
     divergence = (xy.reg_ot_cost - 0.5 * (xx.reg_ot_cost + yy.reg_ot_cost)
                   + 0.5 * jax.lax.stop_gradient(p.eps) * (jnp.sum(p.a) - jnp.sum(p.b)) ** 2)
+    divergence = divergence.astype(p.dtype)
     if return_results:
-        return divergence, (xy, xx, yy)
+        return divergence, tuple(_in_dtype(r, p.dtype) for r in (xy, xx, yy))
     return divergence
