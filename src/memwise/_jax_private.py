@@ -102,3 +102,102 @@ def varying_axes(leaf: Any) -> frozenset:
     mat = getattr(aval, "mat", None)
     axes = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
     return frozenset(axes or ())
+
+
+# --------------------------------------------------------------------------------------
+# Guards that name the fix when a custom_vjp is forward-differentiated or differentiated
+# twice in reverse mode (used by memwise.scan / memwise.while_loop).
+#
+# Why: ``jvp`` of a ``custom_vjp`` stages JAX's ``custom_lin``, whose error cannot name
+# what to use instead and, under ``jit``, fires only when compiled, so a Python check on
+# the inputs never sees it; ``grad`` stages the same ``custom_lin`` and transposes it,
+# and there is no public hook that tells the two apart. ``forbid_forward_mode`` is an
+# identity whose tangent, in the innermost differentiation only (so ``jax.hessian``,
+# forward-over-reverse, still works), passes through a guard that raises when it is
+# evaluated, compiled or batched (forward mode) and vanishes when it is transposed
+# (reverse mode). ``forbid_reverse_mode`` is an identity whose tangent raises when it is
+# transposed (reverse mode of a backward pass: grad of grad). Neither emits any HLO.
+
+from jax.extend.core import Primitive as _Primitive
+from jax.interpreters import ad as _ad_rules
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
+
+
+def _raise_type_error(*_args: Any, message: str) -> Any:
+    raise TypeError(message)
+
+
+def _identity_primitive(name: str) -> Any:
+    p = _Primitive(name)
+    p.def_impl(lambda x, **_: x)
+    p.def_abstract_eval(lambda x, **_: x)
+    _mlir.register_lowering(p, lambda ctx, x, **_: [x])
+    _batching.defvectorized(p)
+    return p
+
+
+_tangent_guard_p = _Primitive("memwise_forward_mode_tangent")
+_tangent_guard_p.def_impl(_raise_type_error)
+_tangent_guard_p.def_abstract_eval(lambda x, **_: x)
+_mlir.register_lowering(_tangent_guard_p, _raise_type_error)
+_batching.primitive_batchers[_tangent_guard_p] = _raise_type_error
+_ad_rules.deflinear2(_tangent_guard_p, lambda ct, x, **_: [ct])
+
+_forward_guard_p = _identity_primitive("memwise_forbid_forward_mode")
+
+
+def _forward_guard_jvp(primals, tangents, *, message):
+    (x,), (dx,) = primals, tangents
+    # The primal is returned as is, not re-guarded: an outer differentiation (the jvp
+    # of jax.hessian) pushes its tangent through the loop's forward pass, which is fine.
+    if type(dx) is _ad_rules.Zero:
+        return x, dx
+    return x, _tangent_guard_p.bind(dx, message=message)
+
+
+_ad_rules.primitive_jvps[_forward_guard_p] = _forward_guard_jvp
+
+_reverse_guard_p = _identity_primitive("memwise_forbid_reverse_mode")
+_ad_rules.deflinear2(_reverse_guard_p, _raise_type_error)
+
+
+def forbid_forward_mode(value: Any, message: str) -> Any:
+    """``value``; forward mode through it raises ``TypeError(message)``."""
+    return _forward_guard_p.bind(value, message=message)
+
+
+def forbid_reverse_mode(value: Any, message: str) -> Any:
+    """``value``; reverse mode through it (transposing its tangent) raises ``TypeError``."""
+    return _reverse_guard_p.bind(value, message=message)
+
+
+def hoist_constant_casts(closed: Any) -> tuple[Any, list]:
+    """``(jaxpr, consts)``: ``closed`` with its constants as leading inputs, and each
+    top-level ``pvary`` cast of a constant applied once, here, instead of inside.
+
+    Why: inside ``shard_map`` a function traced with a replicated closed-over array casts
+    it to varying where it meets varying values; in a loop body that cast runs every
+    step, and its transpose all-reduces the array's cotangent every step. Cast once,
+    outside the loop, the loop accumulates local partial cotangents and the cast's
+    transpose all-reduces them once. ``pvary`` is an internal primitive name, and JAX
+    has no public way to rewrite a jaxpr. Casts inside nested jaxprs stay where they are.
+    """
+    from jax.extend.core import Var
+
+    jaxpr = closed.jaxpr
+    values = dict(zip(jaxpr.constvars, closed.consts))
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pvary" and all(
+            isinstance(v, Var) and v in values for v in eqn.invars
+        ):
+            outs = eqn.primitive.bind(*(values[v] for v in eqn.invars), **eqn.params)
+            values.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+        else:
+            eqns.append(eqn)
+    used = {v for e in eqns for v in e.invars if isinstance(v, Var)}
+    used |= {v for v in jaxpr.outvars if isinstance(v, Var)}
+    constvars = [v for v in values if v in used]
+    hoisted = jaxpr.replace(constvars=[], invars=constvars + list(jaxpr.invars), eqns=eqns)
+    return hoisted, [values[v] for v in constvars]
