@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
+import equinox.internal as eqxi
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -10,6 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _multidevice import run_on_devices
 from jax import lax
 
 import memwise as mw
@@ -118,6 +122,78 @@ def test_xs_none_with_length_and_y_none():
 def test_weak_typed_init_takes_body_dtype():
     carry, _ = mw.scan(lambda c, x: (c + x, None), 0.0, jnp.ones(5, jnp.float32))
     assert carry.dtype == jnp.float32 and float(carry) == 5.0
+
+
+@pytest.mark.parametrize("schedule_name", ["binomial", "nested", "per_step", "none"])
+def test_length_zero_returns_init_and_empty_ys_like_lax_scan(schedule_name):
+    w, _, h0 = make_inputs(1)
+
+    def loss(scan_fn, w, h0, **kw):
+        h, ys = scan_fn(lambda h, x: (jnp.tanh(w @ h + x), {"y": h * x}), h0,
+                        jnp.ones((0, H)), **kw)
+        assert ys["y"].shape == (0, H)
+        return jnp.sum(h**2) + jnp.sum(ys["y"])
+
+    ours = functools.partial(loss, mw.scan, schedule=schedule_name)
+    ref = functools.partial(loss, lax.scan)
+    np.testing.assert_allclose(ours(w, h0), ref(w, h0))
+    assert_tree_close(jax.jit(jax.grad(ours, argnums=(0, 1)))(w, h0),
+                      jax.grad(ref, argnums=(0, 1))(w, h0))
+    carry, ys = mw.scan(lambda c, _: (c + 1.0, c), 0.0, None, length=0, schedule=schedule_name)
+    assert float(carry) == 0.0 and ys.shape == (0,)
+
+
+def _loop_with_side_counter(scan_fn, w, xa, h0):
+    # Leaf "k" is advanced by an inner lax.while_loop (no reverse rule) and passed
+    # through an equinox nondifferentiable; no input perturbs it, so lax.scan never
+    # differentiates it (the loss uses its value, with a zero gradient).
+    def body(carry, x):
+        h, k = carry
+        k = lax.while_loop(lambda v: jnp.sum(v) < 0.0, lambda v: v + 1.0, 0.5 * k + 1.0)
+        k = eqxi.nondifferentiable(k)
+        return (jnp.tanh(w @ h + x), k), jnp.sum(h)
+
+    (h, k), ys = scan_fn(body, (h0, jnp.ones(H)), xa)
+    return jnp.sum(h**2) + jnp.sum(ys) + jnp.sum(k)
+
+
+@pytest.mark.parametrize("argnums", [(0,), (0, 1, 2)])
+def test_carry_leaf_no_input_perturbs_is_not_differentiated(argnums):
+    n = 13
+    args = make_inputs(n)
+    ours = functools.partial(_loop_with_side_counter, functools.partial(mw.scan, checkpoints=3))
+    ref = functools.partial(_loop_with_side_counter, lax.scan)
+    assert_tree_close(jax.jit(jax.grad(ours, argnums=argnums))(*args),
+                      jax.grad(ref, argnums=argnums)(*args))
+
+
+def test_read_only_carry_stays_unbatched_under_vmap_and_gets_its_gradient():
+    # The body returns the carry leaf r unchanged. Under vmap with a batched predicate
+    # lax.cond batches both branches' outputs unless an output is the very input, which
+    # lax.scan's read-only carry is; memwise.scan's was a new (batched) value.
+    xs = jnp.linspace(-1.0, 1.0, 18).reshape(6, 3)
+
+    def f(scan_fn, w, xs, r):
+        body = lambda c, x: ((jnp.tanh(c[0] * c[1] + x), c[1]), jnp.sum(c[0] * w))  # noqa: E731
+        return lax.cond(jnp.sum(xs) > 0, lambda: scan_fn(body, (w, r), xs)[0], lambda: (w, r))
+
+    batched = jnp.stack([xs, -xs, 2 * xs])
+    w, r = jnp.ones(3), jnp.full(3, 0.5)
+    run = lambda scan_fn: jax.vmap(  # noqa: E731
+        functools.partial(f, scan_fn), in_axes=(None, 0, None), out_axes=(0, None)
+    )(w, batched, r)
+    assert_tree_close(run(functools.partial(mw.scan, checkpoints=2)), run(lax.scan))
+
+    def loss(scan_fn, w, r):
+        (h, r_out), ys = scan_fn(lambda c, x: ((jnp.tanh(c[0] * c[1] + x), c[1]), c[0]),
+                                 (w, r), xs)
+        return jnp.sum(h**2) + jnp.sum(jnp.sin(ys)) + jnp.sum(r_out**3)
+
+    assert_tree_close(
+        jax.jit(jax.grad(functools.partial(loss, functools.partial(mw.scan, checkpoints=2)),
+                         argnums=(0, 1)))(w, r),
+        jax.grad(functools.partial(loss, lax.scan), argnums=(0, 1))(w, r),
+    )
 
 
 def counted_loss(n, **kwargs):
@@ -242,14 +318,50 @@ def test_vmap_of_grad_and_grad_of_vmap():
     assert_tree_close(jax.grad(summed(ours))(w), jax.grad(summed(ref))(w))
 
 
-def test_forward_mode_binomial_raises_naming_nested():
+FORWARD_MODE = {
+    "jvp": lambda f: lambda w: jax.jvp(f, (w,), (jnp.ones_like(w),)),
+    "jvp of jit": lambda f: lambda w: jax.jvp(jax.jit(f), (w,), (jnp.ones_like(w),)),
+    "linearize": lambda f: lambda w: jax.linearize(f, w)[1](jnp.ones_like(w)),
+    "linearize of jit": lambda f: lambda w: jax.linearize(jax.jit(f), w)[1](jnp.ones_like(w)),
+    "jacfwd": lambda f: jax.jacfwd(f),
+}
+SECOND_ORDER_REVERSE = {
+    "grad of grad": lambda f: jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2)),
+    "jacrev of jacrev": lambda f: jax.jacrev(jax.jacrev(f)),
+}
+
+
+@pytest.mark.parametrize("under_jit", [False, True])
+@pytest.mark.parametrize("transform", list(FORWARD_MODE) + list(SECOND_ORDER_REVERSE))
+def test_forward_mode_and_grad_of_grad_binomial_raise_naming_nested(transform, under_jit):
+    # JAX's own errors ("can't apply forward-mode autodiff (jvp) to a custom_vjp
+    # function", the while_loop's reverse-mode error) came instead under jit and for
+    # linearize / grad of grad.
     n = 9
     w, xa, h0 = make_inputs(n)
     ours = loss_with(mw.scan, n, checkpoints=3)
-    with pytest.raises(TypeError, match="schedule='nested'"):
-        jax.jvp(lambda w: ours(w, xa, h0), (w,), (jnp.ones_like(w),))
-    with pytest.raises(TypeError, match="schedule='nested'"):
-        jax.jacfwd(lambda w: ours(w, xa, h0))(w)
+    fn = {**FORWARD_MODE, **SECOND_ORDER_REVERSE}[transform](lambda w: ours(w, xa, h0))
+    fn = jax.jit(fn) if under_jit else fn
+    expected = "twice in reverse mode" if transform in SECOND_ORDER_REVERSE else "forward mode"
+    with pytest.raises(TypeError, match=f"memwise.scan.*{expected}.*schedule='nested'"):
+        jax.block_until_ready(fn(w))
+
+
+@pytest.mark.parametrize("transform", ["hessian", "jacfwd of grad", "jvp of grad"])
+def test_forward_over_reverse_of_binomial_matches_lax_scan(transform):
+    n = 11
+    w, xa, h0 = make_inputs(n)
+    tangent = jnp.ones_like(w)
+    transforms = {
+        "hessian": jax.hessian,
+        "jacfwd of grad": lambda f: jax.jacfwd(jax.grad(f)),
+        "jvp of grad": lambda f: lambda w: jax.jvp(jax.grad(f), (w,), (tangent,))[1],
+    }
+
+    def run(scan_fn, **kw):
+        return jax.jit(transforms[transform](lambda w: loss_with(scan_fn, n, **kw)(w, xa, h0)))(w)
+
+    assert_tree_close(run(mw.scan, checkpoints=3), run(lax.scan), rtol=1e-4, atol=1e-5)
 
 
 def test_nested_under_jvp_and_grad_of_grad():
@@ -321,8 +433,6 @@ def test_bad_inputs():
         mw.scan(lambda c, x: (c, None), init, (xs, jnp.ones((4, 2))))
     with pytest.raises(ValueError, match="length"):
         mw.scan(body, init, xs, length=4)
-    with pytest.raises(ValueError, match="at least one step"):
-        mw.scan(body, init, jnp.ones((0, 2)))
     with pytest.raises(ValueError, match="length"):
         mw.scan(body, init, None)
     with pytest.raises(TypeError, match="f must be callable"):
@@ -427,13 +537,21 @@ def test_while_loop_predicate_closure_is_not_differentiated():
     assert float(g_threshold) == 0.0
 
 
-def test_while_loop_forward_mode_raises_naming_nested():
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_while_loop_forward_mode_error_names_lax_while_loop_not_a_schedule(under_jit):
+    # while_loop takes no schedule=, so its message must not suggest one.
     def f(a):
         return mw.while_loop(lambda s: s[1] < 5, lambda s: (s[0] * a, s[1] + 1),
                              (a, 0), max_steps=10)[0]
 
-    with pytest.raises(TypeError, match="memwise.while_loop.*schedule='nested'"):
-        jax.jvp(f, (2.0,), (1.0,))
+    jvp = lambda a: jax.jvp(f, (a,), (1.0,))  # noqa: E731
+    with pytest.raises(TypeError, match="memwise.while_loop.*jax.lax.while_loop") as error:
+        (jax.jit(jvp) if under_jit else jvp)(2.0)
+    assert "schedule" not in str(error.value)
+    with pytest.raises(TypeError, match="memwise.while_loop.*twice") as error:
+        jax.grad(jax.grad(f))(2.0)
+    assert "schedule" not in str(error.value)
+    np.testing.assert_allclose(jax.hessian(f)(2.0), 30 * 2.0**4, rtol=1e-5)  # (a^6)"
 
 
 def test_while_loop_vmap_different_trip_counts():
@@ -484,3 +602,66 @@ def test_while_loop_bad_inputs():
         mw.while_loop(lambda s: s < 3, lambda s: (s, s), 0.0, max_steps=3)
     with pytest.raises(ValueError, match="checkpoints"):
         mw.while_loop(lambda s: s < 3, body, 0.0, max_steps=3, checkpoints=0)
+
+
+def test_inside_shard_map_replicated_parameter_gradient_matches_lax_scan():
+    # A replicated w closed over by the body: memwise raised a pvary ValueError. Loop
+    # carries are typed as varying like the loop's inputs; w's cotangent is all-reduced
+    # once, after the backward loop (no collective inside any loop).
+    out = run_on_devices("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import lax
+        from jax.sharding import PartitionSpec as P
+        import memwise as mw
+
+        mesh = jax.make_mesh((4,), ("d",))
+
+        def loss(scan, w, h0, xs, cast_init):
+            def local(w, h0, xs):
+                h0 = lax.pcast(h0, ("d",), to="varying") if cast_init else h0
+                def body(c, x):
+                    h, k = c
+                    return (jnp.tanh(w * h + x), k + 1), jnp.sum(h)
+                (h, k), ys = scan(body, (h0, jnp.int32(0)), xs)
+                return lax.psum(jnp.sum(h**2) + jnp.sum(ys), "d") + k
+            return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(None, "d")),
+                                 out_specs=P())(w, h0, xs)
+
+        def loop_collectives(jaxpr, in_loop=False):
+            count = 0
+            for eqn in jaxpr.eqns:
+                if in_loop and "psum" in eqn.primitive.name:
+                    count += 1
+                inner = in_loop or eqn.primitive.name in ("while", "scan")
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    count += loop_collectives(sub, inner)
+            return count
+
+        with jax.set_mesh(mesh):
+            xs = jax.device_put(jnp.linspace(0, 1, 60).reshape(5, 12), P(None, "d"))
+            w, h0 = jnp.float32(0.7), jnp.linspace(0.1, 0.3, 3)
+            grad = lambda scan, cast: jax.jit(jax.grad(
+                lambda *a: loss(scan, *a, cast), argnums=(0, 1, 2)))
+            want = grad(lax.scan, True)(w, h0, xs)
+            ours = lambda **kw: lambda *a: mw.scan(*a, checkpoints=2, **kw)
+            for cast in (True, False):
+                got = grad(ours(), cast)(w, h0, xs)
+                for a, b in zip(got, want):
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            jaxpr = jax.make_jaxpr(grad(ours(), False))(w, h0, xs).jaxpr
+            print("loop collectives", loop_collectives(jaxpr))
+
+            def newton(w, x):
+                return mw.while_loop(lambda s: s[1] < 4,
+                                     lambda s: (jnp.sin(w * s[0]) + x, s[1] + 1),
+                                     (x, 0), max_steps=6, checkpoints=2)[0]
+            def newton_ref(w, x):
+                return lax.fori_loop(0, 4, lambda i, s: jnp.sin(w * s) + x, x)
+            x8 = jax.device_put(jnp.linspace(0, 1, 8), P("d"))
+            g = [jax.jit(jax.grad(lambda w: jax.shard_map(
+                     lambda w, x: lax.psum(jnp.sum(fn(w, x)), "d"), mesh=mesh,
+                     in_specs=(P(), P("d")), out_specs=P())(w, x8)))(w)
+                 for fn in (newton, newton_ref)]
+            np.testing.assert_allclose(g[0], g[1], rtol=1e-5)
+    """)
+    assert "loop collectives 0" in out

@@ -14,7 +14,8 @@ on lists of leaves, in one of two kinds:
   holds, at most ``n_steps`` times, so the trip count is only known when traced.
 
 Both run through one ``jax.custom_vjp``, declared once below with the :class:`Loop` as a
-non-differentiable argument:
+non-differentiable argument (its inputs pass through ``forbid_forward_mode``, so that
+forward mode raises the loop's own error, naming the fix, not JAX's generic one):
 
 * the forward rule records: one ``lax.scan`` (or ``lax.while_loop``) over the steps that
   also writes the carries the schedule keeps into stacked ``(n_slots, ...)`` buffers,
@@ -23,7 +24,9 @@ non-differentiable argument:
   whose body restores a slot, advances in an inner ``while_loop`` (storing as the
   schedule says) and differentiates one step. In a while loop the steps at or past the
   trip count are identities. The schedule enters as integer arrays, so the compiled
-  program and its compile time do not depend on n.
+  program and its compile time do not depend on n. Only the carry leaves the inputs
+  perturb are differentiated (the fixed point ``lax.scan`` computes), so a leaf the
+  gradient does not depend on may go through operations without a reverse rule.
 
 Not yet optimal: a while loop replays the schedule of ``n_steps`` restricted to the steps
 that ran, and its backward loop spends a cheap iteration on each of the ``n_steps``
@@ -42,11 +45,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Var
 
 from memwise import schedule as schedule_lib
+from memwise._jax_private import forbid_forward_mode, forbid_reverse_mode, varying_axes
 from memwise._vjp import (
-    Static, cotangents, dense, fill, is_differentiable, is_zero, select, unwrap,
+    Static,
+    cotangents,
+    fill,
+    is_differentiable,
+    is_zero,
+    select,
+    unwrap,
 )
+from memwise.sharding import typed_zeros, vary
 
 __all__ = ["Loop", "run"]
 
@@ -61,6 +73,9 @@ class Loop:
       schedule: the binomial schedule of ``schedule.n_steps`` steps.
       reverse, unroll: as in ``lax.scan`` (a scan's forward pass only).
       cond: None for a scan; for a while loop ``(carry, *cond_consts) -> bool scalar``.
+      forward_mode_error, second_order_error: the ``TypeError`` messages for forward
+        mode (``jvp``, ``jacfwd``, ``jax.linearize``) and for reverse mode of the
+        backward pass (``grad`` of ``grad``), each naming what to use instead.
     """
 
     body: Callable
@@ -68,6 +83,8 @@ class Loop:
     reverse: bool = False
     unroll: int | bool = 1
     cond: Callable | None = None
+    forward_mode_error: str = "this loop does not support forward-mode differentiation"
+    second_order_error: str = "this loop cannot be differentiated twice in reverse mode"
 
     @property
     def n_steps(self) -> int:
@@ -91,7 +108,12 @@ def run(loop: Loop, consts: list, cond_consts: list, carry: list, xs: list) -> t
     the predicate's (they get none: pass them through ``lax.stop_gradient``). A while
     loop takes ``xs=[]`` and returns ``ys=[]``.
     """
-    return _run(loop, list(consts), list(cond_consts), list(carry), list(xs))
+    def guard(leaves):
+        # Forward mode through the custom_vjp raises the loop's own error, naming the fix.
+        return [forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
+                for a in leaves]
+
+    return _run(loop, guard(consts), list(cond_consts), guard(carry), guard(xs))
 
 
 # --------------------------------------------------------------------------------------
@@ -109,23 +131,30 @@ def _run_fwd(loop, consts, cond_consts, carry, xs):
     cond_consts, cond_perturbed = unwrap(cond_consts)
     carry, carry_perturbed = unwrap(carry)
     xs, xs_perturbed = unwrap(xs)
-    buffers = [jnp.zeros((loop.schedule.n_slots,) + a.shape, a.dtype) for a in carry]
+    carry_mask = _perturbed_carry(
+        loop, consts, carry, _entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
+    )
+    buffers = [vary(jnp.zeros((loop.schedule.n_slots,) + a.shape, a.dtype), varying_axes(a))
+               for a in carry]
     carry, ys, buffers, trips = _sweep(loop, consts, cond_consts, carry, xs, buffers=buffers)
-    perturbed = Static((consts_perturbed, cond_perturbed, carry_perturbed, xs_perturbed))
+    perturbed = Static((consts_perturbed, cond_perturbed, carry_perturbed, carry_mask,
+                        xs_perturbed))
     return (carry, ys), (consts, xs, buffers, trips, perturbed)
 
 
 def _run_bwd(loop, residuals, output_cotangents):
     consts, xs, buffers, trips, perturbed = residuals
-    consts_perturbed, cond_perturbed, carry_perturbed, xs_perturbed = perturbed.value
+    consts_perturbed, cond_perturbed, carry_perturbed, carry_mask, xs_perturbed = (
+        perturbed.value)
     ct_carry, ct_ys = output_cotangents
     n = loop.n_steps
-    carry_like = _entry(buffers)
-    taped = _TapedStep(loop, carry_like, _entry(xs), consts, xs_perturbed, consts_perturbed)
-    ct_carry = select(dense(ct_carry, carry_like), taped.carry_mask)
+    taped = _TapedStep(loop, _entry(buffers), _entry(xs), consts, carry_mask, xs_perturbed,
+                       consts_perturbed)
+    ct_carry = [_entry_zeros(buf) if is_zero(ct) else ct
+                for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))]
     ct_ys = [None if is_zero(ct) else ct for ct in ct_ys]
-    ct_consts = [jnp.zeros_like(a) for a in select(consts, taped.const_mask)]
-    ct_xs = [jnp.zeros_like(a) for a in select(xs, taped.x_mask)]
+    ct_consts = typed_zeros(select(consts, taped.const_mask))
+    ct_xs = typed_zeros(select(xs, taped.x_mask))
     arrays = _schedule_arrays(loop.schedule)
 
     def advance(i, carry):
@@ -155,13 +184,19 @@ def _run_bwd(loop, residuals, output_cotangents):
     ct_carry, ct_consts, ct_xs, _ = lax.fori_loop(
         0, n, reverse_step, (ct_carry, ct_consts, ct_xs, buffers)
     )
-    ct_init = [ct if p else None
-               for ct, p in zip(cotangents(taped.carry_mask, ct_carry), carry_perturbed)]
+
+    def out(mask, cts):
+        # The backward pass replays in a while_loop, which has no reverse rule: reverse
+        # mode of these cotangents (grad of grad) raises the loop's own error instead.
+        return cotangents(mask, [forbid_reverse_mode(ct, loop.second_order_error)
+                                 for ct in cts])
+
+    init_mask = [m and p for m, p in zip(carry_mask, carry_perturbed)]
     return (
-        cotangents(taped.const_mask, ct_consts),
+        out(taped.const_mask, ct_consts),
         [None] * len(cond_perturbed),
-        ct_init,
-        cotangents(taped.x_mask, ct_xs),
+        out(init_mask, select(ct_carry, select(carry_perturbed, carry_mask))),
+        out(taped.x_mask, ct_xs),
     )
 
 
@@ -261,16 +296,17 @@ def _replay(arrays, k, r, buffers, advance, *, limit):
 class _TapedStep:
     """vjp of one step with respect to the leaves that need a cotangent.
 
-    The carry's inexact leaves always do (they carry the gradient between steps); xs and
-    closed-over leaves only when inexact *and* perturbed (``custom_vjp`` with symbolic
-    zeros says which), so ``grad`` with respect to parameters alone never builds the
-    (n, ...) cotangent of xs.
+    The perturbed carry leaves do (``carry_mask``, from :func:`_perturbed_carry`: they
+    carry the gradient between steps); xs and closed-over leaves when inexact *and*
+    perturbed (``custom_vjp`` with symbolic zeros says which), so ``grad`` with respect
+    to parameters alone never builds the (n, ...) cotangent of xs, and a carry leaf no
+    input perturbs is never differentiated (it may go through a ``lax.while_loop``).
     """
 
-    def __init__(self, loop: Loop, carry: list, x: list, consts: list,
+    def __init__(self, loop: Loop, carry: list, x: list, consts: list, carry_mask: list,
                  x_perturbed: tuple, consts_perturbed: tuple):
         self.step = loop.step
-        self.carry_mask = [is_differentiable(a) for a in carry]
+        self.carry_mask = list(carry_mask)
         self.x_mask = [is_differentiable(a) and p for a, p in zip(x, x_perturbed)]
         self.const_mask = [is_differentiable(a) and p for a, p in zip(consts, consts_perturbed)]
         _, self.y_like = jax.eval_shape(self.step, carry, x, consts)
@@ -291,17 +327,67 @@ class _TapedStep:
             )
             return select(new_carry, self.carry_mask), select(y, self.y_mask)
 
-        _, vjp = jax.vjp(
+        (_, y_out), vjp = jax.vjp(
             diff_step,
             select(carry, self.carry_mask),
             select(x, self.x_mask),
             select(consts, self.const_mask),
         )
-        ct_y = [
-            jnp.zeros(like.shape, like.dtype) if ct is None else ct
-            for ct, like in zip(ct_y, self.y_like)
-        ]
-        return vjp((ct_carry, select(ct_y, self.y_mask)))
+        # zeros typed like the output (varying inside shard_map as the output is)
+        ct_y = [typed_zeros([y])[0] if ct is None else ct
+                for ct, y in zip(select(ct_y, self.y_mask), y_out)]
+        return vjp((ct_carry, ct_y))
+
+
+def _perturbed_carry(loop: Loop, consts: list, carry: list, x: list, consts_perturbed: tuple,
+                     carry_perturbed: tuple, xs_perturbed: tuple) -> list:
+    """Which carry leaves have a nonzero tangent, as ``lax.scan`` decides it.
+
+    A fixed point: a leaf is perturbed if its initial value is, or if the body makes it
+    depend on a perturbed carry leaf, xs leaf or closed-over array. The dependence is
+    JAX's own: the body's ``jvp`` with only the perturbed inputs as tangents, traced to a
+    jaxpr; an output tangent that no input tangent reaches is a symbolic zero there.
+    """
+    perturbed = [bool(p) and is_differentiable(a) for a, p in zip(carry, carry_perturbed)]
+    others = list(x) + list(consts)
+    others_perturbed = [bool(p) and is_differentiable(a)
+                        for a, p in zip(others, tuple(xs_perturbed) + tuple(consts_perturbed))]
+    n_carry, n_x = len(carry), len(x)
+
+    def new_carry(values):
+        return loop.step(values[:n_carry], values[n_carry:n_carry + n_x],
+                         values[n_carry + n_x:])[0]
+
+    while True:
+        reached = _nonzero_tangents(new_carry, list(carry) + others, perturbed + others_perturbed)
+        grown = [p or (r and is_differentiable(a)) for p, r, a in zip(perturbed, reached, carry)]
+        if grown == perturbed:
+            return perturbed
+        perturbed = grown
+
+
+def _nonzero_tangents(fn: Callable, values: list, active: list) -> list:
+    """Which outputs of ``fn(values)`` (a list) the ``active`` values' tangents reach.
+
+    JAX's own answer: in the jaxpr of the ``jvp`` with tangents for the active values
+    only, an output tangent that no input tangent reaches is a (materialised) symbolic
+    zero.
+    """
+    if not any(active):
+        return [False] * len(jax.eval_shape(fn, values))
+
+    def tangents_out(primals, tangents):
+        def of_active(*chosen):
+            return fn(fill(primals, active, chosen))
+
+        return jax.jvp(of_active, tuple(select(primals, active)), tuple(tangents))[1]
+
+    jaxpr = jax.make_jaxpr(tangents_out)(values, select(values, active)).jaxpr
+    reached = set(jaxpr.invars[len(values):])
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return [isinstance(v, Var) and v in reached for v in jaxpr.outvars]
 
 
 # --------------------------------------------------------------------------------------
@@ -311,6 +397,11 @@ class _TapedStep:
 def _entry(stacked: list) -> list:
     """Shapes and dtypes of one entry of stacked arrays (a buffer's carry, one step's x)."""
     return jax.eval_shape(lambda arrays: [a[0] for a in arrays], stacked)
+
+
+def _entry_zeros(stacked: Any) -> Any:
+    """Zeros shaped and typed (varying mesh axes included) like one entry of ``stacked``."""
+    return vary(jnp.zeros(stacked.shape[1:], stacked.dtype), varying_axes(stacked))
 
 
 def _take(tree: list, index: Any) -> list:

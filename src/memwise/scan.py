@@ -20,12 +20,18 @@ gradients, and offers the transformation-transparent alternatives (``schedule="n
 Trade-offs, honestly:
 
 * ``schedule="binomial"`` is a ``custom_vjp``: reverse mode (``grad``, ``vjp``,
-  ``jacrev``) and ``vmap`` work; ``jvp``/``jacfwd`` raise a ``TypeError`` naming
-  ``schedule="nested"`` (nested ``lax.scan`` + ``jax.checkpoint``: any transformation,
-  ~``levels * n**(1/levels)`` carries, ``levels * n`` evaluations). When the forward-mode
-  transformation wraps a ``jit`` that contains the scan, the scan cannot see it and JAX's
-  own ``TypeError`` ("can't apply forward-mode autodiff (jvp) to a custom_vjp function")
-  comes instead.
+  ``jacrev``), ``vmap`` and forward-over-reverse (``jax.hessian``, ``jacfwd(grad)``)
+  work; forward mode through the loop (``jvp``, ``jacfwd``, ``jax.linearize``) raises a
+  ``TypeError`` naming ``schedule="nested"`` (nested ``lax.scan`` + ``jax.checkpoint``:
+  any transformation, ~``levels * n**(1/levels)`` carries, ``levels * n`` evaluations),
+  with or without ``jit``; so does reverse-over-reverse (``grad`` of ``grad``), whose
+  inner backward pass replays the loop in a ``lax.while_loop``.
+* Like ``lax.scan``, only the carry leaves that the differentiated inputs perturb are
+  differentiated, and a carry leaf the body returns unchanged is a loop constant (no
+  checkpoint slot; unbatched under ``vmap`` if its initial value is). Inside
+  ``shard_map`` the carry and xs are cast to vary like the loop's inputs, and a
+  replicated closed-over array's cotangent is all-reduced once, after the backward loop
+  (its casts inside nested jaxprs of the body, e.g. a ``jit`` call, stay per step).
 * The schedule is baked into the program as int32 arrays of about 5n entries (2 MB at
   n = 100,000): constants, not temporaries.
 * ``while_loop`` runs the binomial schedule of ``max_steps`` with the steps after
@@ -42,13 +48,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from memwise import _binomial, knobs
 from memwise import schedule as schedule_lib
-from memwise._jax_private import is_forward_mode
+from memwise._jax_private import hoist_constant_casts, varying_axes
+from memwise._vjp import fill, select
+from memwise.sharding import first_items, vary, varying_over
 
 __all__ = ["scan", "while_loop", "resolve_checkpoints"]
 
@@ -57,6 +66,29 @@ _SCHEDULES = ("binomial", "nested", "per_step", "none")
 _DEFAULT_EVALUATIONS_PER_STEP = 3
 # "auto" candidates: evaluations per step allowed, from fastest (most memory) to leanest.
 _AUTO_EVALUATIONS_PER_STEP = (2.5, 3, 4, 6, 8, 12)
+
+_SCAN_FORWARD_MODE = (
+    "memwise.scan with schedule='binomial' supports reverse mode (grad, vjp, jacrev; also "
+    "jax.hessian and jacfwd of grad) and vmap, but not forward mode through the loop "
+    "(jvp, jacfwd, jax.linearize); use memwise.scan(..., schedule='nested') for forward "
+    "mode"
+)
+_SCAN_SECOND_ORDER = (
+    "memwise.scan with schedule='binomial' cannot be differentiated twice in reverse "
+    "mode (grad of grad, jacrev of grad): its backward pass replays the loop in a "
+    "lax.while_loop; use memwise.scan(..., schedule='nested'), or forward-over-reverse "
+    "(jax.hessian, jax.jacfwd(jax.grad(f))), which works with schedule='binomial'"
+)
+_WHILE_FORWARD_MODE = (
+    "memwise.while_loop supports reverse mode (grad, vjp, jacrev; also jax.hessian and "
+    "jacfwd of grad) and vmap, but not forward mode through the loop (jvp, jacfwd, "
+    "jax.linearize); for forward mode use jax.lax.while_loop, whose jvp keeps no carries"
+)
+_WHILE_SECOND_ORDER = (
+    "memwise.while_loop cannot be differentiated twice in reverse mode (grad of grad, "
+    "jacrev of grad): its backward pass replays the loop in a lax.while_loop; use "
+    "forward-over-reverse instead (jax.hessian, jax.jacfwd(jax.grad(f))), which works"
+)
 
 
 def resolve_checkpoints(checkpoints: Any, n: int) -> int:
@@ -136,11 +168,8 @@ def _scan_length(xs: Any, length: int | None) -> int:
         n = lengths.pop()
     else:
         raise ValueError("xs is None (or has no arrays): pass length= (the number of steps)")
-    if n < 1:
-        raise ValueError(
-            f"the scan has length {n}; memwise.scan needs at least one step (for an empty "
-            "loop use jax.lax.scan)"
-        )
+    if n < 0:
+        raise ValueError(f"length={n} must be >= 0")
     return n
 
 
@@ -153,14 +182,15 @@ def _describe(tree: Any) -> str:
     return str(jax.tree_util.tree_map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
 
 
-def _strong_carry(f: Callable, init: Any, x_example: Any, *, name: str = "f") -> Any:
-    """Checks that f keeps the carry's structure, shapes and dtypes; returns init.
+def _strong_carry(f: Callable, init: Any, x_example: Any, *, name: str = "f"):
+    """Checks that f keeps the carry's structure, shapes and dtypes: ``(init, read_only)``.
 
     Like ``lax.scan``, a weakly typed init (a Python float) takes the dtype the body
-    returns, so ``init=0.0`` works with a float32 body.
+    returns, so ``init=0.0`` works with a float32 body. ``read_only[i]`` is True when f
+    returns carry leaf i unchanged (the same value, not a copy).
     """
     init = jax.tree_util.tree_map(jnp.asarray, init)
-    out = jax.eval_shape(f, init, x_example)
+    closed, out = jax.make_jaxpr(f, return_shape=True)(init, x_example)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"{name} must return a pair (new_carry, y); got {type(out).__name__}")
     new_carry = out[0]
@@ -183,19 +213,54 @@ def _strong_carry(f: Callable, init: Any, x_example: Any, *, name: str = "f") ->
                 "dtypes and keep its shapes"
             )
         fixed.append(a)
-    return jax.tree_util.tree_unflatten(in_def, fixed)
+    n = len(fixed)
+    jaxpr = closed.jaxpr
+    read_only = [o is i for o, i in zip(jaxpr.outvars[:n], jaxpr.invars[:n])]
+    return jax.tree_util.tree_unflatten(in_def, fixed), read_only
 
 
-def _reject_forward_mode(leaves: list, what: str) -> None:
-    # A custom_vjp cannot do forward mode, and JAX's own error would not say what to use
-    # instead.
-    for leaf in leaves:
-        if is_forward_mode(leaf):
-            raise TypeError(
-                f"{what} with schedule='binomial' supports reverse mode (grad, vjp, "
-                "jacrev) and vmap but not forward mode (jvp, jacfwd, hessian); use "
-                "memwise.scan(..., schedule='nested') for forward mode or grad-of-grad"
-            )
+def _loop_body(flat: Callable, carry: list, xs: list, read_only: list):
+    """The loop as ``_binomial`` runs it: ``(body, consts, loop_carry, xs)``.
+
+    The read-only carry leaves (``flat`` returns them unchanged) leave the loop carry
+    and become closed-over constants, as in ``lax.scan``: they keep their own value
+    (unbatched under ``vmap`` when they were), cost no checkpoint slot, and their
+    gradient flows as a constant's.
+
+    Inside ``shard_map`` the loop carry and xs are cast to vary like the loop's inputs
+    (the carry as far as the body makes it vary: the fixed point that ``lax.scan`` asks
+    the user to cast to), and the body's casts of replicated closed-over arrays are
+    applied once, before the loop: the backward loop then accumulates local partial
+    cotangents, and each cast's transpose all-reduces a replicated input's cotangent
+    once, after the loop (``lax.scan`` all-reduces a replicated parameter's every step).
+    """
+    moving = [not r for r in read_only]
+
+    def step(loop_carry, x):
+        new_carry, y = flat(fill(carry, moving, loop_carry), x)
+        return [vary(a, varying_axes(c))
+                for a, c in zip(select(new_carry, moving), loop_carry)], y
+
+    loop_carry = select(carry, moving)
+    body, consts = jax.closure_convert(step, loop_carry, first_items(xs))
+    axes = varying_over(loop_carry, xs, consts)
+    if not axes:
+        return body, list(consts), loop_carry, xs
+    xs = vary(xs, axes)
+    while True:
+        out, _ = jax.eval_shape(step, loop_carry, first_items(xs))
+        if all(varying_axes(o) <= varying_axes(c) for o, c in zip(out, loop_carry)):
+            break
+        loop_carry = [vary(c, varying_axes(o)) for c, o in zip(loop_carry, out)]
+    closed, out = jax.make_jaxpr(step, return_shape=True)(loop_carry, first_items(xs))
+    jaxpr, consts = hoist_constant_casts(closed)
+    run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jaxpr, []))
+    out_tree = jax.tree.structure(out)
+
+    def hoisted_body(loop_carry, x, *consts):
+        return jax.tree.unflatten(out_tree, run(*consts, *loop_carry, *x))
+
+    return hoisted_body, consts, loop_carry, xs
 
 
 # --------------------------------------------------------------------------------------
@@ -224,15 +289,17 @@ def scan(
         gradients. ``y`` may be ``None``.
       init: initial carry (pytree).
       xs: pytree of arrays scanned along axis 0, or None with ``length``.
-      length: number of steps when ``xs`` is None (or to check against xs).
+      length: number of steps when ``xs`` is None (or to check against xs); 0 returns
+        ``init`` and empty ys, as ``lax.scan`` does.
       checkpoints: carries kept for the backward pass. ``None`` (default): the fewest
         whose cost is at most 3n body evaluations (about sqrt(2n) carries, one extra
         forward pass); an int >= 1 (fewer = less memory, more recomputation:
         ``memwise.schedule.evaluations(n, c)``); ``"all"``: one per step; ``"auto"``:
         chosen by ``memwise.fit`` under a memory budget (the default outside it).
-      schedule: ``"binomial"`` (optimal, reverse mode only), ``"nested"`` (nested
-        ``lax.scan`` + ``jax.checkpoint``: works under ``jvp``, ``vmap``, ``grad(grad)``;
-        ``checkpoints`` bounds its carries, default two levels), ``"per_step"``
+      schedule: ``"binomial"`` (optimal; reverse mode and forward-over-reverse),
+        ``"nested"`` (nested ``lax.scan`` + ``jax.checkpoint``: works under ``jvp``,
+        ``vmap``, ``grad(grad)``; ``checkpoints`` bounds its carries, default two
+        levels), ``"per_step"``
         (``lax.scan(jax.checkpoint(f))``: n carries, 2n evaluations) or ``"none"``
         (plain ``lax.scan``: all residuals, n evaluations).
       reverse, unroll: as in ``lax.scan`` (``unroll`` applies to the forward pass).
@@ -257,10 +324,7 @@ def scan(
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {_SCHEDULES}")
     n = _scan_length(xs, length)
-    x_example = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], jnp.result_type(a)), xs
-    )
-    init = _strong_carry(f, init, x_example)
+    init, read_only = _strong_carry(f, init, first_items(xs))
 
     if schedule in ("none", "per_step"):
         if checkpoints is not None:
@@ -270,11 +334,17 @@ def scan(
             )
         body = f if schedule == "none" else jax.checkpoint(f, prevent_cse=False)
         return lax.scan(body, init, xs, length=n, reverse=reverse, unroll=unroll)
+    if n == 0:  # nothing to checkpoint; lax.scan returns init and empty ys
+        if schedule == "nested":
+            _nested_plan(1, checkpoints)
+        elif checkpoints != "auto":
+            resolve_checkpoints(checkpoints, 1)
+        return lax.scan(f, init, xs, length=0, reverse=reverse)
     if schedule == "nested":
         plan = _nested_plan(n, checkpoints)
         return _nested_scan(f, init, xs, plan, reverse, unroll)
     c = resolve_checkpoints(checkpoints, n)
-    return _binomial_scan(f, init, xs, n, c, reverse, unroll)
+    return _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only)
 
 
 def _nested_plan(n: int, checkpoints: Any) -> schedule_lib.NestedSchedule:
@@ -342,19 +412,19 @@ def _flat_step(f, carry_def, x_def, y_def_box):
     return step
 
 
-def _binomial_scan(f, init, xs, n, c, reverse, unroll):
+def _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only):
     carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
     x_leaves, x_def = jax.tree_util.tree_flatten(xs)
     y_def_box: list = []
     flat = _flat_step(f, carry_def, x_def, y_def_box)
-    x_example = [jnp.zeros(np.shape(a)[1:], jnp.result_type(a)) for a in x_leaves]
-    converted, consts = jax.closure_convert(flat, carry_leaves, x_example)
+    body, consts, loop_carry, x_leaves = _loop_body(flat, carry_leaves, x_leaves, read_only)
     y_def = y_def_box[0]
-    _reject_forward_mode(list(consts) + carry_leaves + x_leaves, "memwise.scan")
     loop = _binomial.Loop(
-        body=converted, schedule=schedule_lib.binomial(n, c), reverse=reverse, unroll=unroll
+        body=body, schedule=schedule_lib.binomial(n, c), reverse=reverse, unroll=unroll,
+        forward_mode_error=_SCAN_FORWARD_MODE, second_order_error=_SCAN_SECOND_ORDER,
     )
-    carry_out, ys = _binomial.run(loop, consts, [], carry_leaves, x_leaves)
+    carry_out, ys = _binomial.run(loop, consts, [], loop_carry, x_leaves)
+    carry_out = fill(carry_leaves, [not r for r in read_only], carry_out)
     return (
         jax.tree_util.tree_unflatten(carry_def, carry_out),
         jax.tree_util.tree_unflatten(y_def, ys),
@@ -412,7 +482,9 @@ def while_loop(
     if max_steps < 1:
         raise ValueError(f"max_steps={max_steps} must be >= 1")
     max_steps = int(max_steps)
-    init = _strong_carry(lambda c, _: (body_fun(c), None), init, None, name="body_fun")
+    init, read_only = _strong_carry(
+        lambda c, _: (body_fun(c), None), init, None, name="body_fun"
+    )
     pred = jax.eval_shape(cond_fun, init)
     if getattr(pred, "shape", None) != () or pred.dtype != jnp.bool_:
         raise TypeError(
@@ -422,20 +494,23 @@ def while_loop(
     c = resolve_checkpoints(checkpoints, max_steps)
     carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
 
+    moving = [not r for r in read_only]
+
     def flat_body(leaves, _):
         out = body_fun(jax.tree_util.tree_unflatten(carry_def, leaves))
         return jax.tree_util.tree_leaves(out), []
 
-    def flat_cond(leaves):
+    def flat_cond(loop_leaves):
+        leaves = fill(carry_leaves, moving, loop_leaves)
         return cond_fun(jax.tree_util.tree_unflatten(carry_def, leaves))
 
-    body_conv, body_consts = jax.closure_convert(flat_body, carry_leaves, [])
-    cond_conv, cond_consts = jax.closure_convert(flat_cond, carry_leaves)
+    body_conv, body_consts, loop_carry, _ = _loop_body(flat_body, carry_leaves, [], read_only)
+    cond_conv, cond_consts = jax.closure_convert(flat_cond, loop_carry)
     # The predicate is not differentiated: its closed-over arrays need no cotangent.
     cond_consts = [lax.stop_gradient(a) for a in cond_consts]
-    _reject_forward_mode(list(body_consts) + carry_leaves, "memwise.while_loop")
     loop = _binomial.Loop(
-        body=body_conv, schedule=schedule_lib.binomial(max_steps, c), cond=cond_conv
+        body=body_conv, schedule=schedule_lib.binomial(max_steps, c), cond=cond_conv,
+        forward_mode_error=_WHILE_FORWARD_MODE, second_order_error=_WHILE_SECOND_ORDER,
     )
-    out, _ = _binomial.run(loop, body_consts, cond_consts, carry_leaves, [])
-    return jax.tree_util.tree_unflatten(carry_def, out)
+    out, _ = _binomial.run(loop, body_consts, cond_consts, loop_carry, [])
+    return jax.tree_util.tree_unflatten(carry_def, fill(carry_leaves, moving, out))
