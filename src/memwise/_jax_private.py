@@ -19,10 +19,8 @@ try:
     from jax._src import ad_checkpoint as _ad_checkpoint
     from jax._src import api_util as _api_util
     from jax._src import source_info_util as _source_info_util
-    from jax._src.interpreters import ad as _ad
 
     # What the functions below use; checked here so a rename fails at import.
-    _ad.JVPTracer, _ad.Zero  # noqa: B018
     _source_info_util.register_exclusion, _source_info_util._exclude_paths  # noqa: B018
     _ad_checkpoint._saved_residuals, _api_util.debug_info  # noqa: B018
 except (ImportError, AttributeError) as error:  # pragma: no cover - depends on JAX release
@@ -38,22 +36,14 @@ if tuple(jax.__version_info__[:2]) < MIN_JAX:  # pragma: no cover - depends on J
     )
 
 __all__ = [
-    "is_forward_mode",
     "exclude_from_source_info",
     "saved_residuals_of_jaxpr",
     "debug_info",
     "varying_axes",
+    "forbid_forward_mode",
+    "forbid_reverse_mode",
+    "hoist_constant_casts",
 ]
-
-
-def is_forward_mode(leaf: Any) -> bool:
-    """True when ``leaf`` is being pushed forward by ``jvp`` with a nonzero tangent.
-
-    Why: a ``custom_vjp`` cannot be forward-differentiated, and JAX's own error does not
-    say what to use instead. ``grad`` traces with ``LinearizeTracer``, so a ``JVPTracer``
-    with a real tangent means ``jvp``/``jacfwd``; there is no public way to ask.
-    """
-    return isinstance(leaf, _ad.JVPTracer) and not isinstance(leaf.tangent, _ad.Zero)
 
 
 def exclude_from_source_info(directory: str) -> None:
