@@ -190,3 +190,39 @@ def test_zero_inputs_give_the_limit_of_vanishing_inputs(name):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(b)))
     grad = jax.jit(jax.grad(lambda x: sum(map(jnp.sum, kernel_fn(x, x[::-1])))))
     assert np.all(np.isfinite(grad(jnp.asarray(zero, jnp.float32))))
+
+
+# Largest error relative to the reference's largest entry, against float64 on the same
+# rounded inputs.
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 5e-2}
+
+
+def _assert_close(got, expected, dtype):
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    assert got.shape == expected.shape and np.all(np.isfinite(got))
+    scale = np.max(np.abs(expected))
+    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.parametrize("name", ["conv_relu_gap", "fc_relu_erf"])
+def test_dtypes(name, dtype):
+    # Sums over channels and conv windows accumulate in at least float32; kernels and
+    # gradients keep the inputs' dtype.
+    kernel_fn = ARCHITECTURES[name]()
+    shape = (4, 5, 5, 2) if name.startswith("conv") else (4, 5)
+    rng = np.random.default_rng(11)
+    x1, x2 = (rng.normal(size=(n,) + shape[1:]).astype(dtype) for n in (4, 3))
+
+    def kernels_and_sum(x1, x2):
+        kernels = kernel_fn(x1, x2, get=("nngp", "ntk"))
+        return sum(jnp.sum(a, dtype=jnp.promote_types(a.dtype, jnp.float32)) for a in kernels), kernels
+
+    with jax.enable_x64(dtype == "float64"):
+        (_, got), grad = jax.jit(jax.value_and_grad(kernels_and_sum, has_aux=True))(x1, x2)
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(a, jnp.float64) for a in (x1, x2)]
+        (_, expected), expected_grad = jax.jit(jax.value_and_grad(kernels_and_sum, has_aux=True))(*wide)
+    for a, b in zip(got + (grad,), expected + (expected_grad,)):
+        assert a.dtype == jnp.dtype(dtype)
+        _assert_close(a, b, dtype)

@@ -159,3 +159,58 @@ def test_zero_training_input_keeps_predictions_finite():
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, _naive_predict(kernel_fn, x, y, xt, 1e-2), rtol=1e-4, atol=1e-5)
     assert np.all(np.isfinite(jax.jit(jax.grad(lambda x: jnp.sum(predict(x))))(x)))
+
+
+def test_empty_inputs():
+    x, y = _images(13, 4), _labels(4)
+    for labels in (y, y[:, 0]):
+        pred = kernel_regression(CONV1, x, labels, x[:0], ridge=1e-3, chunk_size=2)
+        assert pred.shape == (0,) + labels.shape[1:] and pred.dtype == jnp.float32
+    with pytest.raises(ValueError, match="x_train has no inputs"):
+        kernel_regression(CONV1, x[:0], y[:0], x, ridge=1e-3, chunk_size=2)
+    with pytest.raises(ValueError, match="x_support has no inputs"):
+        kip_loss(CONV1, x[:0], y[:0], x, y, ridge=1e-3, chunk_size=2)
+    with pytest.raises(ValueError, match="x_target has no inputs"):
+        kip_loss(CONV1, x, y, x[:0], y[:0], ridge=1e-3, chunk_size=2)
+
+
+# Largest error relative to the reference's largest entry, against float64 on the same
+# rounded inputs (the solve amplifies the kernel's own rounding).
+TOLERANCE = {"float64": 1e-9, "float32": 3e-4, "float16": 1.5e-2, "bfloat16": 1e-1}
+
+
+def _assert_close(got, expected, dtype):
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    assert got.shape == expected.shape and np.all(np.isfinite(got))
+    scale = np.max(np.abs(expected))
+    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+def test_dtypes(dtype):
+    # JAX's Cholesky has no bfloat16/float16 kernel: the solve and the sums over the
+    # training set run in at least float32, and results come back in the inputs' dtype.
+    rng = np.random.default_rng(14)
+    x, xt = rng.normal(size=(8, 4)), rng.normal(size=(6, 4))
+    x, y, xt, yt = (a.astype(dtype) for a in (x, np.sin(x[:, :2]), xt, np.cos(xt[:, :2])))
+
+    def values_and_grads(kip, predict, x, y):
+        (loss, pred), vjp = jax.vjp(lambda x, y: (kip(x, y), predict(x, y)), x, y)
+        kip_grads = vjp((jnp.ones_like(loss), jnp.zeros_like(pred)))
+        pred_grads = vjp((jnp.zeros_like(loss), jnp.ones_like(pred)))
+        return (loss, pred, *kip_grads, *pred_grads)
+
+    with jax.enable_x64(dtype == "float64"):
+        got = jax.jit(lambda x, y: values_and_grads(
+            lambda x, y: kip_loss(FC, x, y, xt, yt, ridge=0.1, chunk_size=(4, 3)),
+            lambda x, y: kernel_regression(FC, x, y, xt, ridge=0.1, chunk_size=(4, 3)), x, y,
+        ))(x, y)
+    with jax.enable_x64(True):
+        wide = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+        expected = jax.jit(lambda x, y: values_and_grads(
+            lambda x, y: _naive_kip(FC, x, y, wide(xt), wide(yt), 0.1),
+            lambda x, y: _naive_predict(FC, x, y, wide(xt), 0.1), x, y,
+        ))(wide(x), wide(y))
+    for a, b in zip(got, expected):
+        assert a.dtype == jnp.dtype(dtype)
+        _assert_close(a, b, dtype)

@@ -122,6 +122,12 @@ def _broadcast_variances(
     return v1, v2
 
 
+def _accumulation_dtype(dtype: Any) -> Any:
+    """Sums over channels and conv windows run in at least float32 (then cast back): a
+    bfloat16 sum of a few hundred terms would lose the digits the kernel keeps."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _is_zero_ntk(ntk: Any) -> bool:
     """The NTK of the input is exactly zero: a Python 0.0 until the first linear layer.
 
@@ -243,6 +249,8 @@ def _window_mean(
     a full covariance, and over the pixels of a diagonal one. Zero padding counts in the
     mean, as in a conv layer that sees zeros.
     """
+    dtype = cov.dtype
+    cov = cov.astype(_accumulation_dtype(dtype))
     pixels = cov.shape[layout.batch_ndim : layout.batch_ndim + layout.spatial_ndim]
     pads = lax.padtype_to_pads(pixels, filter_shape, strides, padding)
     if not layout.full:
@@ -251,7 +259,7 @@ def _window_mean(
             cov, 0.0, lax.add, batch + filter_shape, batch + strides,
             [(0, 0)] * layout.batch_ndim + list(pads),
         )
-        return total / math.prod(filter_shape)
+        return (total / math.prod(filter_shape)).astype(dtype)
     out_pixels = [
         (p + lo + hi - k) // s + 1
         for p, (lo, hi), k, s in zip(pixels, pads, filter_shape, strides)
@@ -269,7 +277,7 @@ def _window_mean(
                 index[first + d] = slice(offset, offset + (n_out - 1) * s + 1, s)
         term = padded[tuple(index)]
         total = term if total is None else total + term
-    return total / math.prod(filter_shape)
+    return (total / math.prod(filter_shape)).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,21 +465,22 @@ class KernelFn:
         return x
 
     def _input_covariance(self, x1: jax.Array, x2: jax.Array | None, layout: _Layout):
-        channels = x1.shape[-1]
         s = layout.spatial_ndim
         letters = "hwdefgijkl"[:s]
         primed = "HWDEFGIJKL"[:s]
         if x2 is None:  # an input's own covariance (n, *pixels[, *pixels])
+            x2 = x1
             if layout.full:
                 spec = f"a{letters}c,a{primed}c->a{letters}{primed}"
             else:
                 spec = f"a{letters}c,a{letters}c->a{letters}"
-            return jnp.einsum(spec, x1, x1) / channels
-        if layout.full:
+        elif layout.full:
             spec = f"a{letters}c,b{primed}c->ab{letters}{primed}"
         else:
             spec = f"a{letters}c,b{letters}c->ab{letters}"
-        return jnp.einsum(spec, x1, x2) / channels
+        dtype = jnp.result_type(x1.dtype, x2.dtype)
+        cov = jnp.einsum(spec, x1, x2, preferred_element_type=_accumulation_dtype(dtype))
+        return (cov / x1.shape[-1]).astype(dtype)
 
     def prepare(self, x: jax.Array) -> Prepared:
         """The variances of ``x`` at every nonlinearity (cost linear in ``len(x)``)."""

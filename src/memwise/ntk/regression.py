@@ -77,16 +77,28 @@ class _PairKernel:
     def prepare_block(self, x: jax.Array) -> Any:
         return self.kernel_fn.prepare(x) if self.structured else x
 
+    def first(self, x: jax.Array) -> Any:
+        """The first input of ``x``, prepared: an argument of :meth:`pair`."""
+        return jax.tree_util.tree_map(lambda a: a[0], self.prepare_block(x[:1]))
+
+    def dtype(self, x: jax.Array) -> Any:
+        """The kernel's dtype on inputs like ``x`` (evaluated abstractly)."""
+        return jax.eval_shape(lambda x: self.pair(self.first(x), self.first(x)), x).dtype
+
     def tiles(self, x_rows: jax.Array, x_cols: jax.Array, chunk_size: ChunkSize) -> Tiling:
         """The tiling of rows x columns; for ``"auto"`` sized by one pair's intermediates."""
 
         def pair_bytes():
-            first = lambda x: jax.tree_util.tree_map(  # noqa: E731
-                lambda a: a[0], self.prepare_block(x[:1])
-            )
-            return item_bytes(self.pair, first(x_rows), first(x_cols))
+            return item_bytes(self.pair, self.first(x_rows), self.first(x_cols))
 
         return tiling(x_rows.shape[0], x_cols.shape[0], chunk_size, pair_bytes=pair_bytes)
+
+
+def _solve_dtype(dtype: Any) -> Any:
+    """Cholesky and the sums of kernel x coefficients run in at least float32: JAX's
+    Cholesky has no bfloat16/float16 kernel, and a low-precision solve or sum over the
+    training set would lose what the kernel's own rounding keeps."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _matrix(kernel: _PairKernel, p1: Any, p2: Any, rows: Chunking, cols: Chunking) -> jax.Array:
@@ -101,13 +113,16 @@ def _matrix(kernel: _PairKernel, p1: Any, p2: Any, rows: Chunking, cols: Chunkin
 
 def _predict_block(kernel: _PairKernel, x_rows: jax.Array, p_train: Any, alpha: jax.Array,
                    cols: Chunking):
-    """sum_j k(x, x_j) alpha_j for a block of inputs (R, O), summed over train chunks."""
+    """sum_j k(x, x_j) alpha_j for a block of inputs (R, O), summed over train chunks.
+
+    In ``alpha``'s dtype (at least float32, see :func:`_solve`) whatever the kernel's.
+    """
     p_rows = kernel.prepare_block(x_rows)
 
     def column(item):
         pj, aj = item
         k = jax.vmap(lambda pi: kernel.pair(pi, pj))(p_rows)
-        return k[:, None] * aj[None, :]
+        return k.astype(aj.dtype)[:, None] * aj[None, :]
 
     return chunked_sum(column, (p_train, alpha), chunk_size=cols)
 
@@ -130,6 +145,11 @@ def _check_pair(x: Any, y: Any, x_name: str, y_name: str) -> tuple[jax.Array, ja
     y = jnp.asarray(y)
     if x.ndim < 2:
         raise ValueError(f"{x_name} must be (n, features) or (n, *pixels, channels), got {x.shape}")
+    if x.shape[0] == 0:
+        raise ValueError(
+            f"{x_name} has no inputs (shape {x.shape}); pass at least one "
+            f"(a regression on an empty set has no solution, a mean over it no value)"
+        )
     vector = y.ndim == 1
     if vector:
         y = y[:, None]
@@ -154,14 +174,20 @@ def _check_same_inputs(a: jax.Array, b: jax.Array, a_name: str, b_name: str) -> 
 
 
 def _solve(kernel: _PairKernel, p_train: Any, y_train: jax.Array, ridge: Any, cols: Chunking):
-    """alpha = (K + ridge mean(diag K) I)^-1 y via Cholesky."""
+    """alpha = (K + ridge mean(diag K) I)^-1 y via Cholesky, in at least float32.
+
+    Returns alpha and the dtype of the dense result ``K @ alpha`` (the kernel's and
+    ``y``'s), which the callers cast their float32 sums back to.
+    """
     k = _matrix(kernel, p_train, p_train, cols, cols)
+    out_dtype = jnp.result_type(k.dtype, y_train.dtype)
+    k = k.astype(_solve_dtype(k.dtype))
     n = k.shape[0]
     k = 0.5 * (k + k.T)  # exact symmetry for the factorisation, whatever the tile order
     scale = jnp.trace(k) / n
     k_reg = k + (ridge * scale) * jnp.eye(n, dtype=k.dtype)
     factor = jsl.cho_factor(k_reg, lower=True)
-    return jsl.cho_solve(factor, y_train.astype(k.dtype))
+    return jsl.cho_solve(factor, y_train.astype(k.dtype)), out_dtype
 
 
 def kernel_regression(
@@ -188,7 +214,15 @@ def kernel_regression(
         passed on to other kernel functions when given.
 
     Returns:
-      (m, outputs) predictions ((m,) when ``y_train`` is a vector).
+      (m, outputs) predictions ((m,) when ``y_train`` is a vector), in the dtype of
+      ``K @ y_train``; an empty ``x_test`` gives empty predictions.
+
+    Raises:
+      ValueError: ``x_train`` is empty (nothing to regress on).
+
+    Precision: the solve and the sums over the training set run in at least float32
+    (bfloat16/float16 kernels are cast up; JAX's Cholesky has no kernel for them), and
+    the predictions are cast back.
 
     Memory: the (n, n) training kernel and one tile of per-pair intermediates; the test
     kernel is never held (predictions are summed over chunks of the training set), also
@@ -210,13 +244,17 @@ def kernel_regression(
         raise ValueError(f"x_test must be (m, ...) with a leading axis of inputs, got {x_test.shape}")
     _check_same_inputs(x_train, x_test, "x_train", "x_test")
     kernel = _PairKernel(kernel_fn, get)
+    if x_test.shape[0] == 0:  # no tiles to run: the dense (0, outputs) result
+        dtype = jnp.result_type(kernel.dtype(x_train), y_train.dtype)
+        pred = jnp.zeros((0, y_train.shape[1]), dtype)
+        return pred[:, 0] if vector else pred
     tiles = kernel.tiles(x_test, x_train, chunk_size)
     p_train = kernel.prepare(x_train, tiles.cols)
-    alpha = _solve(kernel, p_train, y_train, ridge, tiles.cols)
+    alpha, out_dtype = _solve(kernel, p_train, y_train, ridge, tiles.cols)
     pred = over_row_chunks(
         lambda block: _predict_block(kernel, block, p_train, alpha, tiles.cols), x_test,
         tiles.rows,
-    )
+    ).astype(out_dtype)
     return pred[:, 0] if vector else pred
 
 
@@ -247,6 +285,14 @@ def kip_loss(
         int means square tiles (clipped to the support size), ``"auto"`` asks
         :func:`memwise.knobs.auto`.
       get: ``"ntk"`` (default) or ``"nngp"`` for a ``serial`` kernel.
+
+    Returns:
+      The scalar loss, in the dtype of the dense computation (the kernel's and the
+      labels'); the solve and the sums run in at least float32, as in
+      :func:`kernel_regression`.
+
+    Raises:
+      ValueError: ``x_support`` or ``x_target`` is empty.
 
     Memory: the gradient holds the support kernel (n_s, n_s) and one tile's per-pixel
     intermediates (rows x cols x pixels per layer), independent of ``n_t``: the target
@@ -280,7 +326,8 @@ def kip_loss(
     row_tiles, cols = tiles.rows, tiles.cols
     rows = row_tiles.size
     p_support = kernel.prepare(x_support, cols)
-    alpha = _solve(kernel, p_support, y_support, ridge, cols)
+    alpha, out_dtype = _solve(kernel, p_support, y_support, ridge, cols)
+    out_dtype = jnp.result_type(out_dtype, y_target.dtype)
 
     # Chunk indices, not the targets, are the loop's items (see over_row_chunks).
     n_target = x_target.shape[0]
@@ -295,4 +342,4 @@ def kip_loss(
         return jnp.sum(jnp.where(valid, error, 0.0))
 
     total = chunked_sum(chunk_error, jnp.arange(row_tiles.n_chunks), chunk_size=1)
-    return 0.5 * total / y_target.size
+    return (0.5 * total / y_target.size).astype(out_dtype)
