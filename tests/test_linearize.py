@@ -211,3 +211,74 @@ def test_bad_inputs(problem):
         mw.linearize(_mlp, {"n": 3})
     with pytest.raises(TypeError, match="callable"):
         mw.linearize("f", params)
+
+
+def test_closed_over_values_are_differentiated(problem):
+    # f closes over a value jax.grad differentiates (the classic custom_vjp closure bug:
+    # an UnexpectedTracerError); the gradient is the direct linearization's, for the
+    # closed-over value, new_params, and the inputs together.
+    params, new, x = problem
+
+    def loss(s, q, x, linearize):
+        f = lambda p, x: s * _mlp(p, x) + jnp.sin(s * x[:, :4])
+        return jnp.sum(linearize(f, params)(q, x) ** 2)
+
+    ours = jax.jit(jax.grad(lambda s, q, x: loss(s, q, x, mw.linearize), (0, 1, 2)))(2.0, new, x)
+    expected = jax.grad(lambda s, q, x: loss(s, q, x, _reference), (0, 1, 2))(2.0, new, x)
+    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    only_s = jax.grad(lambda s: loss(s, params, x, mw.linearize))(2.0)  # eager, new = point
+    np.testing.assert_allclose(only_s, jax.grad(lambda s: loss(s, params, x, _reference))(2.0), rtol=1e-5)
+
+
+def test_static_leaves_of_new_params_must_not_change(problem):
+    params, new, x = problem
+    point = dict(params, scale=2.0, act=jnp.tanh)
+    f = lambda p, x: p["act"](p["scale"] * _mlp(p, x))
+    lin = mw.linearize(f, point)
+    expected = _reference(lambda p, x: f(dict(p, scale=2.0, act=jnp.tanh), x), params)(new, x)
+    got = lin(dict(new, scale=2.0, act=jnp.tanh), x)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"new_params\['scale'\] is 3.0 .* has 2.0"):
+        lin(dict(new, scale=3.0, act=jnp.tanh), x)
+    with pytest.raises(ValueError, match=r"new_params\['act'\] is .*sin"):
+        lin(dict(new, scale=2.0, act=jnp.sin), x)
+
+
+# Largest error relative to the reference's largest entry, against float64 on the same
+# rounded inputs.
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _assert_close(got, expected, dtype):
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    assert got.shape == expected.shape and np.all(np.isfinite(got))
+    scale = np.max(np.abs(expected))
+    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+def test_dtypes(dtype):
+    # Values, and gradients w.r.t. new_params (J^T ct), the inputs and the point (the
+    # exact vjp of the jvp), in the parameters' dtype.
+    cast = lambda t: jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), t)
+    params, new = cast(_params(16)), cast(_shift(_params(16)))
+    x = cast(np.random.default_rng(6).normal(size=(4, 16)))
+
+    def value_and_grads(linearize):
+        def loss(point, q, x):
+            out = linearize(_mlp, point)(q, x)
+            return jnp.sum(out, dtype=jnp.promote_types(out.dtype, jnp.float32)), out
+
+        (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(params, new, x)
+        return out, grads
+
+    with jax.enable_x64(dtype == "float64"):
+        got = jax.jit(lambda: value_and_grads(lambda f, p: mw.linearize(f, p)))()
+    with jax.enable_x64(True):
+        wide = lambda t: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), t)
+        params, new, x = wide((params, new, x))
+        expected = value_and_grads(_reference)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+        assert a.dtype == jnp.dtype(dtype)
+        _assert_close(a, b, dtype)

@@ -75,50 +75,80 @@ def _split(tree: Any) -> tuple[list, _Skeleton]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Apply:
-    """The static parts of one linearized call (a nondiff argument of the custom_vjp)."""
+    """The static parts of one linearized call (a nondiff argument of the custom_vjp).
+
+    ``f(point_leaves, operands)`` is the user's function closure-converted: ``operands``
+    are the array leaves of the inputs followed by the arrays ``f`` closes over, so that a
+    closed-over value being differentiated (``jax.grad`` of a loss whose ``f`` uses it) is
+    an argument of the custom_vjp, not a tracer leaking out of it.
+    """
 
     f: Callable
-    point: _Skeleton
     diff_mask: tuple[bool, ...]  # which leaves of the point are differentiable
-    inputs: _Skeleton
 
-    def of_point(self, point_leaves: list, input_leaves: list) -> Callable:
+    def of_point(self, point_leaves: list, operands: list) -> Callable:
         """``f`` as a function of the differentiable leaves of the point."""
 
         def of_diff(diff_leaves):
-            args, kwargs = self.inputs.rebuild(input_leaves)
-            point = self.point.rebuild(fill(point_leaves, self.diff_mask, diff_leaves))
-            return self.f(point, *args, **kwargs)
+            return self.f(fill(point_leaves, self.diff_mask, diff_leaves), operands)
 
         return of_diff
 
 
-def _value(spec: _Apply, point_leaves, new_leaves, input_leaves):
+def _convert(f: Callable, point: _Skeleton, point_leaves: list, inputs: _Skeleton,
+             input_leaves: list) -> tuple[Callable, list]:
+    """``f`` as a function of (point leaves, operands) and its closed-over arrays
+    (``jax.closure_convert``, as every memwise custom VJP does)."""
+
+    def flat(point_leaves, input_leaves):
+        args, kwargs = inputs.rebuild(input_leaves)
+        return f(point.rebuild(point_leaves), *args, **kwargs)
+
+    converted, consts = jax.closure_convert(flat, point_leaves, input_leaves)
+    n_inputs = len(input_leaves)
+
+    def of_operands(point_leaves, operands):
+        return converted(point_leaves, operands[:n_inputs], *operands[n_inputs:])
+
+    return of_operands, input_leaves + list(consts)
+
+
+def _same_static(old: Any, new: Any) -> bool:
+    if old is new:
+        return True
+    try:
+        return type(old) is type(new) and bool(old == new)
+    except (TypeError, ValueError):  # no scalar equality: only the same object is the same
+        return False
+
+
+def _value(spec: _Apply, point_leaves, new_leaves, operands):
     primal = select(point_leaves, spec.diff_mask)
     # Subtract in the parameters' own dtype: the tangent must match the primal's.
     tangent = [
         jnp.asarray(n, p.dtype) - p for n, p in zip(select(new_leaves, spec.diff_mask), primal)
     ]
-    out, out_tangent = jax.jvp(spec.of_point(point_leaves, input_leaves), (primal,), (tangent,))
+    out, out_tangent = jax.jvp(spec.of_point(point_leaves, operands), (primal,), (tangent,))
     return jax.tree_util.tree_map(jnp.add, out, out_tangent)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _apply(spec: _Apply, point_leaves, new_leaves, input_leaves):
-    return _value(spec, point_leaves, new_leaves, input_leaves)
+def _apply(spec: _Apply, point_leaves, new_leaves, operands):
+    return _value(spec, point_leaves, new_leaves, operands)
 
 
-def _apply_fwd(spec, point_leaves, new_leaves, input_leaves):
-    (point_leaves, point_flags), (new_leaves, _), (input_leaves, input_flags) = (
-        unwrap(group) for group in (point_leaves, new_leaves, input_leaves)
+def _apply_fwd(spec, point_leaves, new_leaves, operands):
+    (point_leaves, point_flags), (new_leaves, _), (operands, operand_flags) = (
+        unwrap(group) for group in (point_leaves, new_leaves, operands)
     )
-    if any(point_flags) or any(input_flags):
-        # The point or the inputs are differentiated too: the exact vjp of the jvp.
+    if any(point_flags) or any(operand_flags):
+        # The point, the inputs or arrays f closes over are differentiated too: the
+        # exact vjp of the jvp.
         out, full_vjp = jax.vjp(functools.partial(_value, spec), point_leaves, new_leaves,
-                                input_leaves)
+                                operands)
         return out, (Static(True), full_vjp)
-    return _value(spec, point_leaves, new_leaves, input_leaves), (
-        Static(False), (point_leaves, input_leaves)
+    return _value(spec, point_leaves, new_leaves, operands), (
+        Static(False), (point_leaves, operands)
     )
 
 
@@ -127,15 +157,15 @@ def _apply_bwd(spec, residuals, cotangent):
     cotangent = dense(cotangent)
     if full.value:
         return data(cotangent)
-    point_leaves, input_leaves = data
+    point_leaves, operands = data
     # lin is linear in new_params: its vjp is J^T ct at the linearization point.
-    _, f_vjp = jax.vjp(spec.of_point(point_leaves, input_leaves),
+    _, f_vjp = jax.vjp(spec.of_point(point_leaves, operands),
                        select(point_leaves, spec.diff_mask))
     (diff_cotangent,) = f_vjp(cotangent)
     return (
         [None] * len(point_leaves),
         cotangents(spec.diff_mask, diff_cotangent),
-        [None] * len(input_leaves),
+        [None] * len(operands),
     )
 
 
@@ -190,10 +220,27 @@ class Linearized:
                     f"new_params has a leaf of shape {jnp.shape(new)} where the "
                     f"linearization point has {jnp.shape(old)}"
                 )
+        # f runs with the point's non-array leaves: a changed one in new_params would be
+        # silently ignored.
+        static_paths = [
+            jax.tree_util.keystr(path)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]
+            if not _is_array(leaf)
+        ]
+        for path, old, new in zip(
+            static_paths, self._static.static_leaves, new_static.static_leaves
+        ):
+            if not _same_static(old, new):
+                raise ValueError(
+                    f"new_params{path} is {new!r} where the linearization point has "
+                    f"{old!r}: non-array leaves (Python numbers, functions) are static parts "
+                    "of the linearization point and cannot change. Linearize again at the "
+                    "new point, or make the leaf an array to linearize in it too."
+                )
         diff_mask = tuple(is_differentiable(leaf) for leaf in self._leaves)
         input_leaves, input_static = _split((inputs, kwargs))
-        spec = _Apply(self.f, self._static, diff_mask, input_static)
-        return _apply(spec, self._leaves, new_leaves, input_leaves)
+        f, operands = _convert(self.f, self._static, self._leaves, input_static, input_leaves)
+        return _apply(_Apply(f, diff_mask), self._leaves, new_leaves, operands)
 
 
 def linearize(f: Callable, params: Any) -> Linearized:
@@ -202,9 +249,11 @@ def linearize(f: Callable, params: Any) -> Linearized:
     Args:
       f: ``f(params, *inputs, **kwargs)``, e.g. a Flax ``model.apply`` (with ``params``
         the variables dict), ``lambda model, x: model(x)`` for an Equinox module, or any
-        function of a parameter pytree.
+        function of a parameter pytree. It may close over arrays, traced ones included:
+        they are differentiated like the inputs.
       params: the linearization point. Its array leaves become the leaves of the result;
-        other leaves (functions, Python numbers) stay static.
+        other leaves (functions, Python numbers) stay static: every ``new_params`` must
+        carry the same ones (a ValueError names the leaf that changed).
 
     Returns:
       A :class:`Linearized` ``lin`` with ``lin(new_params, *inputs, **kwargs) =
