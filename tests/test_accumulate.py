@@ -110,3 +110,42 @@ def test_bad_inputs():
         mw.accumulate_grad(_loss, params, (batch[0], batch[1][:10]), microbatches=2)
     with pytest.raises(TypeError, match="scalar"):
         mw.accumulate_grad(lambda p, b: b[1] * p["b"][0], params, batch, microbatches=2)
+
+
+def test_empty_batch_is_an_error():
+    params, (x, y) = _problem(n=8)
+    for microbatches in (1, "auto"):
+        with pytest.raises(ValueError, match="batch has no examples"):
+            mw.accumulate_grad(_loss, params, (x[:0], y[:0]), microbatches=microbatches)
+
+
+# Largest error relative to the reference's largest entry, against float64 on the same
+# rounded inputs.
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 1.5e-3, "bfloat16": 1e-2}
+
+
+def _assert_close(got, expected, dtype):
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    assert got.shape == expected.shape and np.all(np.isfinite(got))
+    scale = np.max(np.abs(expected))
+    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+def test_dtypes(dtype):
+    # Loss and gradients accumulate over micro-batches in at least float32 and come back
+    # in the parameters' dtype: 256 additions in bfloat16 had errors of 3.4e-2 here,
+    # in float16 4.4e-3.
+    problem = _problem(n=256)
+    params, batch = jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), problem)
+    with jax.enable_x64(dtype == "float64"):
+        loss, grads = jax.jit(
+            lambda p, b: mw.accumulate_grad(_loss, p, b, microbatches=256)
+        )(params, batch)
+    with jax.enable_x64(True):
+        wide = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), (params, batch))
+        expected_loss, expected = jax.value_and_grad(_loss)(*wide)
+    got, expected = (jax.tree_util.tree_leaves(t) for t in ((loss, grads), (expected_loss, expected)))
+    for a, b in zip(got, expected):
+        assert a.dtype == jnp.dtype(dtype)
+        _assert_close(a, b, dtype)

@@ -36,7 +36,20 @@ def _batch_size(batch: Any) -> int:
             "every leaf of batch needs the same leading (example) axis, got shapes "
             f"{shapes}"
         )
-    return sizes.pop()
+    n = sizes.pop()
+    if n == 0:
+        # A mean over no examples is NaN: raising beats a NaN loss that poisons training.
+        raise ValueError(
+            f"batch has no examples (leading axis 0, leaf shapes "
+            f"{[jnp.shape(leaf) for leaf in leaves]}); pass at least one example"
+        )
+    return n
+
+
+def _accumulation_dtype(dtype: Any) -> Any:
+    """Sums over micro-batches run in at least float32 (then cast back): bfloat16 sums of
+    many micro-batch gradients would round away most of each addend."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _divisors(n: int) -> list[int]:
@@ -95,9 +108,14 @@ def accumulate_grad(
       ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``): the mean loss and its
       gradient over the whole batch, equal to the full-batch values up to rounding.
 
+    Raises:
+      ValueError: ``batch`` has no examples (the mean loss over none is undefined; a
+        dense ``jnp.mean`` would give NaN), or ``microbatches`` does not divide them.
+
     Memory and compute: one micro-batch's activations at a time plus one gradient-sized
     accumulator, for the same arithmetic as the full batch run in ``microbatches``
-    sequential steps.
+    sequential steps. The accumulator is at least float32 (twice the gradient's bytes
+    for bfloat16/float16 parameters); loss and gradients are returned in their own dtypes.
 
     Example::
 
@@ -122,8 +140,8 @@ def accumulate_grad(
         loss_sum, grad_sum = carry
         value, grads = value_and_grad(params, micro_batch)
         loss, aux = value if has_aux else (value, None)
-        grad_sum = jax.tree_util.tree_map(jnp.add, grad_sum, grads)
-        return (loss_sum + loss, grad_sum), aux
+        grad_sum = jax.tree_util.tree_map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
+        return (loss_sum + loss.astype(loss_sum.dtype), grad_sum), aux
 
     loss_shape = jax.eval_shape(lambda: value_and_grad(params, jax.tree_util.tree_map(lambda a: a[0], stacked)))
     (loss_struct, _), grad_struct = (
@@ -131,11 +149,15 @@ def accumulate_grad(
     )
     if loss_struct.shape != ():
         raise TypeError(f"loss_fn must return a scalar loss, got shape {loss_struct.shape}")
-    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), grad_struct)
-    init = (jnp.zeros((), loss_struct.dtype), zeros)
+    zeros = jax.tree_util.tree_map(
+        lambda s: jnp.zeros(s.shape, _accumulation_dtype(s.dtype)), grad_struct
+    )
+    init = (jnp.zeros((), _accumulation_dtype(loss_struct.dtype)), zeros)
     (loss_sum, grad_sum), aux = lax.scan(step, init, stacked)
     loss = loss_sum / count
     grads = jax.tree_util.tree_map(lambda g: g / count, grad_sum)
     if axis_name is not None:
         loss, grads = lax.pmean((loss, grads), axis_name)
+    loss = loss.astype(loss_struct.dtype)
+    grads = jax.tree_util.tree_map(lambda g, s: g.astype(s.dtype), grads, grad_struct)
     return ((loss, aux), grads) if has_aux else (loss, grads)
