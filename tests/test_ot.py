@@ -20,6 +20,7 @@ import ott
 from ott.geometry import costs as ott_costs  # noqa: E402
 from ott.geometry import pointcloud  # noqa: E402
 from ott.problems.linear import linear_problem  # noqa: E402
+from ott.solvers.linear import implicit_differentiation as ott_implicit  # noqa: E402
 from ott.solvers.linear import sinkhorn as ott_sinkhorn  # noqa: E402
 from ott.tools import sinkhorn_divergence as ott_divergence  # noqa: E402
 
@@ -104,6 +105,73 @@ def test_divergence_matches_ott_dense_value_and_gradient():
         assert rel(g, r) < 1e-3
     for g, r in zip(grads[2:], ref_grads[2:]):
         assert rel(g, r - r.mean()) < 1e-3
+
+
+def test_potential_gradients_match_ott_implicit_differentiation():
+    x, y, a, b = clouds(15, n=30, m=25)
+    u, v = jax.random.normal(jax.random.key(16), (2, 30))
+    v = v[:25] - v[:25].mean() + u.sum() / 25  # sum(u) == sum(v): blind to the gauge
+
+    def ours(x, y):
+        out = ot.sinkhorn(x, y, a, b, epsilon=0.3, chunk_size=8, **TIGHT)
+        return u @ out.f + v @ out.g
+
+    def theirs(x, y):
+        geom = pointcloud.PointCloud(x, y, epsilon=0.3)
+        solver = ott_sinkhorn.Sinkhorn(implicit_diff=ott_implicit.ImplicitDiff(), **TIGHT)
+        out = solver(linear_problem.LinearProblem(geom, a, b))
+        return u @ out.f + v @ out.g
+
+    grads = jax.jit(jax.grad(ours, (0, 1)))(x, y)
+    ref_grads = jax.jit(jax.grad(theirs, (0, 1)))(x, y)
+    for g, r in zip(grads, ref_grads):
+        assert float(jnp.linalg.norm(r)) > 1e-2 and rel(g, r) < 1e-3
+
+
+def test_potential_gradients_match_finite_differences_in_float64():
+    with jax.enable_x64(True):
+        x, y, a, b = (v.astype("float64") for v in clouds(17, n=12, m=10, zeros=2))
+        keys = jax.random.split(jax.random.key(18), 6)
+        u, v = jax.random.normal(keys[0], (12,)), jax.random.normal(keys[1], (10,))
+        tight = {"chunk_size": 4, "threshold": 1e-13, "max_iterations": 20_000}
+
+        @jax.jit
+        def loss(x, y, a, b, eps):
+            out = ot.sinkhorn(x, y, a, b, epsilon=eps, **tight)
+            # The returned potentials are in the gauge <a, f> = <b, g>.
+            return u @ out.f + v @ out.g, jnp.abs(a @ out.f - b @ out.g)
+
+        @jax.jit
+        def self_terms(x):
+            _, (_, xx, yy) = ot.sinkhorn_divergence(x, y, a, b, epsilon=0.4, **tight,
+                                                    return_results=True)
+            return u @ xx.f + v @ yy.g
+
+        args = [x, y, a, b, jnp.asarray(0.4)]
+        value, gauge = loss(*args)
+        assert float(gauge) < 1e-10
+        grads = jax.jit(jax.grad(lambda *args: loss(*args)[0], range(5)))(*args)
+        on_b = b > 0
+        directions = [jax.random.normal(keys[2], x.shape), jax.random.normal(keys[3], y.shape),
+                      jax.random.normal(keys[4], a.shape), jax.random.normal(keys[5], b.shape),
+                      jnp.asarray(1.0)]
+        directions[2] -= directions[2].mean()  # weights move keeping their totals
+        directions[3] = jnp.where(on_b, directions[3] - directions[3][on_b].mean(), 0.0)
+        for i, (direction, grad) in enumerate(zip(directions, grads)):
+            step = [1e-5 * direction if j == i else 0.0 for j in range(5)]
+            plus = loss(*(arg + s for arg, s in zip(args, step)))[0]
+            minus = loss(*(arg - s for arg, s in zip(args, step)))[0]
+            np.testing.assert_allclose(jnp.sum(grad * direction), (plus - minus) / 2e-5,
+                                       rtol=1e-6)
+        # At a zero weight, one-sided: give b_0 = 0 some of b_5's mass.
+        move = jnp.zeros(10).at[0].set(1.0).at[5].set(-1.0)
+        one_sided = (loss(x, y, a, b + 1e-7 * move, 0.4)[0] - value) / 1e-7
+        np.testing.assert_allclose(grads[3] @ move, one_sided, rtol=1e-5)
+        # The self terms' potentials (x moves on both sides of OT(a, a)).
+        direction = directions[0]
+        grad = jax.jit(jax.grad(self_terms))(x)
+        fd = (self_terms(x + 1e-5 * direction) - self_terms(x - 1e-5 * direction)) / 2e-5
+        np.testing.assert_allclose(jnp.sum(grad * direction), fd, rtol=1e-6)
 
 
 def test_default_epsilon_is_ott_default_and_scaling_agrees():
