@@ -83,3 +83,98 @@ def test_engine_checks_its_tiles():
         tiled_reduce(_scores, x, x, reduce="sum", tiles=tiling(5, 6, 2), consts={"scale": 1.0})
     with pytest.raises(ValueError, match="reduce must be one of"):
         tiled_reduce(_scores, x, x, reduce="mean", tiles=tiling(6, 6, 2))
+
+
+# --------------------------------------------------------------------------------------
+# Precision, batches of problems, NaN and padding
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_statistics_accumulate_in_float32(dtype):
+    # One row, 65,536 columns in tiles of 8: a bfloat16 running sum stalls at 2,048.
+    y = jax.random.uniform(jax.random.PRNGKey(5), (65_536,)).astype(dtype)
+    x = jnp.ones((1,), dtype)
+    tiles = tiling(1, 65_536, (1, 8))
+    tile = lambda xb, yb, *_: xb[:, None] * yb[None, :]  # noqa: E731
+    y32 = y.astype(jnp.float32)
+    for reduce, ref in [("sum", jnp.sum(y32)), ("logsumexp", jax.nn.logsumexp(y32))]:
+        out = tiled_reduce(tile, x, y, reduce=reduce, tiles=tiles)
+        assert out.dtype == dtype
+        # agree to the rounding of the result (one ulp of its dtype)
+        np.testing.assert_allclose(np.float32(out[0]), ref, rtol=2.0 ** -jnp.finfo(dtype).nmant)
+
+
+def test_batched_problems_with_broadcast_pairs_match_dense():
+    # Two batch dims; a pair broadcast over the second batch dim and one broadcast over
+    # the first batch dim and the rows (a key-padding-like (1, m) operand per head).
+    keys = jax.random.split(jax.random.PRNGKey(6), 4)
+    x = jax.random.normal(keys[0], (2, 3, 7, 2))
+    y = jax.random.normal(keys[1], (2, 3, 5, 2))
+    a = jax.random.normal(keys[2], (2, 1, 7, 5))
+    b = jax.random.normal(keys[3], (1, 3, 1, 5))
+    tiles = tiling(7, 5, (3, 2), backward=(2, 3))
+
+    def tile(xb, yb, p, _k, _r, _c):
+        return -jnp.sum((xb[:, None] - yb[None]) ** 2, -1) + p["a"] * p["b"]
+
+    def loss(x, y, a, b):
+        out = tiled_reduce(tile, x, y, reduce="logsumexp", tiles=tiles,
+                           pairs={"a": a, "b": b}, batch=(2, 3))
+        return jnp.sum(jnp.sin(out))
+
+    def dense(x, y, a, b):
+        s = -jnp.sum((x[..., :, None, :] - y[..., None, :, :]) ** 2, -1) + a * b
+        return jnp.sum(jnp.sin(jax.nn.logsumexp(s, -1)))
+
+    np.testing.assert_allclose(loss(x, y, a, b), dense(x, y, a, b), rtol=1e-5)
+    grads = jax.grad(loss, (0, 1, 2, 3))(x, y, a, b)
+    for g, g_dense in zip(grads, jax.grad(dense, (0, 1, 2, 3))(x, y, a, b)):
+        assert g.shape == g_dense.shape
+        np.testing.assert_allclose(g, g_dense, rtol=1e-4, atol=1e-5)
+
+
+def test_max_propagates_nan_like_jnp():
+    s = jnp.array([[1.0, jnp.nan, 3.0, jnp.nan, 5.0], [1.0, 2.0, 3.0, 4.0, 0.0]])
+    tile = lambda rb, cb, *_: s[rb[:, None], cb[None, :]]  # noqa: E731
+    value, arg = tiled_reduce(tile, jnp.arange(2), jnp.arange(5), reduce="max",
+                              tiles=tiling(2, 5, (1, 2)))
+    np.testing.assert_array_equal(value, jnp.max(s, 1))  # NaN in row 0
+    np.testing.assert_array_equal(arg, jnp.argmax(s, 1))  # the first NaN's index
+
+
+@pytest.mark.parametrize("reduce", ["logsumexp", "softmax"])
+def test_padded_backward_rows_do_not_overflow(reduce):
+    # 3 rows in backward blocks of 2: the padding row repeats a real row whose scores
+    # (up to 100) overflow exp in float32; its cotangent must be exactly zero, not NaN.
+    x = jnp.array([[1.0], [2.0], [10.0]])
+    y = jnp.array([[9.0], [10.0], [-3.0]])
+    tiles = tiling(3, 3, 2, backward=2)
+
+    def loss(x, y):
+        if reduce == "logsumexp":
+            out = tiled_reduce(lambda xb, yb, *_: xb @ yb.T, x, y, reduce=reduce, tiles=tiles)
+        else:
+            tile = lambda xb, c, *_: (xb @ c["y"].T, c["y"])  # noqa: E731
+            out = tiled_reduce(tile, x, {"y": y}, reduce=reduce, tiles=tiles)[0]
+        return jnp.sum(out)
+
+    def dense(x, y):
+        s = x @ y.T
+        if reduce == "logsumexp":
+            return jnp.sum(jax.nn.logsumexp(s, 1))
+        return jnp.sum(jax.nn.softmax(s, 1) @ y)
+
+    # (dense float32 softmax itself loses ~1e-4 to cancellation at these scores)
+    for g, g_dense in zip(jax.grad(loss, (0, 1))(x, y), jax.grad(dense, (0, 1))(x, y)):
+        np.testing.assert_allclose(g, g_dense, rtol=1e-3, atol=1e-4)
+
+
+def test_engine_checks_batch_and_pair_shapes():
+    x = jnp.ones((2, 6, 1))
+    tiles = tiling(6, 6, 2)
+    with pytest.raises(ValueError, match="leading batch dims"):
+        tiled_reduce(_scores, x, jnp.ones((3, 6, 1)), reduce="sum", tiles=tiles, batch=(2,),
+                     consts={"scale": 1.0})
+    with pytest.raises(ValueError, match="pairs must have leading dims"):
+        tiled_reduce(_scores, x, x, reduce="sum", tiles=tiles, batch=(2,),
+                     pairs=jnp.ones((2, 6, 3)), consts={"scale": 1.0})

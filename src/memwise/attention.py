@@ -7,8 +7,16 @@ backward (Dao et al., NeurIPS 2022): the forward saves only the output and the p
 log-sum-exp, the backward re-forms each tile's probabilities from them. It is the
 ``"softmax"`` reduction of :func:`memwise.engine.tiled_reduce`; no second loop lives
 here. Memory both ways: q, k, v, the output and one ``chunk_size`` tile (per batch
-element and head), never the L x L score matrix. With ``causal=True`` tiles above the
+element and head), never the L x L score matrix; a mask or bias shared over batch or
+heads is sliced from its own shape and its gradient summed tile by tile, so it adds no
+more than its own size (and its gradient's). With ``causal=True`` tiles above the
 diagonal are skipped (a ``lax.cond`` in the one tile loop), about half the work.
+
+Low precision: as in fused attention kernels, scores, the running max and sum and the
+output accumulator are float32 for bfloat16/float16 inputs, and the backward sums its
+cotangents in float32 too; results are cast once at the end. Errors against a float64
+reference are then those of the final rounding (measured: no worse than
+``jax.nn.dot_product_attention``'s for the output and every gradient).
 
 Many devices: queries (or batch/head dims) split over a mesh axis run as one
 ``shard_map`` through :mod:`memwise.sharding` (the same path as
@@ -28,17 +36,17 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise.engine import tiled_reduce
+from memwise.engine import accumulation_dtype, tiled_reduce
 from memwise.sharding import check_divisible, row_sharding, sharded_call
 from memwise.tiling import ChunkSize, item_bytes, tiling
 
 __all__ = ["attention"]
 
 
-def _full_rank(arr: Any, name: str, batch: tuple, lq: int, lk: int, dtype) -> jax.Array:
+def _full_rank(arr: jax.Array, name: str, batch: tuple, lq: int, lk: int) -> jax.Array:
     """Check that a mask/bias broadcasts to ``batch + (lq, lk)`` without enlarging it, and
-    give it that rank by adding leading singleton dims (no copy)."""
-    arr = jnp.asarray(arr, dtype)
+    give it that rank by adding leading singleton dims (no copy). Its size-1 dims stay:
+    the engine slices it from its own shape and broadcasts each tile."""
     try:
         full = jnp.broadcast_shapes(arr.shape, batch + (lq, lk))
     except ValueError as e:
@@ -49,15 +57,6 @@ def _full_rank(arr: Any, name: str, batch: tuple, lq: int, lk: int, dtype) -> ja
     if full != batch + (lq, lk):
         raise ValueError(f"{name} of shape {arr.shape} would enlarge the output shape")
     return arr.reshape((1,) * (len(full) - arr.ndim) + arr.shape)
-
-
-def _pair_operand(arr: jax.Array, batch: tuple, lq: int, lk: int) -> tuple:
-    """A full-rank mask/bias as ``(lq, lk)`` (shared, vmap axis None) or ``(B, lq, lk)``."""
-    if all(s == 1 for s in arr.shape[:-2]):
-        return jnp.broadcast_to(arr.reshape(arr.shape[-2:]), (lq, lk)), None
-    # A mask varying over only some batch dims is broadcast here (one copy).
-    arr = jnp.broadcast_to(arr, batch + (lq, lk))
-    return arr.reshape((-1, lq, lk)), 0
 
 
 def _attention_sharding(q: jax.Array, mesh: Any, axis_name: Any, shard_dim: int):
@@ -104,7 +103,7 @@ def attention(
     mask: jax.Array | None = None,
     bias: jax.Array | None = None,
     causal: bool = False,
-    scale: float | None = None,
+    scale: float | jax.Array | None = None,
     chunk_size: ChunkSize = "auto",
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | tuple[str, ...] | None = None,
@@ -113,22 +112,30 @@ def attention(
     """Softmax attention ``softmax(q k^T * scale + bias) v`` in tiles, forward and backward.
 
     Shapes: ``q (..., Lq, d)``, ``k (..., Lk, d)``, ``v (..., Lk, dv)`` with equal leading
-    (batch, heads, ...) dims; returns ``(..., Lq, dv)``. ``mask`` (bool, True = attend) and
-    ``bias`` broadcast to ``(..., Lq, Lk)``; they are sliced tile by tile, never copied
-    when shared across the batch. ``causal=True`` lets query ``i`` see keys ``j <= i``
-    and skips the tiles above the diagonal. A query that sees no key returns zeros.
-    Gradients: q, k, v and ``bias``.
+    (batch, heads, ...) dims; returns ``(..., Lq, dv)`` in their dtype. ``mask`` (bool,
+    True = attend) and ``bias`` broadcast to ``(..., Lq, Lk)``; they are sliced tile by
+    tile from their own shape (a ``(B, 1, 1, Lk)`` key-padding mask or an ``(Lq, Lk)``
+    bias is never expanded over batch, heads or queries). ``causal=True`` lets query
+    ``i`` see keys ``j <= i`` and skips the tiles above the diagonal. A query that sees
+    no key returns zeros (so does every query when ``Lk = 0``; ``Lq = 0`` gives an empty
+    output). Gradients: q, k, v, ``bias`` and a traced ``scale``.
 
     Memory: O(L d) per head plus one ``(rows, cols)`` tile of scores, in both passes
-    (the L x L matrix is never formed). Compute: the backward re-forms each tile's
-    probabilities from the saved per-row log-sum-exp, about 2.5 forward passes.
+    (the L x L matrix is never formed); a mask or bias adds at most its own size, and
+    the bias gradient its own. Compute: the backward re-forms each tile's probabilities
+    from the saved per-row log-sum-exp, about 2.5 forward passes. bfloat16/float16
+    inputs are computed with float32 scores and accumulators (an extra float32 copy of
+    the output is kept for the backward).
 
     Args:
       q, k, v: queries, keys, values.
-      mask: optional boolean array broadcastable to ``(..., Lq, Lk)``.
-      bias: optional float array broadcastable to ``(..., Lq, Lk)``, added to the scores.
+      mask: optional boolean array broadcastable to ``(..., Lq, Lk)``. Other dtypes
+        raise ``TypeError``: pass additive (0 / -inf) masks as ``bias``.
+      bias: optional float array broadcastable to ``(..., Lq, Lk)``, added to the scores
+        (in float32 for low-precision inputs).
       causal: mask keys after the query position.
-      scale: score scale; default ``1 / sqrt(d)``.
+      scale: score scale, a float or a scalar array (traced, e.g. a learned temperature:
+        it gets a gradient); default ``1 / sqrt(d)``.
       chunk_size: tile ``(query rows, key cols)``, an int, ``"auto"``, or a
         :class:`memwise.tiling.Tiling` (which also sets the backward tile).
       mesh, axis_name: run on many devices (``shard_map``), dim ``shard_dim`` of ``q``
@@ -168,16 +175,34 @@ def attention(
         raise ValueError(f"k and v need the same length; got {lk} and {v.shape[-2]}")
     if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (q, k, v)):
         raise TypeError(f"q, k, v must be float arrays, got {q.dtype}, {k.dtype}, {v.dtype}")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dtype = jnp.result_type(q, k, v)
+    scale = _check_scale(scale, d)
     if mask is not None:
-        mask = _full_rank(mask, "mask", batch, lq, lk, bool)
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(
+                f"mask must be a boolean array (True = attend), got dtype {mask.dtype}; "
+                "pass additive masks (0 / -inf) as bias= instead"
+            )
+        mask = _full_rank(mask, "mask", batch, lq, lk)
     if bias is not None:
-        bias = _full_rank(bias, "bias", batch, lq, lk, dtype)
+        bias = jnp.asarray(bias)
+        if bias.dtype == jnp.bool_:
+            raise TypeError("bias must be a float array added to the scores, got a boolean "
+                            "array; pass boolean masks as mask=")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            bias = bias.astype(dtype)
+        bias = _full_rank(bias, "bias", batch, lq, lk)
+    if lq == 0 or lk == 0:
+        if chunk_size != "auto":  # still a valid size ("auto" is a knob: not resolved here)
+            tiling(1, 1, chunk_size)
+        # What the dense computation returns: no queries, or queries that see no key
+        # (zeros, as for a fully masked query). Gradients are zeros.
+        return jnp.zeros(batch + (lq,) + v.shape[-1:], dtype)
 
     sharding = _attention_sharding(q, mesh, axis_name, shard_dim)
     if sharding is None:
-        return _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, None)
+        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, None)
     mesh, spec = sharding
     row_axes = spec[-2]
 
@@ -185,47 +210,77 @@ def attention(
         # A dim the mask/bias broadcasts over (size 1) stays replicated.
         return P(*[a if n != 1 else None for a, n in zip(spec, arr.shape[:-1])], None)
 
-    def local(q, k, v, mask, bias):
+    def local(q, k, v, mask, bias, scale):
         offset = None
         if row_axes is not None:
             # Causal masking compares global positions: this device's first query.
             offset = lax.axis_index(row_axes).astype(jnp.int32) * q.shape[-2]
-        return _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, offset)
+        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, offset)
 
     kv_spec = P(*spec[:-2], None, None)
     in_specs = (
         P(*spec), kv_spec, kv_spec,
         P() if mask is None else pair_spec(mask),
         P() if bias is None else pair_spec(bias),
+        P(),
     )
-    return sharded_call(local, mesh, in_specs, P(*spec), q, k, v, mask, bias)
+    return sharded_call(local, mesh, in_specs, P(*spec), q, k, v, mask, bias, scale)
 
 
-def _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, row_offset):
+def _check_scale(scale: Any, d: int) -> jax.Array:
+    """The score scale as a scalar array (a traced one gets a gradient); default
+    ``1 / sqrt(d)``."""
+    if scale is None:
+        return jnp.asarray(1.0 / math.sqrt(d))
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"scale must be a real scalar, got {scale!r}")
+    scale = jnp.asarray(scale)
+    if scale.ndim != 0 or not jnp.issubdtype(scale.dtype, jnp.number) or jnp.issubdtype(
+        scale.dtype, jnp.complexfloating
+    ):
+        raise TypeError(
+            f"scale must be a real scalar (a float or a 0-d array), got shape {scale.shape} "
+            f"and dtype {scale.dtype}"
+        )
+    return scale if jnp.issubdtype(scale.dtype, jnp.floating) else scale.astype(float)
+
+
+def _pair_bytes(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
+    """One query-key pair's score and weight, for every (batch, head) at once."""
+    dtype = accumulation_dtype(jnp.result_type(q, k, v))
+    d = q.shape[-1]
+    score = lambda qi, kj: jnp.exp(jnp.dot(qi, kj))  # noqa: E731
+    per_head = item_bytes(score, jnp.zeros(d, dtype), jnp.zeros(d, dtype))
+    return per_head * int(np.prod(q.shape[:-2], dtype=np.int64))
+
+
+def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset):
     """Attention on one device (or per device inside shard_map); ``row_offset`` is the
     global position of the first query (None: 0)."""
     batch = q.shape[:-2]
-    lq, d = q.shape[-2:]
-    lk = k.shape[-2]
+    lq, lk = q.shape[-2], k.shape[-2]
     dtype = jnp.result_type(q, k, v)
     pairs: dict = {}
-    pair_axes: dict = {}
     if mask is not None:
-        pairs["mask"], pair_axes["mask"] = _pair_operand(mask, batch, lq, lk)
+        pairs["mask"] = mask
     if bias is not None:
-        pairs["bias"], pair_axes["bias"] = _pair_operand(bias, batch, lq, lk)
-    consts = {} if row_offset is None else {"offset": row_offset}
+        pairs["bias"] = bias
+    consts = {"scale": scale}
+    if row_offset is not None:
+        consts["offset"] = row_offset
 
     def positions(row_ids, consts):
-        return row_ids + consts["offset"] if consts else row_ids
+        return row_ids + consts["offset"] if "offset" in consts else row_ids
 
     def tile_fn(qb, kv, pb, consts, row_ids, col_ids):
-        s = jnp.dot(qb, kv["k"].T, preferred_element_type=dtype) * jnp.asarray(scale, dtype)
+        # Scores in at least float32 from bfloat16/float16 inputs (float32 accumulation,
+        # as jax.nn.dot_product_attention); the engine keeps the softmax in float32 too.
+        score_dtype = accumulation_dtype(jnp.result_type(qb, kv["k"]))
+        s = jnp.dot(qb, kv["k"].T, preferred_element_type=score_dtype)
+        s = s * consts["scale"].astype(score_dtype)
         if "bias" in pb:
-            s = s + pb["bias"]
-        keep = None
-        if "mask" in pb:
-            keep = pb["mask"]
+            s = s + pb["bias"].astype(score_dtype)
+        keep = pb.get("mask")
         if causal:
             c = col_ids[None, :] <= positions(row_ids, consts)[:, None]
             keep = c if keep is None else keep & c
@@ -237,23 +292,9 @@ def _attention_local(q, k, v, mask, bias, causal, scale, chunk_size, row_offset)
         # Column tile j is above the diagonal when its first key follows the last query.
         return col_ids[0] <= positions(row_ids, consts)[-1]
 
-    def pair_bytes():
-        # One query-key pair's score and weight, for every (batch, head) at once.
-        score = lambda qi, kj: jnp.exp(jnp.dot(qi, kj) * scale)  # noqa: E731
-        per_head = item_bytes(score, jnp.zeros(d, dtype), jnp.zeros(d, dtype))
-        return per_head * int(np.prod(batch, dtype=np.int64))
-
-    tiles = tiling(lq, lk, chunk_size, pair_bytes=pair_bytes)
-
-    def one(qh, kh, vh, ph):
-        out, _ = tiled_reduce(
-            tile_fn, qh, {"k": kh, "v": vh}, reduce="softmax", tiles=tiles,
-            pairs=ph, consts=consts, live=live if causal else None,
-        )
-        return out
-
-    qf = q.reshape((-1, lq, d))
-    kf = k.reshape((-1, lk, d))
-    vf = v.reshape((-1, lk) + v.shape[-1:])
-    out = jax.vmap(one, in_axes=(0, 0, 0, pair_axes))(qf, kf, vf, pairs)
-    return out.reshape(batch + (lq,) + v.shape[-1:])
+    tiles = tiling(lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v))
+    out, _ = tiled_reduce(
+        tile_fn, q, {"k": k, "v": v}, reduce="softmax", tiles=tiles, pairs=pairs,
+        consts=consts, batch=batch, upcast=True, live=live if causal else None,
+    )
+    return out.astype(dtype)

@@ -16,6 +16,19 @@ The results it relies on:
   softmax (Milakov & Gimelshein, arXiv:1805.02867; Rabe & Staats, arXiv:2112.05682) and
   the FlashAttention backward (Dao, Fu, Ermon, Rudra, Re, NeurIPS 2022).
 
+Precision: every running quantity (the sum, the log-sum-exp statistics, the softmax
+accumulators, and the backward's accumulated cotangents) is kept in at least float32
+(:func:`accumulation_dtype`) and results are returned in the scores' own dtype, as
+``jnp.sum`` does: summing 65,536 bfloat16 values in bfloat16 stalls at 2,048 with
+8-value tiles. The accumulators are per-row or per-column vectors; a tile is only
+widened inside the fused reduction that consumes it.
+
+A batch of independent problems (attention's batch and heads) is one call: rows and
+columns carry leading ``batch`` dims, and every tile is evaluated for the whole batch
+at once (``vmap`` inside the loops). A pair operand (mask, bias) may broadcast over
+batch dims, rows or columns; it is sliced from its own shape and its gradient is
+reduced over the broadcast dims tile by tile, never materialised at full size.
+
 Memory in both directions: inputs + outputs + one tile. The forward and backward tiles
 are explicit in the :class:`~memwise.tiling.Tiling` the caller resolves. Tiles that
 cannot hold a finite score (above a causal diagonal) are skipped by a ``lax.cond`` in
@@ -23,7 +36,11 @@ the one loop body. Used by :func:`memwise.pairwise_reduce` (and so :mod:`memwise
 and :func:`memwise.attention`.
 
 Not optimal yet: forward mode (``jax.jvp``) is not supported (a ``custom_vjp``);
-second derivatives work, but their memory is not bounded by a tile.
+second derivatives work, but their memory is not bounded by a tile. With
+``upcast=True`` the backward's tile matmuls run in float32 on float32 copies of each
+block (what makes bfloat16 gradients as accurate as dense ones); fused attention
+kernels instead feed bfloat16 operands to float32-accumulating matmuls, which is faster
+on accelerators.
 """
 
 from __future__ import annotations
@@ -35,15 +52,47 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from memwise._vjp import Static, add, cotangents, dense, fill, is_zero, select, unwrap
 from memwise.sharding import psum_replicated, typed_zeros, vary, varying_over
 from memwise.tiling import Chunking, Tiling, leading_length
 
-__all__ = ["REDUCTIONS", "tiled_reduce"]
+__all__ = ["REDUCTIONS", "accumulation_dtype", "sum_dtype", "tiled_reduce"]
 
 REDUCTIONS = ("sum", "logsumexp", "max", "softmax")
+
+
+def accumulation_dtype(dtype: Any) -> np.dtype:
+    """The dtype a reduction of ``dtype`` values accumulates in: at least float32 for
+    floating dtypes (float64 stays float64), ``dtype`` itself otherwise.
+
+    Example::
+
+        >>> accumulation_dtype(jnp.bfloat16), accumulation_dtype(jnp.int32)
+        (dtype('float32'), dtype('int32'))
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.promote_types(dtype, jnp.float32)
+    return dtype
+
+
+def sum_dtype(dtype: Any) -> np.dtype:
+    """The dtype ``jnp.sum`` returns for ``dtype`` values (floats keep theirs; bool and
+    narrow integers widen to the default integer)."""
+    return jax.eval_shape(jnp.sum, jax.ShapeDtypeStruct((0,), dtype)).dtype
+
+
+def promote(tree: Any) -> Any:
+    """``tree`` with its floating leaves cast to their :func:`accumulation_dtype`."""
+    return jax.tree.map(lambda a: a.astype(accumulation_dtype(jnp.result_type(a))), tree)
+
+
+def _accumulators(values: Sequence[Any]) -> list:
+    """Loop-carry zeros shaped like ``values``, in their accumulation dtype."""
+    return [z.astype(accumulation_dtype(z.dtype)) for z in typed_zeros(values)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,15 +100,19 @@ class _TileSpec:
     """Static description of one tiled reduction (a nondiff argument of the custom_vjp).
 
     ``tile_fn(rows, cols, pairs, consts, row_ids, col_ids)`` returns the scores of one
-    tile, shape ``(R, C) + trailing``; for ``"softmax"`` it returns ``(scores (R, C),
-    values (C, dv))`` and the reduction is ``sum_j softmax_j(scores) values_j``.
-    Scores equal to -inf are excluded (masking).
+    tile of one problem, shape ``(R, C) + trailing``; for ``"softmax"`` it returns
+    ``(scores (R, C), values (C, dv))`` and the reduction is ``sum_j softmax_j(scores)
+    values_j``. Scores equal to -inf are excluded (masking).
     """
 
     tile_fn: Callable
     reduce: str
     tiles: Tiling
     trees: tuple  # treedefs of (rows, cols, pairs, consts)
+    batch: tuple = ()  # leading batch dims of rows and cols
+    # Per pair leaf: its leading batch dims, 1 where it broadcasts over that batch dim.
+    pair_batch: tuple = ()
+    upcast: bool = False  # differentiate tiles on float32 copies of the blocks
     vary_consts: bool = True  # see memwise.sharding.convert
     # live(row_ids, col_ids, consts) -> bool scalar: False when every score of the tile is
     # -inf (e.g. above a causal diagonal); such tiles are skipped with lax.cond.
@@ -74,46 +127,115 @@ class _TileSpec:
     def is_live(self, row_ids, col_ids, const_leaves) -> jax.Array:
         return self.live(row_ids, col_ids, jax.tree.unflatten(self.trees[3], const_leaves))
 
+    def pair_axes(self, level: int) -> list:
+        """vmap in_axes of the (squeezed) pair leaves at batch dim ``level``."""
+        return [None if pb[level] == 1 else 0 for pb in self.pair_batch]
+
+    def squeeze_pairs(self, pairs: list) -> list:
+        """Pair leaves without the batch dims they broadcast over (a reshape, no copy)."""
+        nb = len(self.batch)
+        return [
+            p.reshape(tuple(s for s in pb if s != 1) + p.shape[nb:])
+            for p, pb in zip(pairs, self.pair_batch)
+        ]
+
+    def over_batch(self, fn: Callable, in_axes: Callable[[int], tuple], out_axes=0):
+        """``fn`` of one problem vmapped over the batch dims, outermost first."""
+        for level in reversed(range(len(self.batch))):
+            fn = jax.vmap(fn, in_axes=in_axes(level), out_axes=out_axes)
+        return fn
+
 
 def _expand(a: jax.Array, ndim: int) -> jax.Array:
     """Append singleton axes so a per-row ``(R,)`` array broadcasts against ``ndim`` dims."""
     return a.reshape(a.shape + (1,) * (ndim - a.ndim))
 
 
-def _pair_blocks(rows: Chunking, cols: Chunking, pairs: list, i_start, j_start) -> list:
-    """The tile of each ``(n, m, ...)`` pair operand at ``(i_start, j_start)``, no copy."""
-    return [cols.block(rows.block(p, i_start, axis=0), j_start, axis=1) for p in pairs]
+def _pair_blocks(rows: Chunking, cols: Chunking, pairs: list, i_start, j_start,
+                 lead: Sequence[int] | None = None) -> list:
+    """The tile of each pair operand at ``(i_start, j_start)``, no copy.
+
+    A pair's row and column axes sit after its ``lead`` batch dims; an axis of size 1
+    broadcasts (a key-padding mask is ``(1, m)``) and is not sliced.
+    """
+    out = []
+    for p, k in zip(pairs, lead or [0] * len(pairs)):
+        if p.shape[k] != 1:
+            p = rows.block(p, i_start, axis=k)
+        if p.shape[k + 1] != 1:
+            p = cols.block(p, j_start, axis=k + 1)
+        out.append(p)
+    return out
 
 
 def _safe_max(m: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def _row_pass(spec: _TileSpec, rows, cols_c, col_ids, col_valid, pairs, consts, row_ids):
-    """Reduce one row block over all column tiles (the forward pass of one row block)."""
+def _tile_type(spec: _TileSpec, rows, cols, pairs, consts):
+    """Shapes and dtypes of one tile's output (the first tile of the first problem)."""
+    R, C, nb = spec.tiles.rows, spec.tiles.cols, len(spec.batch)
+
+    def first_tile():
+        r = [R.block(a[(0,) * nb], 0) for a in rows]
+        c = [C.block(a[(0,) * nb], 0) for a in cols]
+        lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
+        p = _pair_blocks(R, C, [a[(0,) * k] for a, k in zip(pairs, lead)], 0, 0)
+        return spec.tile((r, c, p, consts), jnp.asarray(R.ids()[0]), jnp.asarray(C.ids()[0]))
+
+    return jax.eval_shape(first_tile)
+
+
+def _finish(reduce: str, first, stats):
+    """``(result, residual)`` from the forward's statistics (accumulation dtypes): the
+    result in the scores' dtype (``jnp.sum``'s for a sum), the residual what the
+    backward needs. Where the dtypes agree they are one buffer."""
+    if reduce == "sum":
+        return stats.astype(sum_dtype(first.dtype)), None
+    if reduce == "logsumexp":
+        return stats.astype(first.dtype), stats  # the float32 log-sum-exp
+    if reduce == "max":
+        return stats, stats[1]  # the argmax
+    s_type, v_type = first
+    out, lse = stats
+    # The backward's rowsum(dO * O) needs the unrounded output: with a bfloat16 one, dq
+    # and dk came out up to 1.4x less accurate than dense attention's.
+    return (out.astype(v_type.dtype), lse.astype(s_type.dtype)), (out, lse)
+
+
+def _row_pass(spec: _TileSpec, first, rows, cols_c, col_ids, col_valid, pairs, consts,
+              row_ids):
+    """Reduce one row block over all column tiles (the forward pass of one row block).
+
+    ``first`` is the tile's output type. Returns the statistics :func:`_finish` turns
+    into the result: in the accumulation dtype (the max: the scores' own, and argmax).
+    """
     reduce = spec.reduce
 
     def scores_of(col_blk, c_ids):
         pblk = _pair_blocks(spec.tiles.rows, spec.tiles.cols, pairs, row_ids[0], c_ids[0])
         return spec.tile((rows, col_blk, pblk, consts), row_ids, c_ids)
 
-    first = jax.eval_shape(scores_of, [a[0] for a in cols_c], col_ids[0])
     if reduce == "softmax":
         s_shape, v_shape = first
-        dtype = jnp.result_type(s_shape.dtype, v_shape.dtype)
+        acc_dtype = accumulation_dtype(s_shape.dtype)
         R = s_shape.shape[0]
         init = (
-            jnp.full((R,), -jnp.inf, dtype),
-            jnp.zeros((R,), dtype),
-            jnp.zeros((R,) + v_shape.shape[1:], dtype),
+            jnp.full((R,), -jnp.inf, acc_dtype),
+            jnp.zeros((R,), acc_dtype),
+            jnp.zeros((R,) + v_shape.shape[1:], accumulation_dtype(v_shape.dtype)),
         )
     else:
         R, trailing, dtype = first.shape[0], first.shape[2:], first.dtype
+        acc_dtype = accumulation_dtype(sum_dtype(dtype) if reduce == "sum" else dtype)
         if reduce == "sum":
-            init = jnp.zeros((R,) + trailing, dtype)
+            init = jnp.zeros((R,) + trailing, acc_dtype)
         elif reduce == "logsumexp":
-            init = (jnp.full((R,) + trailing, -jnp.inf, dtype), jnp.zeros((R,) + trailing, dtype))
-        else:  # max
+            init = (
+                jnp.full((R,) + trailing, -jnp.inf, acc_dtype),
+                jnp.zeros((R,) + trailing, acc_dtype),
+            )
+        else:  # max: exact in any dtype
             init = (
                 jnp.full((R,) + trailing, -jnp.inf, dtype),
                 jnp.zeros((R,) + trailing, jnp.int32),
@@ -134,49 +256,52 @@ def _row_pass(spec: _TileSpec, rows, cols_c, col_ids, col_valid, pairs, consts, 
         out = scores_of(col_blk, c_ids)
         if reduce == "softmax":
             s, vals = out
-            s = jnp.where(c_valid[None, :], s, -jnp.inf)
+            # Widened inside the fused exp/sum only; the tile itself stays as produced.
+            s = jnp.where(c_valid[None, :], s, -jnp.inf).astype(acc_dtype)
             m, l, acc = state
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             shift = _safe_max(m_new)
             p = jnp.exp(s - shift[:, None])
             scale = jnp.exp(m - shift)
             l = l * scale + jnp.sum(p, axis=1)
-            acc = acc * _expand(scale, acc.ndim) + jnp.tensordot(p, vals.astype(p.dtype), 1)
+            acc = acc * _expand(scale, acc.ndim).astype(acc.dtype) + jnp.tensordot(
+                p, vals.astype(acc.dtype), 1
+            )
             return (m_new, l, acc)
         s = out
         valid = _expand(c_valid[None, :], s.ndim)
         if reduce == "sum":
-            return state + jnp.sum(jnp.where(valid, s, 0), axis=1)
+            return state + jnp.sum(jnp.where(valid, s, 0), axis=1, dtype=acc_dtype)
         if reduce == "logsumexp":
             m, l = state
             s = jnp.where(valid, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_new = jnp.maximum(m, jnp.max(s, axis=1).astype(acc_dtype))
             shift = _safe_max(m_new)
-            l = l * jnp.exp(m - shift) + jnp.sum(jnp.exp(s - shift[:, None]), axis=1)
+            p = jnp.exp(s.astype(acc_dtype) - jnp.expand_dims(shift, 1))
+            l = l * jnp.exp(m - shift) + jnp.sum(p, axis=1)
             return (m_new, l)
         m, arg = state
         s = jnp.where(valid, s, -jnp.inf)
+        # jnp.argmax / jnp.max semantics: the first NaN wins and propagates.
         tile_arg = jnp.argmax(s, axis=1)
         tile_max = jnp.max(s, axis=1)
-        better = tile_max > m
+        better = (tile_max > m) | (jnp.isnan(tile_max) & ~jnp.isnan(m))
         arg = jnp.where(better, c_ids[tile_arg].astype(jnp.int32), arg)
-        return (jnp.maximum(m, tile_max), arg)
+        return (jnp.where(better, tile_max, m), arg)
 
     state, _ = lax.scan(body, init, (cols_c, col_ids, col_valid))
-    if reduce == "sum":
+    if reduce in ("sum", "max"):
         return state
     if reduce == "logsumexp":
         m, l = state
         return _safe_max(m) + jnp.log(l)
-    if reduce == "max":
-        return state
     m, l, acc = state
     lse = _safe_max(m) + jnp.log(l)
-    out = acc / _expand(jnp.where(l > 0, l, 1.0), acc.ndim)
-    return out, lse
+    return acc / _expand(jnp.where(l > 0, l, 1.0), acc.ndim), lse
 
 
-def _tiled_forward(spec: _TileSpec, rows, cols, pairs, consts):
+def _problem_forward(spec: _TileSpec, first, rows, cols, pairs, consts):
+    """The forward statistics of one problem (no batch dims)."""
     R, C = spec.tiles.rows, spec.tiles.cols
     rows_c = R.split(rows)
     cols_c = C.split(cols)
@@ -185,48 +310,60 @@ def _tiled_forward(spec: _TileSpec, rows, cols, pairs, consts):
 
     def one_row_block(inp):
         row_blk, r_ids = inp
-        return _row_pass(spec, row_blk, cols_c, col_ids, col_valid, pairs, consts, r_ids)
+        return _row_pass(spec, first, row_blk, cols_c, col_ids, col_valid, pairs, consts,
+                         r_ids)
 
     out = lax.map(one_row_block, (rows_c, jnp.asarray(R.ids())))
     return R.merge(out)
 
 
+def _tiled_forward(spec: _TileSpec, rows, cols, pairs, consts):
+    """``(result, residual)`` of the whole batch: each problem vmapped, pairs broadcast
+    over the batch dims they lack (never expanded)."""
+    pairs = spec.squeeze_pairs(pairs)
+    first = _tile_type(spec, rows, cols, pairs, consts)
+    problem = spec.over_batch(
+        lambda r, c, p: _problem_forward(spec, first, r, c, p, consts),
+        lambda level: (0, 0, spec.pair_axes(level)),
+    )
+    return _finish(spec.reduce, first, problem(rows, cols, pairs))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _tiled_core(spec: _TileSpec, rows, cols, pairs, consts):
-    return _tiled_forward(spec, rows, cols, pairs, consts)
+    return _tiled_forward(spec, rows, cols, pairs, consts)[0]
 
 
 def _tiled_core_fwd(spec, *primals):
     values, flags = zip(*(unwrap(p) for p in primals))
-    out = _tiled_forward(spec, *values)
-    saved = out if spec.reduce != "sum" else None
-    return out, (values, saved, Static(flags))
+    out, residual = _tiled_forward(spec, *values)
+    return out, (values, residual, Static(flags))
 
 
 def _tiled_core_bwd(spec, res, ct):
-    values, saved, flags = res
+    values, residual, flags = res
     flags = flags.value
     rows, cols, pairs, consts = values
     R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
     reduce = spec.reduce
+    nb = len(spec.batch)
 
-    # Per-row quantities the backward needs: the cotangent and the saved result.
+    # Per-row quantities the backward needs: the cotangent and the saved statistics.
     if reduce == "softmax":
-        out, lse = saved
+        out, lse = residual
         ct_out = dense(ct[0], out)
-        ct_lse = dense(ct[1], lse)
-        delta = jnp.sum((ct_out * out).reshape(out.shape[0], -1), axis=1)
+        ct_lse = dense(ct[1], lse).astype(lse.dtype)
+        trailing = tuple(range(nb + 1, out.ndim))
+        delta = jnp.sum(ct_out.astype(lse.dtype) * out, axis=trailing)
         per_row = [ct_out, ct_lse - delta, lse]
     else:
         value_ct = ct[0] if reduce == "max" else ct
         if is_zero(value_ct):  # zeros of the result's own dtype (int for an int sum)
-            like = jax.eval_shape(lambda: _tiled_forward(spec, *values))
+            like = jax.eval_shape(lambda: _tiled_forward(spec, *values)[0])
             value_ct = dense(value_ct, like[0] if reduce == "max" else like)
         per_row = [value_ct]
-        if reduce == "logsumexp":
-            per_row.append(saved)
-        elif reduce == "max":
-            per_row.append(saved[1])  # the argmax
+        if reduce in ("logsumexp", "max"):
+            per_row.append(residual)  # the float32 log-sum-exp; the argmax
 
     row_f, col_f, pair_f, const_f = flags
     axes = varying_over(values, per_row)
@@ -235,48 +372,83 @@ def _tiled_core_bwd(spec, res, ct):
     # a local partial cotangent; psum_replicated all-reduces once at the end.
     rows, cols, pairs = vary(values[:3], axes)
     consts = vary(values[3], axes) if spec.vary_consts else values[3]
-    per_row_c = R.split(per_row, pad="zero")
-    rows_c = R.split(rows)
-    cols_c = C.split(cols)
+    if spec.upcast:
+        consts = promote(consts)
+    pairs = spec.squeeze_pairs(pairs)
+    # A pair's row/column axes follow the batch dims it does not broadcast over.
+    lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
     row_ids, col_ids = jnp.asarray(R.ids()), jnp.asarray(C.ids())
-    col_valid = jnp.asarray(C.mask())
-    d_consts0 = typed_zeros(select(consts, const_f))
-    d_cols0 = typed_zeros(select(cols_c, col_f))
-    pad_pairs = [
-        vary(jnp.zeros((R.padded, C.padded) + jnp.shape(p)[2:], jnp.result_type(p)), axes)
-        for p in select(pairs, pair_f)
+    row_valid, col_valid = jnp.asarray(R.mask()), jnp.asarray(C.mask())
+
+    # Blocks are sliced by index from the unpadded arrays (splitting into (chunks, size,
+    # ...) copied q once more), and cotangents are written in place into padded carries;
+    # slots past the end are masked (zero cotangent), then sliced off.
+    def padded(a, chunks, dtype):
+        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1:]
+        return vary(jnp.zeros(shape, dtype), axes)
+
+    def pair_accumulator(p, k):
+        shape = list(p.shape)
+        full_rows, full_cols = shape[k] == R.length, shape[k + 1] == C.length
+        shape[k] = R.padded if full_rows else 1
+        shape[k + 1] = C.padded if full_cols else 1
+        # A full pair gets each element once; one broadcast over rows or columns sums
+        # one contribution per tile, in the accumulation dtype.
+        once = (full_rows or R.length == 1) and (full_cols or C.length == 1)
+        dtype = jnp.result_type(p) if once else accumulation_dtype(jnp.result_type(p))
+        return vary(jnp.zeros(shape, dtype), axes)
+
+    d_rows0 = [padded(a, R, a.dtype) for a in select(rows, row_f)]
+    d_cols0 = [padded(a, C, accumulation_dtype(a.dtype)) for a in select(cols, col_f)]
+    d_pairs0 = [
+        pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
     ]
+    d_consts0 = _accumulators(select(consts, const_f))
+    # One tile of every problem in the batch at once.
+    tile_in_axes = lambda level: (0, 0, spec.pair_axes(level), None)  # noqa: E731
 
     def row_body(carry, inp):
-        d_cols, d_pairs, d_consts = carry
-        row_blk, r_ids, row_data = inp
+        d_rows, d_cols, d_pairs, d_consts = carry
+        r_ids, r_valid = inp
+        r0 = r_ids[0]
+        row_blk = [R.block(a, r0, axis=nb) for a in rows]
+        row_data = [R.block(a, r0, axis=nb) for a in per_row]
 
         def col_body(carry2, inp2):
             d_row, d_cols, d_pairs, d_consts = carry2
-            col_blk, c_ids, c_valid, j = inp2
-            pblk = _pair_blocks(R, C, pairs, r_ids[0], c_ids[0])
+            c_ids, c_valid = inp2
+            c0 = c_ids[0]
+            col_blk = [C.block(a, c0, axis=nb) for a in cols]
+            pblk = _pair_blocks(R, C, pairs, r0, c0, lead)
+            blocks = [row_blk, col_blk, pblk]
+            if spec.upcast:
+                blocks = promote(blocks)
+            tile = spec.over_batch(
+                lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
+            )
 
             def f(r_d, c_d, p_d, k_d):
-                return spec.tile(
-                    (
-                        fill(row_blk, row_f, r_d),
-                        fill(col_blk, col_f, c_d),
-                        fill(pblk, pair_f, p_d),
-                        fill(consts, const_f, k_d),
-                    ),
-                    r_ids,
-                    c_ids,
+                return tile(
+                    fill(blocks[0], row_f, r_d),
+                    fill(blocks[1], col_f, c_d),
+                    fill(blocks[2], pair_f, p_d),
+                    fill(consts, const_f, k_d),
                 )
 
             primal_in = (
-                select(row_blk, row_f),
-                select(col_blk, col_f),
-                select(pblk, pair_f),
+                select(blocks[0], row_f),
+                select(blocks[1], col_f),
+                select(blocks[2], pair_f),
                 select(consts, const_f),
             )
+            score_ct = spec.over_batch(
+                lambda out, rd: _score_cotangent(reduce, out, rd, r_valid, c_valid, c_ids),
+                lambda level: (0, 0),
+            )
+
             def tile_grads():
                 out, vjp = jax.vjp(f, *primal_in)
-                return vjp(_score_cotangent(reduce, out, row_data, c_valid, c_ids))
+                return vjp(score_ct(out, row_data))
 
             if spec.live is None:
                 dr, dc, dp, dk = tile_grads()
@@ -289,27 +461,44 @@ def _tiled_core_bwd(spec, res, ct):
                     lambda: tuple(typed_zeros(group) for group in primal_in),
                 )
             d_row = add(d_row, dr)
-            d_cols = [acc.at[j].add(g.astype(acc.dtype)) for acc, g in zip(d_cols, dc)]
-            d_pairs = [_add_block(acc, g, r_ids[0], c_ids[0]) for acc, g in zip(d_pairs, dp)]
+            d_cols = [_add_block(acc, g, (c0,), nb) for acc, g in zip(d_cols, dc)]
+            d_pairs = [
+                _add_block(acc, g, (r0, c0), k)
+                for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
+            ]
             return (d_row, d_cols, d_pairs, add(d_consts, dk)), None
 
-        d_row0 = typed_zeros(select(row_blk, row_f))
         (d_row, d_cols, d_pairs, d_consts), _ = lax.scan(
             col_body,
-            (d_row0, d_cols, d_pairs, d_consts),
-            (cols_c, col_ids, col_valid, jnp.arange(C.n_chunks)),
+            (_accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
+            (col_ids, col_valid),
         )
-        return (d_cols, d_pairs, d_consts), d_row
+        # A row block's cotangent is complete here: stored once, in its own dtype.
+        d_rows = [
+            lax.dynamic_update_slice_in_dim(acc, g.astype(acc.dtype), r0, axis=nb)
+            for acc, g in zip(d_rows, d_row)
+        ]
+        return (d_rows, d_cols, d_pairs, d_consts), None
 
-    (d_cols, d_pairs, d_consts), d_rows = lax.scan(
-        row_body, (d_cols0, pad_pairs, d_consts0), (rows_c, row_ids, per_row_c)
+    (d_rows, d_cols, d_pairs, d_consts), _ = lax.scan(
+        row_body, (d_rows0, d_cols0, d_pairs0, d_consts0), (row_ids, row_valid)
     )
-    d_rows = psum_replicated(R.merge(d_rows), select(primals[0], row_f))
-    d_cols = psum_replicated(C.merge(d_cols), select(primals[1], col_f))
-    d_pairs = psum_replicated(
-        [a[: R.length, : C.length] for a in d_pairs], select(primals[2], pair_f)
-    )
-    d_consts = psum_replicated(d_consts, select(primals[3], const_f))
+
+    def finish(cts, primal_group):
+        return [c.astype(p.dtype) for c, p in zip(psum_replicated(cts, primal_group),
+                                                  primal_group)]
+
+    d_rows = finish([lax.slice_in_dim(a, 0, R.length, axis=nb) for a in d_rows],
+                    select(primals[0], row_f))
+    d_cols = finish([lax.slice_in_dim(a, 0, C.length, axis=nb) for a in d_cols],
+                    select(primals[1], col_f))
+    d_pairs = [
+        lax.slice(a, (0,) * a.ndim, p.shape[:k] + p.shape[k:k + 2] + a.shape[k + 2:])
+        for a, p, k in zip(d_pairs, select(pairs, pair_f), select(lead, pair_f))
+    ]
+    primal_pairs = select(primals[2], pair_f)
+    d_pairs = [d.reshape(p.shape) for d, p in zip(finish(d_pairs, primal_pairs), primal_pairs)]
+    d_consts = finish(d_consts, select(primals[3], const_f))
     return (
         cotangents(row_f, d_rows),
         cotangents(col_f, d_cols),
@@ -318,41 +507,67 @@ def _tiled_core_bwd(spec, res, ct):
     )
 
 
-def _add_block(acc, g, i0, j0):
-    r, c = g.shape[0], g.shape[1]
-    cur = lax.dynamic_slice(acc, (i0, j0) + (0,) * (acc.ndim - 2), (r, c) + acc.shape[2:])
-    return lax.dynamic_update_slice(acc, cur + g.astype(acc.dtype), (i0, j0) + (0,) * (acc.ndim - 2))
+def _add_block(acc, g, starts, k):
+    """Add a block's cotangent ``g`` into ``acc`` at ``starts`` on axes ``k, k+1, ...``
+    (at 0 on an axis of size 1: a pair that broadcasts over it)."""
+    starts = tuple(i if n != 1 else 0 for i, n in zip(starts, acc.shape[k:]))
+    zero = jnp.zeros((), jnp.int32)  # one index dtype (python 0s are int64 under x64)
+    start = (zero,) * k + tuple(jnp.asarray(i, jnp.int32) for i in starts)
+    start += (zero,) * (acc.ndim - len(start))
+    cur = lax.dynamic_slice(acc, start, g.shape)
+    return lax.dynamic_update_slice(acc, cur + g.astype(acc.dtype), start)
 
 
-def _score_cotangent(reduce, out, row_data, c_valid, c_ids):
-    """d(result)/d(tile scores) contracted with the per-row cotangent: one tile's worth."""
+def _score_cotangent(reduce, out, row_data, r_valid, c_valid, c_ids):
+    """d(result)/d(tile scores) contracted with the per-row cotangent: one tile's worth.
+
+    Computed in the accumulation dtype and returned in the tile's own dtypes. Padding
+    rows and columns get exactly zero (their scores may overflow ``exp``).
+    """
     if reduce == "softmax":
         s, vals = out
         ct_out, ct_lse_minus_delta, lse = row_data
-        valid = c_valid[None, :] & jnp.isfinite(lse)[:, None]
-        p = jnp.where(valid, jnp.exp(s - _safe_max(lse)[:, None]), 0.0)
-        ct2 = ct_out.reshape(ct_out.shape[0], -1).astype(p.dtype)
-        v2 = vals.reshape(vals.shape[0], -1).astype(p.dtype)
+        acc = lse.dtype
+        valid = c_valid[None, :] & (r_valid & jnp.isfinite(lse))[:, None]
+        p = jnp.where(valid, jnp.exp(s.astype(acc) - _safe_max(lse)[:, None]), 0.0)
+        ct2 = ct_out.reshape(ct_out.shape[0], -1).astype(acc)
+        v2 = vals.reshape(vals.shape[0], -1).astype(acc)
         dp = ct2 @ v2.T
         ds = p * (dp + ct_lse_minus_delta[:, None])
         d_vals = (p.T @ ct2).reshape(vals.shape).astype(vals.dtype)
         return ds.astype(s.dtype), d_vals
     s = out
     ct_row = row_data[0]
-    valid = _expand(c_valid[None, :], s.ndim)
-    ct_b = jnp.expand_dims(ct_row, 1).astype(s.dtype)
+    valid = _expand(c_valid[None, :] & r_valid[:, None], s.ndim)
     if reduce == "sum":
+        ct_b = jnp.expand_dims(ct_row, 1).astype(s.dtype)
         return jnp.where(valid, jnp.broadcast_to(ct_b, s.shape), 0)
     if reduce == "logsumexp":
         lse = jnp.expand_dims(row_data[1], 1)
         live = valid & jnp.isfinite(lse)
-        return jnp.where(live, ct_b * jnp.exp(s - _safe_max(lse)), 0)
+        ct_b = jnp.expand_dims(ct_row, 1).astype(lse.dtype)
+        w = jnp.exp(s.astype(lse.dtype) - _safe_max(lse))
+        return jnp.where(live, ct_b * w, 0).astype(s.dtype)
     arg = jnp.expand_dims(row_data[1], 1)
     hit = _expand(c_ids[None, :], s.ndim) == arg
+    ct_b = jnp.expand_dims(ct_row, 1).astype(s.dtype)
     return jnp.where(valid & hit, jnp.broadcast_to(ct_b, s.shape), 0)
 
 
 _tiled_core.defvjp(_tiled_core_fwd, _tiled_core_bwd, symbolic_zeros=True)
+
+
+def _item_length(tree: Any, batch: tuple, arg: str) -> int:
+    """The common length of the axis after the ``batch`` dims of every leaf of ``tree``."""
+    nb = len(batch)
+    for leaf in jax.tree.leaves(tree):
+        if np.shape(leaf)[:nb] != batch:
+            raise ValueError(
+                f"every leaf of {arg} needs leading batch dims {batch}, got {np.shape(leaf)}"
+            )
+    items = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[nb:], jnp.result_type(a)),
+                         tree)
+    return leading_length(items, arg)
 
 
 def tiled_reduce(
@@ -364,6 +579,8 @@ def tiled_reduce(
     tiles: Tiling,
     pairs: Any = (),
     consts: Any = (),
+    batch: tuple[int, ...] = (),
+    upcast: bool = False,
     vary_consts: bool = True,
     live: Callable | None = None,
 ) -> Any:
@@ -373,14 +590,28 @@ def tiled_reduce(
     scores of one ``(R, C)`` tile (trailing dims allowed; ``-inf`` = excluded), or for
     ``reduce="softmax"`` a pair ``(scores (R, C), values (C, ...))``. ``rows`` and
     ``cols`` are pytrees with leading lengths n and m; ``pairs`` have leading ``(n, m)``
-    and are sliced tile by tile without a padded copy; ``consts`` are passed whole.
-    Gradients flow to all four (``tile_fn`` must not close over traced arrays; pass them
-    in ``consts``). Results: ``"sum"``/``"logsumexp"``: ``(n,) + trailing``; ``"max"``:
-    ``(values, argmax)``; ``"softmax"``: ``(out (n, ...), lse (n,))``.
+    (or 1 on an axis they broadcast over) and are sliced tile by tile without a copy;
+    ``consts`` are passed whole. Gradients flow to all four (``tile_fn`` must not close
+    over traced arrays; pass them in ``consts``). Results: ``"sum"``/``"logsumexp"``:
+    ``(n,) + trailing``; ``"max"``: ``(values, argmax)`` (NaN propagates, and wins the
+    argmax, as in ``jnp.max``/``jnp.argmax``); ``"softmax"``: ``(out (n, ...), lse
+    (n,))``. Reductions accumulate in at least float32 and return the scores' dtype
+    (``out``: the values' dtype).
+
+    ``batch`` (optional) is a shape of independent problems: every leaf of ``rows`` and
+    ``cols`` then has leading dims ``batch``, every leaf of ``pairs`` as many leading
+    dims, each equal to the batch dim or 1 to broadcast over it, and the results gain
+    leading ``batch`` dims. ``tile_fn`` still sees one problem; each tile is evaluated
+    for the whole batch at once (``vmap``), and the gradient of a broadcast pair is
+    summed tile by tile.
 
     ``tiles`` is the resolved :class:`~memwise.tiling.Tiling` (from
-    :func:`~memwise.tiling.tiling`): the forward pass runs its ``rows x cols`` tiles,
-    the backward pass its ``backward_rows x backward_cols`` tiles.
+    :func:`~memwise.tiling.tiling`, so n and m must be >= 1): the forward pass runs its
+    ``rows x cols`` tiles, the backward pass its ``backward_rows x backward_cols`` tiles.
+
+    ``upcast=True`` evaluates the backward's tiles on copies of the blocks (and consts)
+    promoted to :func:`accumulation_dtype`, so bfloat16/float16 cotangents are summed
+    without being rounded once per tile; ``tile_fn`` must then accept any float dtype.
 
     Inside ``shard_map``, pass ``vary_consts=False`` when ``tile_fn`` evaluates a jaxpr
     traced with replicated ``consts`` (e.g. from ``jax.closure_convert``).
@@ -389,15 +620,42 @@ def tiled_reduce(
     hold a finite score; the others are skipped (``lax.cond`` in the one loop body,
     forward and backward). It must depend on the indices and ``consts`` only: a causal
     mask halves the work this way.
+
+    Example::
+
+        >>> from memwise.tiling import tiling
+        >>> x = jnp.arange(6.0)
+        >>> add = lambda r, c, _p, _k, _ri, _ci: r[:, None] + c[None, :]
+        >>> tiled_reduce(add, x, x, reduce="max", tiles=tiling(6, 6, 4))[0]
+        Array([ 5.,  6.,  7.,  8.,  9., 10.], dtype=float32)
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
     if not isinstance(tiles, Tiling):
         raise TypeError(f"tiles must be a memwise.tiling.Tiling (from tiling()), got {tiles!r}")
-    shape = (leading_length(rows, "rows"), leading_length(cols, "cols"))
+    batch = tuple(int(b) for b in batch)
+    nb = len(batch)
+    shape = (_item_length(rows, batch, "rows"), _item_length(cols, batch, "cols"))
     if tiles.shape != shape:
         raise ValueError(f"tiles were resolved for {tiles.shape}, but rows x cols is {shape}")
+    pair_batch = []
+    for p in jax.tree.leaves(pairs):
+        ps = np.shape(p)
+        if (
+            len(ps) < nb + 2
+            or any(s not in (1, b) for s, b in zip(ps, batch))
+            or ps[nb] not in (1, shape[0])
+            or ps[nb + 1] not in (1, shape[1])
+        ):
+            raise ValueError(
+                f"pairs must have leading dims batch + (n, m) = {batch + shape}, each "
+                f"either that size or 1 (broadcast); got {ps}"
+            )
+        pair_batch.append(ps[:nb])
     flat = [jax.tree.flatten(t) for t in (rows, cols, pairs, consts)]
-    spec = _TileSpec(tile_fn, reduce, tiles, tuple(tree for _, tree in flat), vary_consts, live)
+    spec = _TileSpec(
+        tile_fn, reduce, tiles, tuple(tree for _, tree in flat), batch, tuple(pair_batch),
+        upcast, vary_consts, live,
+    )
     leaves = [[jnp.asarray(a) for a in lv] for lv, _ in flat]
     return _tiled_core(spec, *leaves)
