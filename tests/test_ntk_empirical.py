@@ -166,7 +166,7 @@ def _assert_close(got, expected, dtype):
 @pytest.mark.parametrize("method, trace", [("jacobian", False), ("vjp", True), ("pseudo", False)])
 def test_dtypes(dtype, method, trace):
     # Sums over the parameters accumulate in at least float32; the result keeps the dtype.
-    cast = lambda t: jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), t)  # noqa: E731
+    cast = lambda t: jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), t)
     params = cast(_params(jax.random.PRNGKey(8), width=16))
     x1 = cast(jax.random.normal(jax.random.PRNGKey(9), (5, 3)))
     x2 = cast(jax.random.normal(jax.random.PRNGKey(10), (4, 3)))

@@ -206,7 +206,7 @@ def test_dtypes(dtype):
             lambda x, y: kernel_regression(FC, x, y, xt, ridge=0.1, chunk_size=(4, 3)), x, y,
         ))(x, y)
     with jax.enable_x64(True):
-        wide = lambda a: jnp.asarray(a, jnp.float64)  # noqa: E731
+        wide = lambda a: jnp.asarray(a, jnp.float64)
         expected = jax.jit(lambda x, y: values_and_grads(
             lambda x, y: _naive_kip(FC, x, y, wide(xt), wide(yt), 0.1),
             lambda x, y: _naive_predict(FC, x, y, wide(xt), 0.1), x, y,

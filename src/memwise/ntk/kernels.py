@@ -150,11 +150,11 @@ def _safe_sqrt(x: jax.Array, zero_below: str) -> jax.Array:
     derivative along such inputs is zero, while sqrt's would be infinite, so values at
     the rounding level (8 eps) count as that zero.
 
-    ``zero_below="tiny"``: for variances, which scale with the inputs (a row scaled by
-    1e-3 has variances near 1e-6, not rounding noise): only values below the smallest
-    normal float count as zero, as neural-tangents' ``_sqrt`` does (its tolerance
-    1e-30). An all-zero input has zero variance; its kernel row is the limit of a row
-    scaled by t -> 0 (see :func:`_correlation`).
+    ``zero_below="zero"``: for variances, which scale with the inputs (a row scaled by
+    1e-3 has variances near 1e-6, not rounding noise): only zero counts as zero (as
+    neural-tangents' ``_sqrt``, whose tolerance is 1e-30); ``0.5 / sqrt(x)`` is finite
+    for every positive float, subnormals included. An all-zero input has zero variance;
+    its kernel row is the limit of a row scaled by t -> 0 (see :func:`_correlation`).
     """
     return jnp.sqrt(jnp.maximum(x, 0.0))
 
@@ -163,8 +163,7 @@ def _safe_sqrt(x: jax.Array, zero_below: str) -> jax.Array:
 def _safe_sqrt_jvp(zero_below, primals, tangents):
     (x,), (t,) = primals, tangents
     y = _safe_sqrt(x, zero_below)
-    info = jnp.finfo(jnp.result_type(x))
-    tiny = 8 * info.eps if zero_below == "rounding" else info.tiny
+    tiny = 8 * jnp.finfo(jnp.result_type(x)).eps if zero_below == "rounding" else 0.0
     positive = x > tiny
     return y, jnp.where(positive, t * 0.5 / jnp.where(positive, y, 1.0), 0.0)
 
@@ -179,7 +178,7 @@ def _correlation(cov: jax.Array, var1: jax.Array, var2: jax.Array):
     neural-tangents (``_arctan2(..., fill_zero=pi / 2)``) the pair counts as orthogonal,
     ``cos = 0``. Both square roots and the division have finite derivatives there.
     """
-    norm = _safe_sqrt(var1, "tiny") * _safe_sqrt(var2, "tiny")
+    norm = _safe_sqrt(var1, "zero") * _safe_sqrt(var2, "zero")
     positive = norm > 0
     cos = jnp.where(positive, cov / jnp.where(positive, norm, 1.0), 0.0)
     return norm, jnp.clip(cos, -1.0, 1.0)
