@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from memwise._vjp import Static, add, cotangents, dense, fill, is_zero, select, unwrap
+from memwise.engine import accumulation_dtype, sum_dtype
 from memwise.sharding import (
     check_divisible,
     convert,
@@ -81,20 +82,26 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list):
     one = jax.eval_shape(
         lambda x: spec.chunk_fn(x, consts), _chunk_of(chunks, xs_leaves, jnp.int32(0))
     )
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape[1:], s.dtype), one)
+    # The running total is kept in at least float32 (a bfloat16 total of 65,536 values
+    # in chunks of 8 stalled at 2,048) and returned in jnp.sum's dtype.
+    init = jax.tree.map(
+        lambda s: jnp.zeros(s.shape[1:], accumulation_dtype(sum_dtype(s.dtype))), one
+    )
     init = vary(init, varying_over(xs_leaves, consts))
 
     def body(acc, inp):
         i, valid = inp
         ys = spec.chunk_fn(_chunk_of(chunks, xs_leaves, i), consts)
         ys = jax.tree.map(
-            lambda y: jnp.sum(jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, 0), 0),
-            ys,
+            lambda y, a: jnp.sum(
+                jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, 0), 0, dtype=a.dtype
+            ),
+            ys, acc,
         )
         return jax.tree.map(jnp.add, acc, ys), None
 
     total, _ = lax.scan(body, init, (indices, mask))
-    return total
+    return jax.tree.map(lambda t, s: t.astype(sum_dtype(s.dtype)), total, one)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -150,31 +157,58 @@ def _map_core_bwd(spec, res, ct):
         dx, dc = vjp(ctc)
         return add(acc, dc), dx
 
-    acc, dxs = lax.scan(
-        body, typed_zeros(diff_consts), (jnp.arange(chunks.n_chunks), mask)
-    )
+    # The gradients of closed-over arrays sum one term per chunk: in at least float32.
+    acc0 = [z.astype(accumulation_dtype(z.dtype)) for z in typed_zeros(diff_consts)]
+    acc, dxs = lax.scan(body, acc0, (jnp.arange(chunks.n_chunks), mask))
     dxs = psum_replicated(chunks.merge(dxs), select(xs_leaves, xs_flags))
-    acc = psum_replicated(acc, select(primal_consts, const_flags))
+    const_primals = select(primal_consts, const_flags)
+    acc = [a.astype(p.dtype) for a, p in zip(psum_replicated(acc, const_primals), const_primals)]
     return cotangents(xs_flags, dxs), cotangents(const_flags, acc)
 
 
 _map_core.defvjp(_map_core_fwd, _map_core_bwd, symbolic_zeros=True)
 
 
+def _check_chunk_size(chunk_size: Any) -> None:
+    """Validate a 1-D ``chunk_size`` here (tiling's message also offers 2-D tiles)."""
+    if isinstance(chunk_size, (str, Chunking)):
+        return  # chunking() checks the string ("auto") and a resolved Chunking's length
+    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
+    if chunk_size < 1:
+        raise ValueError(
+            f"chunk_size must be a positive int or 'auto', got {chunk_size}; pass e.g. "
+            "chunk_size=1024 or 'auto'"
+        )
+
+
+def _items_failed(xs: Any, e: Exception) -> ValueError:
+    return ValueError(
+        f"f failed on one item of xs (leaf shapes "
+        f"{[np.shape(a)[1:] for a in jax.tree.leaves(xs)]}): {e}"
+    )
+
+
+def _empty_result(f, xs, kind):
+    """What ``jax.vmap(f)(xs)`` (map) or its sum (sum) gives for zero items: an empty
+    stack, or zeros in ``jnp.sum``'s dtype. Gradients are zeros."""
+    try:
+        one = jax.eval_shape(f, first_items(xs))
+    except Exception as e:
+        raise _items_failed(xs, e) from e
+    if kind == "map":
+        return jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), one)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, sum_dtype(s.dtype)), one)
+
+
 def _prepare_1d(f, xs, chunk_size, kind):
-    if not callable(f):
-        raise TypeError(f"f must be a callable of one item of xs, got {type(f).__name__}")
     n = leading_length(xs, "xs")
-    xs = jax.tree.map(jnp.asarray, xs)
     try:
         converted, consts, (xs,), vary_consts = convert(
             f, (xs,), lambda d: (first_items(d[0]),)
         )
     except Exception as e:
-        raise ValueError(
-            f"f failed on one item of xs (leaf shapes "
-            f"{[np.shape(a)[1:] for a in jax.tree.leaves(xs)]}): {e}"
-        ) from e
+        raise _items_failed(xs, e) from e
     chunks = chunking(n, chunk_size, item_bytes=lambda: item_bytes(f, first_items(xs)))
     xs_leaves, xs_tree = jax.tree.flatten(xs)
     spec = _MapSpec(converted, kind, chunks, xs_tree, vary_consts)
@@ -182,6 +216,12 @@ def _prepare_1d(f, xs, chunk_size, kind):
 
 
 def _chunked_1d(f, xs, chunk_size, kind, mesh, axis_name):
+    if not callable(f):
+        raise TypeError(f"f must be a callable of one item of xs, got {type(f).__name__}")
+    _check_chunk_size(chunk_size)
+    xs = jax.tree.map(jnp.asarray, xs)
+    if leading_length(xs, "xs") == 0:
+        return _empty_result(f, xs, kind)
     sharded = row_sharding(xs, mesh, axis_name, "xs")
     if sharded is None:
         spec, xs_leaves, consts = _prepare_1d(f, xs, chunk_size, kind)
@@ -223,7 +263,8 @@ def chunked_map(
 
     Args:
       f: function of one item of ``xs``, returning a pytree of arrays.
-      xs: pytree of arrays with a common leading length ``n``.
+      xs: pytree of arrays with a common leading length ``n`` (``n = 0`` gives empty
+        outputs, as ``jax.vmap`` does).
       chunk_size: items per chunk (int >= 1) or ``"auto"``.
       mesh, axis_name: run sharded, the items of ``xs`` split over mesh axis
         ``axis_name`` (see :func:`pairwise_reduce`); detected from ``xs``'s sharding
@@ -257,11 +298,13 @@ def chunked_sum(
     as they are produced; the backward re-evaluates and differentiates one chunk at a
     time, accumulating gradients of closed-over arrays in the loop carry. Memory: inputs +
     one output + one chunk's intermediates, forward and backward; compute: about one
-    extra forward.
+    extra forward. As ``jnp.sum``, the total (and the gradients of closed-over arrays)
+    accumulate in at least float32 and are returned in the outputs' dtype.
 
     Args:
       f: function of one item of ``xs``, returning a pytree of arrays.
-      xs: pytree of arrays with a common leading length ``n``.
+      xs: pytree of arrays with a common leading length ``n`` (``n = 0`` sums to
+        zeros).
       chunk_size: items per chunk (int >= 1) or ``"auto"``.
       mesh, axis_name: as for :func:`chunked_map`; each device sums its items, then one
         ``psum``.
