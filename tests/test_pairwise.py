@@ -1,5 +1,6 @@
 """Tests for memwise.pairwise: pairwise_reduce against dense JAX in every reduction and
-orientation, input validation, and the gradient's memory from compiled_memory at two sizes."""
+orientation, low-precision sums, empty inputs and NaN, input validation, and the
+gradient's memory from compiled_memory at two sizes."""
 
 import functools
 
@@ -159,6 +160,68 @@ def test_logsumexp_masks_with_minus_inf_log_weights():
     _close(f(x), d(x), jnp.float64)
     _close(jax.grad(lambda x: jnp.sum(f(x)))(x), jax.grad(lambda x: jnp.sum(d(x)))(x),
            jnp.float64)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("chunk_size", [8, 64, 1024])
+def test_low_precision_sums_accumulate_in_float32(dtype, chunk_size):
+    # One point against 65,536 uniform values (true sum 32,706): a bfloat16 running sum
+    # stalled at 2,048 (tiles of 8), 16,384 (64), 32,768 (1,024).
+    y = jax.random.uniform(jax.random.PRNGKey(0), (65_536,)).astype(dtype)
+    x = jnp.ones((1,), dtype)
+    ref = jnp.sum(y.astype(jnp.float32))
+    one_ulp = 2.0 ** -jnp.finfo(dtype).nmant  # relative: the result's own rounding
+
+    def total(x, y):
+        return mw.pairwise_reduce(lambda a, b: a * b, x, y, chunk_size=(1, chunk_size))[0]
+
+    out = total(x, y)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.float32(out), ref, rtol=one_ulp)
+    # d/dx sums one term per column tile into the row's cotangent
+    dx, dy = jax.grad(total, (0, 1))(x, y)
+    assert dx.dtype == dtype
+    np.testing.assert_allclose(np.float32(dx[0]), ref, rtol=one_ulp)
+    np.testing.assert_array_equal(dy, jnp.ones_like(y))
+
+
+def test_empty_inputs_give_the_dense_result():
+    fn = lambda a, b: a @ b  # noqa: E731
+    none, three = jnp.ones((0, 2)), jnp.ones((3, 2))
+    # no kept points: empty results
+    for reduce in ("sum", "logsumexp", "max", "argmin"):
+        out = mw.pairwise_reduce(fn, none, three, reduce=reduce, chunk_size=2)
+        assert out.shape == (0,)
+        assert out.dtype == (jnp.int32 if reduce == "argmin" else none.dtype)
+    # nothing to reduce over: the identity of the reduction, gradients zero
+    w = jnp.ones((0, 4))
+    np.testing.assert_array_equal(
+        mw.pairwise_reduce(fn, three, none, weights=w, chunk_size=2), jnp.zeros((3, 4)))
+    lse = lambda x, y: mw.pairwise_reduce(fn, x, y, reduce="logsumexp", chunk_size=2)  # noqa: E731
+    np.testing.assert_array_equal(lse(three, none), jnp.full(3, -jnp.inf))
+    np.testing.assert_array_equal(lse(three, none), jax.nn.logsumexp(three @ none.T, 1))
+    gx, gy = jax.grad(lambda x, y: jnp.sum(jnp.exp(lse(x, y))), (0, 1))(three, none)
+    np.testing.assert_array_equal(gx, jnp.zeros((3, 2)))
+    assert gy.shape == (0, 2)
+    # ... which the max family does not have (jnp.max raises too)
+    for reduce in ("max", "argmax"):
+        with pytest.raises(ValueError, match="zero points of y"):
+            mw.pairwise_reduce(fn, three, none, reduce=reduce, chunk_size=2)
+    with pytest.raises(ValueError, match="zero points of x"):
+        mw.pairwise_reduce(fn, none, three, reduce="min", axis=0, chunk_size=2)
+    with pytest.raises(ValueError, match="chunk_size"):
+        mw.pairwise_reduce(fn, none, three, chunk_size=0)
+
+
+def test_nan_propagates_like_jnp():
+    s = jnp.array([[1.0, jnp.nan, 3.0, jnp.nan, 5.0], [1.0, 2.0, 3.0, 4.0, 0.0]])
+    fn = lambda i, j: s[i, j]  # noqa: E731
+    rows, cols = jnp.arange(2), jnp.arange(5)
+    for reduce in ("max", "min", "argmax", "argmin"):
+        out = mw.pairwise_reduce(fn, rows, cols, reduce=reduce, chunk_size=(1, 2))
+        np.testing.assert_array_equal(out, getattr(jnp, reduce)(s, 1))
+        out = mw.pairwise_reduce(fn, rows, cols, reduce=reduce, chunk_size=(2, 1), axis=0)
+        np.testing.assert_array_equal(out, getattr(jnp, reduce)(s, 0))
 
 
 # --------------------------------------------------------------------------------------

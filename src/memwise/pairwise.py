@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise.engine import tiled_reduce
+from memwise.engine import sum_dtype, tiled_reduce
 from memwise.sharding import (
     check_divisible,
     convert,
@@ -61,7 +61,13 @@ def pairwise_reduce(
     multiply the values for ``"sum"`` (``K @ w`` for a kernel ``fn``) and are added as
     log-weights for ``"logsumexp"``. ``"max"``/``"min"`` return the extreme value (gradient
     flows to the arg-extreme pair: a subgradient), ``"argmax"``/``"argmin"`` its index
-    (int32, no gradient).
+    (int32, no gradient); as with ``jnp.max``/``jnp.argmax``, a NaN value propagates and
+    its first index wins. Sums and log-sum-exps accumulate in at least float32 and
+    return ``fn``'s dtype, as ``jnp.sum`` does.
+
+    Empty inputs give the dense result: no kept points, an empty array; nothing to
+    reduce over, the reduction's identity (``"sum"``: 0, ``"logsumexp"``: -inf), or a
+    ``ValueError`` for the max/min family, which has none (as ``jnp.max``).
 
     Memory, forward and backward: inputs + outputs + one ``chunk_size`` tile of ``fn``'s
     intermediates. The backward is one more tiled pass that re-evaluates ``fn`` under
@@ -85,7 +91,8 @@ def pairwise_reduce(
         ``axis_name`` and ``y`` replicated (``shard_map``): each device tiles its own
         rows, forward and backward, and the gradient of ``y`` is all-reduced once. With
         ``axis=0`` (reducing over the split points) the per-device partial results are
-        combined with ``psum`` (sum, logsumexp) or ``all_gather`` (max/min). Detected
+        combined with ``psum`` (sum, logsumexp) or ``all_gather`` (max/min and their
+        arg-extremes, as global indices). Detected
         without these arguments when ``x`` (else ``y``) is a concrete array with a
         ``NamedSharding`` over its first axis; under ``jit`` pass them explicitly.
 
@@ -146,16 +153,20 @@ def pairwise_reduce(
         raise TypeError(f"reduce={reduce!r} needs a real float fn, but fn returns {out0.dtype}")
     w_trailing = () if weights is None else weights.shape[1:]
     try:
-        out_ndim = len(jnp.broadcast_shapes(out0.shape, w_trailing))
+        out_shape = jnp.broadcast_shapes(out0.shape, w_trailing)
     except ValueError as e:
         raise ValueError(
             f"weights' trailing shape {w_trailing} does not broadcast with fn's output "
             f"shape {out0.shape}"
         ) from e
+    out_ndim = len(out_shape)
+    if n == 0 or m == 0:
+        return _empty_result(reduce, n, m, out_shape, out0.dtype, weights, reduced, chunk_size)
 
     row_shard, col_shard = x_shard, y_shard
     if row_shard is None and col_shard is None:
-        return _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim)
+        out = _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim)
+        return _index_only(out, reduce)
     if row_shard is not None:
         mesh, axes = row_shard
         check_divisible(n, mesh, axes, kept)
@@ -169,8 +180,8 @@ def pairwise_reduce(
         f = lambda a, b: converted(a, b, *consts)  # noqa: E731
         out = _pairwise_local(f, x_l, y_l, w_l, reduce, chunk_size, out_ndim)
         if row_shard is not None:
-            return out
-        return _combine_over_devices(out, reduce, axes)
+            return _index_only(out, reduce)
+        return _combine_over_devices(out, reduce, axes, leading_length(y_l, reduced))
 
     if row_shard is not None:
         in_specs, out_specs = (P(axes), P(), P(), P()), P(axes)
@@ -179,22 +190,55 @@ def pairwise_reduce(
     return sharded_call(local, mesh, in_specs, out_specs, x, y, weights, list(consts))
 
 
-def _combine_over_devices(local: jax.Array, reduce: str, axes: Any):
-    """Combine per-device partial reductions (columns split over ``axes``)."""
+def _combine_over_devices(local: Any, reduce: str, axes: Any, m_local: int):
+    """Combine per-device partial reductions (columns split over ``axes``, ``m_local``
+    per device); for the arg-extremes ``local`` is ``(extreme value, local index)``."""
     if reduce == "sum":
         return lax.psum(local, axes)
     if reduce == "logsumexp":
         top = lax.pmax(lax.stop_gradient(local), axes)
         top = jnp.where(jnp.isfinite(top), top, 0.0)
         return top + jnp.log(lax.psum(jnp.exp(local - top), axes))
-    gathered = lax.all_gather(local, axes)  # (devices, n, ...): O(n) per device
     if reduce in ("max", "min"):
+        gathered = lax.all_gather(local, axes)  # (devices, n, ...): O(n) per device
         return jnp.max(gathered, 0) if reduce == "max" else jnp.min(gathered, 0)
-    raise AssertionError(reduce)
+    value, arg = local
+    values = lax.all_gather(value, axes)
+    # Global index: the device's first column plus its local index.
+    args = lax.all_gather(arg + lax.axis_index(axes) * m_local, axes)
+    # jnp.argmax/argmin over devices: the first device wins ties and NaNs, as within one.
+    best = jnp.argmax(values, 0) if reduce == "argmax" else jnp.argmin(values, 0)
+    return jnp.take_along_axis(args, best[None], 0)[0]
+
+
+def _empty_result(reduce, n, m, out_shape, dtype, weights, reduced, chunk_size):
+    """The dense result of a pairwise reduction with no kept points (``n = 0``) or
+    nothing to reduce over (``m = 0``); gradients are zeros."""
+    if chunk_size != "auto":  # still a valid size ("auto" is a knob: not resolved here)
+        tiling(1, 1, chunk_size)
+    if reduce in ("argmax", "argmin"):
+        return jnp.zeros((n,) + out_shape, jnp.int32) if n == 0 else _no_identity(reduce, reduced)
+    if weights is not None:
+        dtype = jnp.result_type(dtype, weights.dtype)
+    if reduce == "sum":
+        return jnp.zeros((n,) + out_shape, sum_dtype(dtype))
+    if n == 0:
+        return jnp.zeros((n,) + out_shape, dtype)
+    if reduce == "logsumexp":
+        return jnp.full((n,) + out_shape, -jnp.inf, dtype)
+    return _no_identity(reduce, reduced)
+
+
+def _no_identity(reduce: str, reduced: str):
+    raise ValueError(
+        f"reduce={reduce!r} over zero points of {reduced} has no value (as jnp.max of an "
+        "empty array); pass at least one point, or use 'sum' or 'logsumexp'"
+    )
 
 
 def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim):
-    """pairwise_reduce on one device (or per device inside shard_map)."""
+    """pairwise_reduce on one device (or per device inside shard_map); the
+    arg-extremes return ``(extreme value, index)``."""
     if reduce in ("argmax", "argmin") and varying_over(x, y):
         raise NotImplementedError(
             f"reduce={reduce!r} with the reduced points split over devices is not supported; "
@@ -231,9 +275,16 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim):
     if engine != "max":
         return out
     value, arg = out
+    value = -value if sign < 0 else value
     if reduce in ("argmax", "argmin"):
-        return lax.stop_gradient(arg)
-    return -value if sign < 0 else value
+        # The value too: combining over devices compares each device's extreme.
+        return lax.stop_gradient(value), lax.stop_gradient(arg)
+    return value
+
+
+def _index_only(out: Any, reduce: str) -> Any:
+    """The result a user sees: for the arg-extremes, the index without its value."""
+    return out[1] if reduce in ("argmax", "argmin") else out
 
 
 def _swapped(fn: Callable) -> Callable:
