@@ -87,7 +87,10 @@ def sum_dtype(dtype: Any) -> np.dtype:
 
 def promote(tree: Any) -> Any:
     """``tree`` with its floating leaves cast to their :func:`accumulation_dtype`."""
-    return jax.tree.map(lambda a: a.astype(accumulation_dtype(jnp.result_type(a))), tree)
+    # jnp.asarray: a const may be a Python scalar (or JAX's typed float under checkpoint).
+    return jax.tree.map(
+        lambda a: jnp.asarray(a).astype(accumulation_dtype(jnp.result_type(a))), tree
+    )
 
 
 def _accumulators(values: Sequence[Any]) -> list:
