@@ -340,21 +340,25 @@ FORWARD_MODE = {
 }
 
 
+def _transformed(transform, jit, loss):
+    apply = FORWARD_MODE[transform]
+    if jit == "jit_inside":
+        return lambda x: apply(jax.jit(loss), x)
+    if jit == "jit_outside":
+        return jax.jit(lambda x: apply(loss, x))
+    return lambda x: apply(loss, x)
+
+
 @pytest.mark.parametrize("jit", ["eager", "jit_outside", "jit_inside"])
 @pytest.mark.parametrize("transform", sorted(FORWARD_MODE))
 def test_forward_mode_and_second_order_raise_memwise_type_error(transform, jit):
     x, y, _, _ = clouds(10, n=16, m=12)
-    for loss in (lambda x: ot.sinkhorn_divergence(x, y, epsilon=0.3, chunk_size=8),
-                 lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).reg_ot_cost):
-        apply = FORWARD_MODE[transform]
-        if jit == "jit_inside":
-            call = lambda x: apply(jax.jit(loss), x)  # noqa: E731
-        elif jit == "jit_outside":
-            call = jax.jit(lambda x: apply(loss, x))
-        else:
-            call = lambda x: apply(loss, x)  # noqa: E731
+    losses = (lambda x: ot.sinkhorn_divergence(x, y, epsilon=0.3, chunk_size=8),
+              lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).reg_ot_cost,
+              lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).f[0])
+    for loss in losses:
         with pytest.raises(TypeError, match="first-order reverse mode only"):
-            call(x)
+            _transformed(transform, jit, loss)(x)
 
 
 def test_reverse_mode_composes_with_vmap_and_jit():

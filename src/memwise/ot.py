@@ -36,7 +36,7 @@ gradient, comes back in the input's dtype; the tile then holds float32 values.
 Conventions match OTT-JAX 0.6 (``ott.solvers.linear.sinkhorn``): ``reg_ot_cost`` is
 ``min_P <P, C> + eps KL(P | a b^T)``, errors are L1 marginal errors compared with
 ``threshold``, and ``epsilon=None`` is ``0.05`` times the standard deviation of the cost
-matrix (computed here in two chunked passes). The potentials differ in one convention:
+matrix (computed here in two chunked passes; floored where that is 0 or degenerate). The potentials differ in one convention:
 here ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``, finite even where a weight is 0,
 whereas OTT's ``f`` is ours plus ``eps log a``.
 """
@@ -81,7 +81,8 @@ class SinkhornResult(NamedTuple):
         ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / epsilon)``; finite also where
         ``a_i == 0`` (it is then the potential's extension to that point). ``f`` and
         ``g`` are in the gauge ``<a, f> = <b, g>`` and differentiable (first order, by
-        implicit differentiation) in the same inputs as ``reg_ot_cost``.
+        implicit differentiation) in the same inputs as ``reg_ot_cost``, with weight
+        gradients centred in the same way.
       g: ``[m]`` dual potential of ``y``.
       reg_ot_cost: ``<a, f> + <b, g> + epsilon (sum(a) sum(b) - sum_ij P_ij)``, i.e.
         ``min_P <P, C> + epsilon KL(P | a b^T)`` (OTT-JAX's ``reg_ot_cost``).
@@ -220,13 +221,13 @@ def _default_epsilon(cost, consts, x, y, chunk_size) -> Array:
     the costs stays about 1e-4 of epsilon. With every cost equal (one point, or all
     points in one place) any epsilon gives the exact answer, ``C``; OTT's 0 gives NaN.
     """
-    def passes(fn):
-        return jnp.sum(pairwise_reduce(fn, x, y, reduce="sum", chunk_size=chunk_size))
+    def mean_over_pairs(fn):
+        total = pairwise_reduce(fn, x, y, reduce="sum", chunk_size=chunk_size)
+        return jnp.sum(total) / float(x.shape[0] * y.shape[0])
 
-    mean = passes(lambda xi, yj: cost(xi, yj, *consts)) / float(x.shape[0] * y.shape[0])
+    mean = mean_over_pairs(lambda xi, yj: cost(xi, yj, *consts))
     # Centred second pass: avoids E[C^2] - E[C]^2 cancellation in float32.
-    var = passes(lambda xi, yj: (cost(xi, yj, *consts) - mean) ** 2) / float(
-        x.shape[0] * y.shape[0])
+    var = mean_over_pairs(lambda xi, yj: (cost(xi, yj, *consts) - mean) ** 2)
     scale = jnp.maximum(jnp.sqrt(var), _EPSILON_FLOOR * jnp.abs(mean))
     return DEFAULT_EPSILON_SCALE * jnp.where(scale > 0, scale, 1.0)
 
@@ -353,7 +354,7 @@ def _solve_symmetric(cost, consts, x, a, eps, f_init, *, chunk_size, max_iterati
 
 
 # ---------------------------------------------------------------------------------------
-# The regularised cost and its envelope gradient.
+# Gradients: of the regularised cost (envelope theorem), of the potentials (implicit).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -413,10 +414,12 @@ def _potentials_bwd(cost, chunk_size, max_steps, residuals, cotangents):
     ``K = diag(r, c) J = [diag(r) P; P^T diag(c)]`` (``P`` the plan, ``r, c`` its
     marginals) is symmetric positive semi-definite, singular only along the potentials'
     free constant ``(1, -1)``, which the gauge fixes with multiplier ``nu``. The vjp
-    solves ``J^T lam = v - nu (a, -b)`` as ``K w = .``, ``lam = diag(r, c) w``, by
+    solves ``J^T lam = v - nu (a, -b)`` for ``lam = diag(r, c) w`` from ``K w = rhs`` by
     Jacobi-preconditioned CG, two chunked passes a step, and returns
     ``lam . dT/dtheta - nu d(<a,f> - <b,g>)/dtheta``. A zero-weight point moves no
-    other potential: its own is an output only (``lam = v`` there).
+    other potential: its own is an output only (``lam = v`` there, moved to ``rhs``).
+    Not reported yet: a CG solve still above ``_CG_RTOL`` after ``max_steps`` steps
+    (small epsilon conditions ``K`` badly) returns its last iterate.
     """
     x, y, a, b, eps, consts, f, g = jax.tree.map(_first_order_only, residuals)
     log_a, log_b = _safe_log(a), _safe_log(b)
@@ -490,13 +493,12 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
     # solve in float32, return in `dtype`.
     work = jnp.promote_types(dtype, jnp.float32)
     x, y = x.astype(work), y.astype(work)
-    # Totals that differ by the weights' rounding only (4 ulps, at least 1e-5) are
-    # balanced: b is rescaled to sum(a) before solving (see _sinkhorn).
-    mass_rtol = max([1e-5] + [4 * float(jnp.finfo(jnp.asarray(w).dtype).eps)
-                              for w in (a, b) if w is not None
-                              and jnp.issubdtype(jnp.asarray(w).dtype, jnp.floating)])
     a = _check_weights("a", a, x.shape[0], work)
     b = _check_weights("b", b, y.shape[0], work)
+    # Totals that differ by the weights' rounding only (4 ulps of their own dtype, at
+    # least 1e-5) are balanced: _sinkhorn rescales b to sum(a).
+    mass_rtol = max(1e-5, *(4 * float(jnp.finfo(w.dtype).eps) for w in (a, b)))
+    a, b = a.astype(work), b.astype(work)
     if _is_concrete(a) and _is_concrete(b):
         total_a, total_b = float(np.sum(np.asarray(a))), float(np.sum(np.asarray(b)))
         if abs(total_a - total_b) > mass_rtol * max(total_a, total_b):
@@ -577,7 +579,7 @@ def _check_weights(name: str, weights: Any, size: int, dtype) -> Array:
             raise ValueError(f"{name} has negative weights; weights must be >= 0")
         if not np.any(values > 0):
             raise ValueError(f"{name} is all zeros; at least one point needs weight > 0")
-    return weights.astype(dtype)
+    return weights
 
 
 def _resolve_cost(cost: str | CostFn, x: Array, y: Array) -> tuple[Callable, tuple]:
@@ -610,18 +612,10 @@ def _resolve_cost(cost: str | CostFn, x: Array, y: Array) -> tuple[Callable, tup
 
 
 def sinkhorn(
-    x: Array,
-    y: Array,
-    a: Array | None = None,
-    b: Array | None = None,
-    *,
-    epsilon: float | Array | None = None,
-    cost: str | CostFn = "sqeuclidean",
-    chunk_size: ChunkSize = "auto",
-    max_iterations: int = 2000,
-    threshold: float = 1e-3,
-    epsilon_scaling: float | None = None,
-    init: tuple[Array, Array] | None = None,
+    x: Array, y: Array, a: Array | None = None, b: Array | None = None, *,
+    epsilon: float | Array | None = None, cost: str | CostFn = "sqeuclidean",
+    chunk_size: ChunkSize = "auto", max_iterations: int = 2000, threshold: float = 1e-3,
+    epsilon_scaling: float | None = None, init: tuple[Array, Array] | None = None,
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds, in chunked memory.
 
@@ -737,18 +731,10 @@ def _in_dtype(result: SinkhornResult, dtype) -> SinkhornResult:
 
 
 def sinkhorn_divergence(
-    x: Array,
-    y: Array,
-    a: Array | None = None,
-    b: Array | None = None,
-    *,
-    epsilon: float | Array | None = None,
-    cost: str | CostFn = "sqeuclidean",
-    chunk_size: ChunkSize = "auto",
-    max_iterations: int = 2000,
-    threshold: float = 1e-3,
-    epsilon_scaling: float | None = None,
-    return_results: bool = False,
+    x: Array, y: Array, a: Array | None = None, b: Array | None = None, *,
+    epsilon: float | Array | None = None, cost: str | CostFn = "sqeuclidean",
+    chunk_size: ChunkSize = "auto", max_iterations: int = 2000, threshold: float = 1e-3,
+    epsilon_scaling: float | None = None, return_results: bool = False,
 ) -> Array | tuple[Array, tuple[SinkhornResult, SinkhornResult, SinkhornResult]]:
     """Sinkhorn divergence between two weighted point clouds, in chunked memory.
 
