@@ -162,8 +162,11 @@ def _assert_close(got, expected, dtype):
     assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
 
 
-@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
-@pytest.mark.parametrize("method, trace", [("jacobian", False), ("vjp", True), ("pseudo", False)])
+@pytest.mark.parametrize(
+    "dtype, method, trace",
+    [(dtype, "jacobian", False) for dtype in sorted(TOLERANCE)]
+    + [("bfloat16", "vjp", True), ("bfloat16", "pseudo", False)],
+)
 def test_dtypes(dtype, method, trace):
     # Sums over the parameters accumulate in at least float32; the result keeps the dtype.
     cast = lambda t: jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), t)
