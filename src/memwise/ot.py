@@ -520,7 +520,7 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
     else:
         eps = jnp.asarray(epsilon, work)
     x, y, a, b, consts, eps = _reverse_mode_only((x, y, a, b, consts, eps))
-    return _Problem(x, y, a, b, cost_fn, consts, chunk, eps.astype(work), dtype, mass_rtol)
+    return _Problem(x, y, a, b, cost_fn, consts, chunk, eps, dtype, mass_rtol)
 
 
 def _is_concrete(value: Any) -> bool:
@@ -740,10 +740,12 @@ def sinkhorn_divergence(
 
     ``S(a, b) = OT(a, b) - (OT(a, a) + OT(b, b)) / 2 + epsilon (|a| - |b|)^2 / 2`` with
     ``OT`` the ``reg_ot_cost`` of :func:`sinkhorn` and one epsilon for all three terms
-    (``None``: ``0.05 * std`` of the ``x``-``y`` cost matrix), as OTT-JAX's
-    ``sinkhorn_divergence(PointCloud, x, y, ...)``. The self terms use symmetric averaged
-    updates (Feydy et al. 2019, Eq. 25). Differentiable (first order) in ``x``, ``y``,
-    ``a``, ``b`` and a callable cost's arrays, each term by the envelope theorem.
+    (``None``: ``0.05 * std`` of the ``x``-``y`` cost matrix, floored as in
+    :func:`sinkhorn`), as OTT-JAX's ``sinkhorn_divergence(PointCloud, x, y, ...)``. The
+    self terms use symmetric averaged updates (Feydy et al. 2019, Eq. 25).
+    Differentiable (first order, reverse mode) in ``x``, ``y``, ``a``, ``b`` and a
+    callable cost's arrays, each term by the envelope theorem; so are the potentials of
+    the ``return_results``, by implicit differentiation.
 
     Memory/compute: O(n + m + tile) memory forward and backward; the three solves cost
     two (cross term) or one (self terms) cost-matrix passes per iteration, the gradient
