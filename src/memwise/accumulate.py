@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from memwise import knobs
+from memwise.engine import accumulation_dtype
 
 __all__ = ["accumulate_grad"]
 
@@ -44,12 +45,6 @@ def _batch_size(batch: Any) -> int:
             f"{[jnp.shape(leaf) for leaf in leaves]}); pass at least one example"
         )
     return n
-
-
-def _accumulation_dtype(dtype: Any) -> Any:
-    """Sums over micro-batches run in at least float32 (then cast back): bfloat16 sums of
-    many micro-batch gradients would round away most of each addend."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _divisors(n: int) -> list[int]:
@@ -149,10 +144,12 @@ def accumulate_grad(
     )
     if loss_struct.shape != ():
         raise TypeError(f"loss_fn must return a scalar loss, got shape {loss_struct.shape}")
+    # Sums over micro-batches in at least float32: bfloat16 ones round away most of each
+    # addend once the sum is large.
     zeros = jax.tree_util.tree_map(
-        lambda s: jnp.zeros(s.shape, _accumulation_dtype(s.dtype)), grad_struct
+        lambda s: jnp.zeros(s.shape, accumulation_dtype(s.dtype)), grad_struct
     )
-    init = (jnp.zeros((), _accumulation_dtype(loss_struct.dtype)), zeros)
+    init = (jnp.zeros((), accumulation_dtype(loss_struct.dtype)), zeros)
     (loss_sum, grad_sum), aux = lax.scan(step, init, stacked)
     loss = loss_sum / count
     grads = jax.tree_util.tree_map(lambda g: g / count, grad_sum)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from memwise.chunked import chunked_map, over_row_chunks
+from memwise.engine import accumulation_dtype
 from memwise.tiling import ChunkSize, item_bytes, tiling
 
 __all__ = ["empirical"]
@@ -38,25 +39,24 @@ __all__ = ["empirical"]
 _METHODS = ("jacobian", "vjp", "pseudo")
 
 
-def _accumulation_dtype(dtype: Any) -> Any:
-    """Sums over the parameters run in at least float32 (then cast back): a bfloat16 sum
-    over thousands of parameters would keep about two digits."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _tree_dot(a: Any, b: Any) -> jax.Array:
-    """sum over leaves of <a_leaf, b_leaf> over all axes of the parameter leaves."""
+    """sum over leaves of <a_leaf, b_leaf> over all axes of the parameter leaves.
+
+    In at least float32, cast back: a bfloat16 sum over thousands of parameters keeps
+    about two digits.
+    """
     pairs = list(zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
     dtype = jnp.result_type(*(x for pair in pairs for x in pair))
-    acc = _accumulation_dtype(dtype)
+    acc = accumulation_dtype(dtype)
     return sum(jnp.sum(x.astype(acc) * y.astype(acc)) for x, y in pairs).astype(dtype)
 
 
 def _contract_jacobians(j1: Any, j2: Any, out_ndim: int) -> jax.Array:
-    """(O x P) . (O x P)^T summed over leaves -> (O, O) (or () for scalar outputs)."""
+    """(O x P) . (O x P)^T summed over leaves -> (O, O) (or () for scalar outputs), in at
+    least float32 and cast back (see :func:`_tree_dot`)."""
     pairs = list(zip(jax.tree_util.tree_leaves(j1), jax.tree_util.tree_leaves(j2)))
     dtype = jnp.result_type(*(x for pair in pairs for x in pair))
-    acc = _accumulation_dtype(dtype)
+    acc = accumulation_dtype(dtype)
     total = None
     for a, b in pairs:
         param_axes = list(range(out_ndim, a.ndim))

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from memwise.engine import accumulation_dtype
+
 __all__ = [
     "Conv",
     "Dense",
@@ -120,12 +122,6 @@ def _broadcast_variances(
         v1 = diag1[:, None]
         v2 = diag2[None, :]
     return v1, v2
-
-
-def _accumulation_dtype(dtype: Any) -> Any:
-    """Sums over channels and conv windows run in at least float32 (then cast back): a
-    bfloat16 sum of a few hundred terms would lose the digits the kernel keeps."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _is_zero_ntk(ntk: Any) -> bool:
@@ -249,7 +245,7 @@ def _window_mean(
     mean, as in a conv layer that sees zeros.
     """
     dtype = cov.dtype
-    cov = cov.astype(_accumulation_dtype(dtype))
+    cov = cov.astype(accumulation_dtype(dtype))  # low-precision sums lose the kernel's digits
     pixels = cov.shape[layout.batch_ndim : layout.batch_ndim + layout.spatial_ndim]
     pads = lax.padtype_to_pads(pixels, filter_shape, strides, padding)
     if not layout.full:
@@ -478,7 +474,8 @@ class KernelFn:
         else:
             spec = f"a{letters}c,b{letters}c->ab{letters}"
         dtype = jnp.result_type(x1.dtype, x2.dtype)
-        cov = jnp.einsum(spec, x1, x2, preferred_element_type=_accumulation_dtype(dtype))
+        # The channel sum in at least float32, then back to the inputs' dtype.
+        cov = jnp.einsum(spec, x1, x2, preferred_element_type=accumulation_dtype(dtype))
         return (cov / x1.shape[-1]).astype(dtype)
 
     def prepare(self, x: jax.Array) -> Prepared:

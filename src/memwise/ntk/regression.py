@@ -35,6 +35,7 @@ import jax.scipy.linalg as jsl
 import numpy as np
 
 from memwise.chunked import chunked_map, chunked_sum, over_row_chunks
+from memwise.engine import accumulation_dtype
 from memwise.tiling import Chunking, ChunkSize, Tiling, item_bytes, tiling
 from memwise.ntk.kernels import KernelFn
 
@@ -92,13 +93,6 @@ class _PairKernel:
             return item_bytes(self.pair, self.first(x_rows), self.first(x_cols))
 
         return tiling(x_rows.shape[0], x_cols.shape[0], chunk_size, pair_bytes=pair_bytes)
-
-
-def _solve_dtype(dtype: Any) -> Any:
-    """Cholesky and the sums of kernel x coefficients run in at least float32: JAX's
-    Cholesky has no bfloat16/float16 kernel, and a low-precision solve or sum over the
-    training set would lose what the kernel's own rounding keeps."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _matrix(kernel: _PairKernel, p1: Any, p2: Any, rows: Chunking, cols: Chunking) -> jax.Array:
@@ -181,7 +175,9 @@ def _solve(kernel: _PairKernel, p_train: Any, y_train: jax.Array, ridge: Any, co
     """
     k = _matrix(kernel, p_train, p_train, cols, cols)
     out_dtype = jnp.result_type(k.dtype, y_train.dtype)
-    k = k.astype(_solve_dtype(k.dtype))
+    # JAX's Cholesky has no bfloat16/float16 kernel, and a low-precision solve (or sum
+    # over the training set, see _predict_block) would lose what the kernel keeps.
+    k = k.astype(accumulation_dtype(k.dtype))
     n = k.shape[0]
     k = 0.5 * (k + k.T)  # exact symmetry for the factorisation, whatever the tile order
     scale = jnp.trace(k) / n
