@@ -344,3 +344,17 @@ def test_traced_scale_gets_a_gradient():
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
     with pytest.raises(TypeError, match="scale must be a real scalar"):
         mw.attention(q, k, v, scale=jnp.ones(2))
+
+
+def test_under_checkpoint():
+    # Under jax.checkpoint a constant scale reaches the engine as a typed Python float
+    # (no .astype); the backward then promoted it and raised AttributeError.
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    q, k, v = (jax.random.normal(kk, (2, 8, 4)) for kk in keys)
+
+    def loss(q, k, v):
+        return jnp.sum(mw.attention(q, k, v, causal=True, chunk_size=4) ** 2)
+
+    for a, b in zip(jax.grad(jax.checkpoint(loss), (0, 1, 2))(q, k, v),
+                    jax.grad(loss, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
