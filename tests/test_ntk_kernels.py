@@ -36,7 +36,8 @@ ARCHITECTURES = {
 def reference():
     # Kernels computed by neural-tangents 0.6.5 on jax 0.4.30 in float64 (see
     # data/neural_tangents_kernels.README.md).
-    return dict(np.load(REFERENCE))
+    with np.load(REFERENCE) as data:  # closed: an open NpzFile warns when collected
+        return dict(data)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
