@@ -10,6 +10,7 @@ import pytest
 import memwise as mw
 from memwise import knobs
 from memwise.measure import compiled_memory
+from _close import assert_close
 
 
 def _loss(params, batch):
@@ -125,10 +126,7 @@ TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 1.5e-3, "bfloat16": 1
 
 
 def _assert_close(got, expected, dtype):
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    assert got.shape == expected.shape and np.all(np.isfinite(got))
-    scale = np.max(np.abs(expected))
-    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+    assert_close(got, expected, TOLERANCE[dtype], dtype)
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))

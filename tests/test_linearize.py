@@ -9,6 +9,7 @@ import pytest
 
 import memwise as mw
 from memwise.measure import compiled_memory
+from _close import assert_close
 
 
 def _mlp(params, x):
@@ -251,10 +252,7 @@ TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-
 
 
 def _assert_close(got, expected, dtype):
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    assert got.shape == expected.shape and np.all(np.isfinite(got))
-    scale = np.max(np.abs(expected))
-    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+    assert_close(got, expected, TOLERANCE[dtype], dtype)
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))

@@ -11,6 +11,7 @@ import pytest
 
 from memwise import ntk
 from memwise.measure import compiled_memory
+from _close import assert_close
 
 
 def _mlp(params, x):
@@ -156,10 +157,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-
 
 
 def _assert_close(got, expected, dtype):
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    assert got.shape == expected.shape and np.all(np.isfinite(got))
-    scale = np.max(np.abs(expected))
-    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+    assert_close(got, expected, TOLERANCE[dtype], dtype)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from jax.test_util import check_grads
 
 from memwise.measure import compiled_memory
 from memwise.ntk import kernels as k
+from _close import assert_close
 
 def _jit(kernel_fn, get=("nngp", "ntk")):
     # One compiled program per kernel: op-by-op dispatch of the layer recursion is slow.
@@ -199,10 +200,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 5e-
 
 
 def _assert_close(got, expected, dtype):
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    assert got.shape == expected.shape and np.all(np.isfinite(got))
-    scale = np.max(np.abs(expected))
-    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+    assert_close(got, expected, TOLERANCE[dtype], dtype)
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))

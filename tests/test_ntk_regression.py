@@ -10,6 +10,7 @@ import pytest
 from memwise.measure import compiled_memory
 from memwise.ntk import kernel_regression, kip_loss
 from memwise.ntk import kernels as k
+from _close import assert_close
 
 CONV = k.serial(k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
 # One conv layer compiles several times faster than two; the memory argument is the same.
@@ -180,10 +181,7 @@ TOLERANCE = {"float64": 1e-9, "float32": 3e-4, "float16": 1.5e-2, "bfloat16": 1e
 
 
 def _assert_close(got, expected, dtype):
-    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    assert got.shape == expected.shape and np.all(np.isfinite(got))
-    scale = np.max(np.abs(expected))
-    assert np.max(np.abs(got - expected)) <= TOLERANCE[dtype] * scale, (dtype, got, expected)
+    assert_close(got, expected, TOLERANCE[dtype], dtype)
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
