@@ -433,3 +433,13 @@ def test_sharded_points_on_four_devices():
 def test_public_names():
     assert mw.ot.sinkhorn is ot.sinkhorn
     assert mw.ot.sinkhorn_divergence is ot.sinkhorn_divergence
+
+
+@pytest.mark.parametrize("epsilon", [-1.0, 0.0])
+def test_traced_nonpositive_epsilon_gives_nan_not_a_number_that_looks_right(epsilon):
+    x = jax.random.normal(jax.random.PRNGKey(0), (6, 2))
+    y = jax.random.normal(jax.random.PRNGKey(1), (4, 2))
+    out = jax.jit(lambda e: mw.ot.sinkhorn(x, y, epsilon=e))(epsilon)
+    assert not bool(out.converged) and bool(jnp.isnan(out.reg_ot_cost))
+    div = jax.jit(lambda e: mw.ot.sinkhorn_divergence(x, y, epsilon=e))(epsilon)
+    assert bool(jnp.isnan(div))

@@ -690,7 +690,8 @@ def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold,
     # mismatch would keep the column error from falling below it: b takes a's total.
     total_a, total_b = jnp.sum(p.a), jnp.sum(p.b)
     balanced = jnp.abs(total_a - total_b) <= p.mass_rtol * jnp.maximum(total_a, total_b)
-    eps = jnp.where(balanced, p.eps, jnp.nan)
+    # So does a traced epsilon <= 0 (a concrete one raised in _prepare).
+    eps = jnp.where(balanced & (p.eps > 0), p.eps, jnp.nan)
     b = p.b * jax.lax.stop_gradient(total_a / total_b)
     sx, sy, sa, sb, seps, sconsts, sg = jax.lax.stop_gradient(
         (p.x, p.y, p.a, b, eps, p.consts, g_init))
