@@ -12,7 +12,6 @@ table compares compile times of the memwise gradient at T=1,000 and T=100,000.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax

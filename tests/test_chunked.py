@@ -2,7 +2,6 @@
 errors, low-precision totals, empty inputs, chunk_size errors, and memory flat in the
 number of items (compiled, never run)."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import memwise as mw
+from _close import assert_close
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -202,13 +202,8 @@ CASES = {
 
 
 def _close(actual, expected, dtype_name, what, min_tolerance=0.0):
-    actual = np.asarray(jnp.asarray(actual, jnp.float64))
-    expected = np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-    scale = max(float(np.max(np.abs(expected), initial=0.0)), 1.0)
-    err = float(np.max(np.abs(actual - expected), initial=0.0))
     tolerance = max(TOLERANCE[dtype_name], min_tolerance)
-    assert err <= tolerance * scale, f"{what}: error {err:.3g} at scale {scale:.3g}"
+    assert_close(jnp.asarray(actual, jnp.float64), expected, tolerance, what, scale_floor=1.0)
 
 
 def _upcast(args):
