@@ -89,7 +89,9 @@ def test_report_module_factory_with_kwargs(user_file, capsys, monkeypatch):
      (["{file}:nonscalar", "--grad"], "one scalar array.*drop --grad"),
      (["{file}:not_callable"], "fn must be callable"),
      (["{file}:factory", "--plot", "/no/such/folder/r.png"], "cannot write --plot.*does not exist"),
-     (["{file}:factory", "--plot", "{folder}"], "cannot write --plot.*is a folder")],
+     (["{file}:factory", "--plot", "{folder}"], "cannot write --plot.*is a folder"),
+     (["{file}:factory", "--plot", "{folder}/r.xyz"],
+      r"cannot write --plot .*r\.xyz': matplotlib has no \.xyz format; .*\.png, \.ps")],
 )
 def test_report_usage_errors_are_one_line_with_status_2(user_file, argv, message, capsys):
     imports_missing = user_file.parent / "imports_missing.py"

@@ -153,6 +153,13 @@ def test_plot_writes_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_to_an_unknown_file_format_names_the_supported_ones(tmp_path):
+    report = mw.memory_report(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(8), grad=True)
+    with pytest.raises(ValueError, match=r"matplotlib has no \.xyz format; .*\.png"):
+        report.plot(tmp_path / "r.xyz")
+    assert not (tmp_path / "r.xyz").exists()
+
+
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     report = mw.memory_report(mlp_loss, *mlp_args(), grad=True)
     monkeypatch.setitem(sys.modules, "matplotlib", None)

@@ -53,11 +53,13 @@ def _check_plot_path(plot: str | None) -> None:
             "writable; pass a path in a writable folder"
         )
     try:
-        from memwise.measure import _pyplot
+        from memwise.measure import check_plot_path
 
-        _pyplot()
+        check_plot_path(plot, "--plot")
     except ImportError as error:
         raise UsageError(f"--plot {error}") from None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _save_plot(save: Callable[[str], None], plot: str) -> None:

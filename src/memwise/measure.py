@@ -499,7 +499,12 @@ class MemoryReport(CompiledMemory):
         return self.to_text()
 
     def plot(self, path: str | os.PathLike, *, max_rows: int = 15) -> None:
-        """Horizontal bar chart of the largest residual sources (needs matplotlib)."""
+        """Horizontal bar chart of the largest residual sources (needs matplotlib).
+
+        Raises:
+          ValueError: when matplotlib cannot write ``path``'s file format.
+        """
+        check_plot_path(path)
         plt = _pyplot()
         rows = list(self.residuals[:max_rows])[::-1]
         fig, ax = plt.subplots(figsize=(9, 1.5 + 0.4 * max(len(rows), 1)))
@@ -526,6 +531,23 @@ def _pyplot():
             "plotting needs matplotlib: pip install memwise[plot]"
         ) from error
     return plt
+
+
+def check_plot_path(path: str | os.PathLike, arg: str = "path") -> None:
+    """Raises ``ValueError`` naming ``arg`` when matplotlib cannot write ``path``'s format.
+
+    A path without an extension is written in matplotlib's default format (PNG).
+    """
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    extension = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    supported = sorted(FigureCanvasBase.get_supported_filetypes())
+    if extension and extension not in supported:
+        raise ValueError(
+            f"cannot write {arg} {os.fspath(path)!r}: matplotlib has no .{extension} format; "
+            f"end the file name with one of {', '.join('.' + e for e in supported)}"
+        )
 
 
 def memory_report(
