@@ -443,3 +443,21 @@ def test_traced_nonpositive_epsilon_gives_nan_not_a_number_that_looks_right(epsi
     assert not bool(out.converged) and bool(jnp.isnan(out.reg_ot_cost))
     div = jax.jit(lambda e: mw.ot.sinkhorn_divergence(x, y, epsilon=e))(epsilon)
     assert bool(jnp.isnan(div))
+
+
+def test_cosine_cost_with_a_zero_point_matches_ott_with_finite_gradients():
+    # A zero vector has no direction: cost 1 to every point (OTT-JAX's value too), and
+    # its gradient row is zero instead of NaN spreading from sqrt's slope at 0.
+    x, y, a, b = clouds(5, n=40, m=30, d=3)
+    x = x.at[3].set(0.0)
+    kw = dict(epsilon=0.1, cost="cosine", chunk_size=16, **TIGHT)
+    value, (gx, gy) = jax.jit(jax.value_and_grad(
+        lambda x, y: ot.sinkhorn(x, y, a, b, **kw).reg_ot_cost, (0, 1)))(x, y)
+    ref = jax.jit(lambda x, y: ott_reg_cost(x, y, a, b, 0.1, "cosine").reg_ot_cost)(x, y)
+    np.testing.assert_allclose(value, ref, rtol=1e-4)
+    assert bool(jnp.all(jnp.isfinite(gx))) and bool(jnp.all(jnp.isfinite(gy)))
+    np.testing.assert_array_equal(gx[3], 0.0)
+    # The other rows are unaffected by the convention: same as OTT's gradient there.
+    rx = jax.grad(lambda x: ott_reg_cost(x, y, a, b, 0.1, "cosine").reg_ot_cost)(x)
+    keep = jnp.arange(40) != 3
+    assert rel(gx[keep], rx[keep]) < 1e-3

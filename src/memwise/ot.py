@@ -126,8 +126,13 @@ def _euclidean(xi: Array, yj: Array) -> Array:
 
 
 def _cosine(xi: Array, yj: Array) -> Array:
-    norms = jnp.sqrt(jnp.sum(xi * xi)) * jnp.sqrt(jnp.sum(yj * yj))
-    return 1.0 - jnp.dot(xi, yj) / (norms + _COSINE_RIDGE)
+    # A zero vector has no direction: its cosine similarity is taken as 0 (cost 1) with
+    # a zero gradient. The double where keeps sqrt's infinite slope at 0 out of the
+    # gradient, which would otherwise be NaN for the whole row.
+    sq = jnp.sum(xi * xi) * jnp.sum(yj * yj)
+    positive = sq > 0
+    norms = jnp.sqrt(jnp.where(positive, sq, 1.0))
+    return jnp.where(positive, 1.0 - jnp.dot(xi, yj) / (norms + _COSINE_RIDGE), 1.0)
 
 
 _BUILTIN_COSTS: dict[str, CostFn] = {
@@ -641,8 +646,9 @@ def sinkhorn(
         (not differentiated), floored where ``std(C) < 1% |mean(C)|`` (a single point,
         coincident points: OTT's epsilon is then 0 and its cost NaN).
       cost: ``"sqeuclidean"`` (``|x|^2 + |y|^2 - 2 x.y`` per tile), ``"euclidean"``,
-        ``"cosine"``, or a function of two ``[d]`` points returning a scalar (it may close
-        over arrays; their gradient is returned).
+        ``"cosine"`` (``1 - x.y / (|x| |y| + 1e-8)`` as OTT-JAX; a zero point costs 1 to
+        every point and gets a zero gradient), or a function of two ``[d]`` points
+        returning a scalar (it may close over arrays; their gradient is returned).
       chunk_size: tile of the cost matrix, an int, ``(rows, cols)``, ``"auto"`` or a
         :class:`memwise.tiling.Tiling`.
       max_iterations: cap on iterations; ``converged`` is False when it is reached.
