@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +36,7 @@ def dense_attention(q, k, v, mask=None, bias=None, causal=False):
     return jnp.where(jnp.isnan(p), 0.0, p) @ v
 
 
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=examples(2))
 @given(
     lq=st.integers(1, 9), lk=st.integers(1, 9), rows=st.integers(1, 4), cols=st.integers(1, 4),
     causal=st.booleans(), use_mask=st.booleans(), use_bias=st.booleans(),

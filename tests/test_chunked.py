@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,7 @@ def _close(a, b, dtype):
 # Values and gradients equal dense
 
 
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=examples(2))
 @given(n=st.integers(1, 12), chunk=st.integers(1, 6),
        dtype=st.sampled_from([jnp.float32, jnp.float64]))
 def test_chunked_map_and_sum_match_dense(n, chunk, dtype):

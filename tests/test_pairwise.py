@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,7 +82,7 @@ def test_bad_inputs_have_clear_errors():
 # pairwise_reduce: values and gradients equal dense
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3))
 @given(
     n=st.integers(1, 9), m=st.integers(1, 9), d=st.integers(1, 3),
     rows=st.integers(1, 5), cols=st.integers(1, 5),
