@@ -189,3 +189,16 @@ def test_report_with_budget_prints_plan_and_fitted_report(user_file, capsys):
 def test_report_with_impossible_budget_says_why(user_file, capsys):
     assert cli.main(["report", f"{user_file}:factory", "--grad", "--budget", "1KiB"]) == 1
     assert "smallest peak reached" in capsys.readouterr().err
+
+
+def test_report_timeline_text_json_and_plot(user_file, capsys, tmp_path):
+    assert cli.main(["report", f"{user_file}:factory", "--grad", "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "memory timeline: gradient of loss" in out and "buffers alive at the peak" in out
+    assert f"{user_file}:5" in out.split("memory timeline")[1]  # the tanh line, again
+    plot = tmp_path / "timeline.svg"
+    assert cli.main(["report", f"{user_file}:factory", "--grad", "--timeline", "--json",
+                     "--plot", str(plot)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["timeline"]["peak_bytes"] == max(data["timeline"]["live_bytes"]) > 0
+    assert "live memory along the compiled schedule" in plot.read_text()

@@ -43,6 +43,7 @@ __all__ = [
     "forbid_forward_mode",
     "forbid_reverse_mode",
     "hoist_constant_casts",
+    "persistent_cache_bypassed",
 ]
 
 
@@ -191,3 +192,30 @@ def hoist_constant_casts(closed: Any) -> tuple[Any, list]:
     constvars = [v for v in values if v in used]
     hoisted = jaxpr.replace(constvars=[], invars=constvars + list(jaxpr.invars), eqns=eqns)
     return hoisted, [values[v] for v in constvars]
+
+
+def persistent_cache_bypassed():
+    """A context in which compilations skip JAX's persistent compilation cache.
+
+    Why: ``memwise.timeline`` compiles with ``xla_dump_to`` to read XLA's buffer
+    analysis, and JAX leaves dump options out of the persistent cache's key: a cache hit
+    would return the executable without running the compiler, so nothing is dumped. The
+    cache's on/off switch is read once per process, so the check itself is bypassed.
+    """
+    import contextlib
+
+    from jax._src import compilation_cache
+
+    @contextlib.contextmanager
+    def bypassed():
+        original = getattr(compilation_cache, "is_cache_used", None)
+        if original is None:  # pragma: no cover - a JAX release without the check
+            yield
+            return
+        compilation_cache.is_cache_used = lambda backend: False
+        try:
+            yield
+        finally:
+            compilation_cache.is_cache_used = original
+
+    return bypassed()

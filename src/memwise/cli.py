@@ -2,7 +2,8 @@
 
 ``demo`` compiles each scenario's naive and memwise programs, compares their compiled
 peaks (XLA ``memory_analysis()``), runs them where they fit and checks they agree.
-``report`` prints the memory report of a user's function. ``bench`` runs the benchmark
+``report`` prints the memory report of a user's function (``--timeline``: live
+memory along its compiled schedule). ``bench`` runs the benchmark
 scripts of a source checkout and regenerates BENCHMARKS.md.
 
 Exit status: 0 on success, 1 when a budget cannot be met (or a demo disagrees), 2 for a
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -230,7 +232,7 @@ def _static_options(args: tuple, kwargs: dict) -> dict:
 
 
 def report(spec: str, grad: bool, as_json: bool, plot: str | None,
-           budget: str | None = None) -> int:
+           budget: str | None = None, timeline: bool = False) -> int:
     from memwise.fit import MemoryBudgetError, fit
     from memwise.measure import memory_report, parse_budget
 
@@ -260,9 +262,19 @@ def report(spec: str, grad: bool, as_json: bool, plot: str | None,
             raise  # a bug in the user's code: keep its traceback
         hint = " (drop --grad to measure fn itself)" if grad and "grad=True" in str(error) else ""
         raise UsageError(f"{spec}: {error}{hint}") from None
-    print(result.to_json() if as_json else result.to_text())
+    live = result.timeline() if timeline else None
+    if as_json:
+        data = result.to_dict()
+        if live is not None:
+            data["timeline"] = live.to_dict()
+        print(json.dumps(data, indent=2))
+    else:
+        print(result.to_text())
+        if live is not None:
+            print()
+            print(live.to_text())
     if plot:
-        _save_plot(result.plot, plot)
+        _save_plot((live or result).plot, plot)
         print(f"wrote {plot}", file=sys.stderr)
     return 0
 
@@ -303,7 +315,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "kwargs); arguments that hold no arrays are static")
     p_report.add_argument("--grad", action="store_true", help="report jax.grad(fn)")
     p_report.add_argument("--json", action="store_true", help="print JSON")
-    p_report.add_argument("--plot", metavar="PATH", help="bar chart of the largest residuals")
+    p_report.add_argument("--plot", metavar="PATH", help="bar chart of the largest residuals "
+                                                         "(with --timeline: the timeline)")
+    p_report.add_argument("--timeline", action="store_true",
+                          help="live memory along the compiled schedule: the peak step and "
+                               "the buffers alive there")
     p_report.add_argument("--budget", help="fit fn's 'auto' knobs to this budget "
                                            "(e.g. 2GiB, '2.5 GB', 1e9)")
 
@@ -316,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return demo(args.names, args.size, args.plot)
         if args.command == "report":
-            return report(args.factory, args.grad, args.json, args.plot, args.budget)
+            return report(args.factory, args.grad, args.json, args.plot, args.budget,
+                          args.timeline)
         return bench(args.names, args.quick)
     except UsageError as error:
         print(f"memwise {args.command}: {error}", file=sys.stderr)

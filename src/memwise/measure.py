@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise import _arguments, _jax_private
+from memwise import _arguments, _jax_private, timeline as _timeline
 
 __all__ = [
     "CompiledMemory",
@@ -144,6 +144,20 @@ def compile_measured(
     the program is also to be run, so it is compiled once. ``static_argnums`` and
     ``static_argnames`` are those of ``jax.jit``.
     """
+    lowered, constant_bytes = _lower(fn, args, kwargs, grad, argnums, static_argnums,
+                                     static_argnames)
+    return _compile(lowered, constant_bytes)
+
+
+def _compile(lowered: Any, constant_bytes: int) -> tuple[Any, CompiledMemory]:
+    compiled = lowered.compile()
+    return compiled, CompiledMemory.from_compiled(
+        compiled, program_bytes=len(lowered.as_text()), constant_bytes=constant_bytes
+    )
+
+
+def _lower(fn, args, kwargs, grad, argnums, static_argnums, static_argnames):
+    """(``jax.stages.Lowered``, bytes of baked-in constants) of the measured program."""
     fn, args, kwargs, nums = _arguments.prepare(
         fn, args, kwargs, grad=grad, argnums=argnums, static_argnums=static_argnums,
         static_argnames=static_argnames,
@@ -155,12 +169,7 @@ def compile_measured(
     constant_bytes = sum(
         int(np.asarray(c).nbytes) if hasattr(c, "shape") else 0 for c in traced.jaxpr.consts
     )
-    lowered = traced.lower()
-    compiled = lowered.compile()
-    memory = CompiledMemory.from_compiled(
-        compiled, program_bytes=len(lowered.as_text()), constant_bytes=constant_bytes
-    )
-    return compiled, memory
+    return traced.lower(), constant_bytes
 
 
 def compiled_memory(
@@ -223,8 +232,7 @@ def _parse_source(description: str) -> tuple[str, str]:
     if description.startswith("from the argument"):
         # leaves of one argument (params['w'], params[3], ...) are grouped under it
         name = description.removeprefix("from the argument").strip()
-        name = re.split(r"[\[.]", name, maxsplit=1)[0] or name
-        return f"argument {name!r}", "argument"
+        return _timeline.argument_source(name), "argument"
     match = _OUTPUT_RE.match(description)
     if match is None:
         return description, ""
@@ -430,14 +438,55 @@ class MemoryReport(CompiledMemory):
     name: str = ""
     grad: bool = False
     residuals: tuple[Residual, ...] = ()
+    # The lowered program, kept to compile it again with XLA's dump for timeline().
+    _lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def residual_bytes(self) -> int:
         return sum(r.nbytes for r in self.residuals)
 
+    def timeline(self) -> _timeline.Timeline:
+        """Live bytes at every step of the compiled program, the peak and who is alive there.
+
+        Compiles the program once more with XLA's dump on (into a temporary directory,
+        removed afterwards) and reads XLA's live ranges and buffer assignment: nothing
+        runs. A while loop (``lax.scan``, ``mw.scan``, the chunked primitives' tile loops)
+        appears once, as one iteration of its body, inlined before the loop's own step;
+        the buffers it carries are live across the whole loop.
+
+        Returns:
+          A :class:`memwise.timeline.Timeline`: ``live_bytes`` per step, ``peak_step``,
+          ``peak_bytes``, ``at_peak()`` (buffers alive at the peak with shape, dtype,
+          bytes, producing operation and the user's source line), ``loops``,
+          ``to_dict()``, ``to_text()`` and ``plot(path)``. Its maximum is at most
+          ``argument_bytes + output_bytes - alias_bytes + temp_bytes``; the gap is what
+          the allocator's packing leaves unused at the peak.
+
+        Example::
+
+            >>> import jax.numpy as jnp, memwise as mw
+            >>> report = mw.memory_report(lambda x: jnp.sum(jnp.sin(x) ** 2),
+            ...                           jnp.ones(1000), grad=True)
+            >>> tl = report.timeline()
+            >>> tl.peak_bytes <= report.argument_bytes + report.output_bytes + report.temp_bytes
+            True
+        """
+        if self._lowered is None:
+            raise RuntimeError(
+                "this report holds no program to compile (it was built by hand); make it "
+                "with mw.memory_report to get its timeline"
+            )
+        cached = self.__dict__.get("_timeline_cache")
+        if cached is None:
+            kind = "gradient of " if self.grad else ""
+            cached = _timeline.of_lowered(self._lowered, name=f"{kind}{self.name}")
+            object.__setattr__(self, "_timeline_cache", cached)
+        return cached
+
     def to_dict(self) -> dict:
         """JSON-ready dict of every field."""
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if not f.name.startswith("_")}
         out["residuals"] = [dataclasses.asdict(r) for r in self.residuals]
         out["residual_bytes"] = self.residual_bytes
         return out
@@ -586,10 +635,13 @@ def memory_report(
         >>> print(report.to_text())  # doctest: +SKIP
     """
     static = {"static_argnums": static_argnums, "static_argnames": static_argnames}
-    memory = compiled_memory(fn, *args, grad=grad, argnums=argnums, **static, **kwargs)
+    lowered, constant_bytes = _lower(fn, args, kwargs, grad, argnums, static_argnums,
+                                     static_argnames)
+    memory = _compile(lowered, constant_bytes)[1]
     return MemoryReport(
         name=getattr(fn, "__name__", type(fn).__name__),
         grad=grad,
         residuals=residuals(fn, *args, argnums=argnums, **static, **kwargs) if grad else (),
+        _lowered=lowered,
         **dataclasses.asdict(memory),
     )
