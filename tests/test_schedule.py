@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 
 import pytest
 
@@ -216,3 +217,126 @@ def test_many_slots_do_not_hit_the_recursion_limit():
     sched = schedule.binomial(3000, 1500)
     assert sched.evaluations == schedule.evaluations(3000, 1500)
     assert sched.n_slots <= 1500
+
+
+# --------------------------------------------------------------------------------------
+# online placement (loops of unknown length)
+
+
+def reverse_by_stack(positions, n: int, c: int) -> int:
+    """Reverses n steps from ``positions`` the way memwise.while_loop's backward pass does.
+
+    A stack of stored positions; for each step r from n-1 down, restore the newest stored
+    x_a (a <= r) and advance to r, storing at revolve's split of the remaining length with
+    the slots left, then pop x_r once it is reversed. Asserts the slot bound and returns
+    the advances.
+    """
+    stack = list(positions)
+    advances = 0
+    for r in range(n - 1, -1, -1):
+        a = stack[-1]
+        assert a <= r
+        held = a
+        while held < r:
+            slots = c - len(stack) + 1
+            length = r + 1 - held
+            if slots >= 2 and length >= 2:
+                split = held + schedule._revolve_split(length, slots)
+                advances += split - held
+                held = split
+                stack.append(held)
+                assert len(stack) <= c
+            else:
+                advances += r - held
+                held = r
+        if stack[-1] == r:
+            stack.pop()
+    assert not stack
+    return advances
+
+
+def online_configurations(n_max: int, c: int):
+    """(n, positions held after n steps) for n = 1 .. n_max, checking the online rules."""
+    online = schedule.OnlineCheckpointer(c)
+    previous = [0]
+    for n in range(1, n_max + 1):
+        positions = list(online.positions)
+        assert positions[0] == 0 and positions == sorted(set(positions))
+        assert len(positions) <= c and positions[-1] < n
+        # only the carry in hand may be added: everything else was held one step earlier
+        assert set(positions) <= set(previous) | {n - 1}
+        previous = positions
+        yield n, positions
+        online.offer(n)
+
+
+@pytest.mark.parametrize("c", range(1, 9))
+def test_online_reversal_costs_what_its_formula_says_and_fits_in_c_slots(c):
+    for n, positions in online_configurations(120, c):
+        advances = schedule.reversal_advances(positions, n, c)
+        assert reverse_by_stack(positions, n, c) == advances, (n, positions)
+
+
+@pytest.mark.parametrize("c", range(1, 11))
+def test_online_is_optimal_below_the_two_repetition_bound_and_close_above(c):
+    two, three = math.comb(c + 2, 2), math.comb(c + 3, 3)
+    bound = {1: 1.0, 2: 1.09, 3: 1.07}.get(c, 1.05)
+    for n, positions in online_configurations(min(three, 400), c):
+        online = 2 * n + schedule.reversal_advances(positions, n, c)
+        optimum = schedule.evaluations(n, c)
+        assert online >= optimum
+        if n < two:
+            assert online == optimum, (n, c, positions)
+        assert online <= bound * optimum, (n, c, online, optimum)
+    assert schedule.online_evaluations(n, c) == online
+
+
+def online_optimal_configurations(n_max: int, c: int) -> list[int]:
+    """How many online placements are optimal at every step up to n (exhaustive search).
+
+    Breadth-first over the held positions: a placement survives step n if its reversal
+    costs ``advances(n, c)``; from n to n + 1 it may keep its carries, add x_n to a free
+    slot, or replace any carry but x_0 by x_n.
+    """
+    alive = {(0,)}
+    counts = []
+    for n in range(1, n_max + 1):
+        alive = {p for p in alive
+                 if schedule.reversal_advances(p, n, c) == schedule.advances(n, c)}
+        counts.append(len(alive))
+        grown = set(alive)
+        for p in alive:
+            if len(p) < c:
+                grown.add(p + (n,))
+            for k in range(1, len(p)):
+                grown.add(p[:k] + p[k + 1:] + (n,))
+        alive = grown
+    return counts
+
+
+@pytest.mark.parametrize("c", [2, 3, 4])
+def test_no_online_placement_is_optimal_at_every_step_past_the_two_repetition_bound(c):
+    counts = online_optimal_configurations(math.comb(c + 2, 2) + 3, c)
+    two = math.comb(c + 2, 2)
+    assert all(counts[n - 1] > 0 for n in range(1, two))
+    assert counts[-1] == 0
+
+
+def test_reversal_advances_of_the_offline_positions_is_the_optimum():
+    for c in (1, 2, 3, 5):
+        for n in range(1, 60):
+            forward = list(schedule.binomial(n, c).forward_positions)
+            assert schedule.reversal_advances(forward, n, c) == schedule.advances(n, c)
+
+
+def test_online_bad_inputs():
+    with pytest.raises(ValueError, match="checkpoints"):
+        schedule.OnlineCheckpointer(0)
+    online = schedule.OnlineCheckpointer(2)
+    online.offer(3)
+    with pytest.raises(ValueError, match="increasing"):
+        online.offer(3)
+    with pytest.raises(ValueError, match="positions"):
+        schedule.reversal_advances([1, 2], 5, 3)
+    with pytest.raises(ValueError, match="positions"):
+        schedule.reversal_advances([0, 2, 3], 5, 2)
