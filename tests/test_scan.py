@@ -593,7 +593,13 @@ def test_while_loop_bad_inputs():
     with pytest.raises(ValueError, match="max_steps"):
         mw.while_loop(lambda s: s < 3, body, 0.0, max_steps=0)
     with pytest.raises(TypeError, match="max_steps"):
+        mw.while_loop(lambda s: s < 3, body, 0.0, max_steps=2.5)
+    with pytest.raises(ValueError, match="checkpoints=None needs max_steps"):
         mw.while_loop(lambda s: s < 3, body, 0.0, max_steps=None)
+    with pytest.raises(ValueError, match="checkpoints"):
+        mw.while_loop(lambda s: s < 3, body, 0.0, checkpoints="all")
+    with pytest.raises(ValueError, match="checkpoints"):
+        mw.while_loop(lambda s: s < 3, body, 0.0, checkpoints=0)
     with pytest.raises(TypeError, match="cond_fun"):
         mw.while_loop(None, body, 0.0, max_steps=3)
     with pytest.raises(TypeError, match="boolean scalar"):
@@ -602,6 +608,141 @@ def test_while_loop_bad_inputs():
         mw.while_loop(lambda s: s < 3, lambda s: (s, s), 0.0, max_steps=3)
     with pytest.raises(ValueError, match="checkpoints"):
         mw.while_loop(lambda s: s < 3, body, 0.0, max_steps=3, checkpoints=0)
+
+
+def unbounded_loss(c, counter=None):
+    """A pytree carry (dict + tuple), a closure over two differentiated arrays, no bound."""
+    def loss(params, h0, limit):
+        w, b = params
+
+        def body(s):
+            if counter is not None:
+                jax.debug.callback(counter)
+            h, i = s["state"]
+            return {"state": (jnp.tanh(w @ h + b), i + 1), "scale": s["scale"] * 0.9}
+
+        out = mw.while_loop(lambda s: s["state"][1] < limit, body,
+                            {"state": (h0, 0), "scale": jnp.float32(1.0)}, checkpoints=c)
+        return jnp.sum(out["state"][0] ** 2) * out["scale"]
+
+    return loss
+
+
+def unrolled_loss(params, h0, limit):
+    w, b = params
+    h = h0
+    for _ in range(limit):
+        h = jnp.tanh(w @ h + b)
+    return jnp.sum(h**2) * jnp.float32(0.9) ** limit
+
+
+@pytest.mark.parametrize("c", [1, 3, 4])
+def test_unbounded_while_loop_gradients_match_unrolled_at_every_regime(c):
+    # trip counts 0, 1, c, (c+1)(c+2)/2 +- 1 (where exact online optimality ends) and a
+    # long loop; the gradient is one compiled program for all of them (traced limit)
+    w, _, h0 = make_inputs(1)
+    params = (w, 0.1 * h0)
+    two = (c + 1) * (c + 2) // 2
+    grad = jax.jit(jax.grad(unbounded_loss(c), argnums=(0, 1)))
+    for limit in sorted({0, 1, c, two - 1, two, two + 1, 60}):
+        assert_tree_close(grad(params, h0, limit),
+                          jax.grad(unrolled_loss, argnums=(0, 1))(params, h0, limit))
+
+
+def test_unbounded_while_loop_evaluates_the_body_as_the_online_schedule_says():
+    calls = []
+    w, _, h0 = make_inputs(1)
+    c = 4
+    grad = jax.jit(jax.grad(unbounded_loss(c, lambda: calls.append(1))))
+    for limit in (0, 1, 4, 14, 15, 16, 35, 36, 90):
+        calls.clear()
+        jax.block_until_ready(grad((w, h0), h0, limit))
+        assert len(calls) == (schedule.online_evaluations(limit, c) if limit else 0), limit
+        if 0 < limit < 15:
+            assert len(calls) == schedule.evaluations(limit, c)
+
+
+def test_bounded_while_loop_stops_at_max_steps_and_costs_what_ran():
+    calls = []
+    w, _, h0 = make_inputs(1)
+
+    def loss(w, limit, max_steps):
+        def body(s):
+            jax.debug.callback(lambda: calls.append(1))
+            return jnp.tanh(w @ s[0]), s[1] + 1
+
+        h, _ = mw.while_loop(lambda s: s[1] < limit, body, (h0, 0), max_steps=max_steps,
+                             checkpoints=3)
+        return jnp.sum(h**2)
+
+    for max_steps in (40, 16**4):
+        calls.clear()
+        g = jax.jit(jax.grad(loss), static_argnums=2)(w, 25, max_steps)
+        assert len(calls) == schedule.online_evaluations(25, 3)
+        assert_tree_close(g, jax.grad(lambda w: jnp.sum(
+            lax.fori_loop(0, 25, lambda i, h: jnp.tanh(w @ h), h0) ** 2))(w))
+    np.testing.assert_allclose(loss(w, 80, 40), jnp.sum(
+        lax.fori_loop(0, 40, lambda i, h: jnp.tanh(w @ h), h0) ** 2), rtol=1e-6)
+
+
+def test_unbounded_while_loop_vmap_with_different_trip_counts():
+    a = jnp.array([2.0, 3.0, 5.0, 7.0])
+    limits = jnp.array([0, 3, 17, 40])
+
+    def ours(a, limit):
+        x, _ = mw.while_loop(lambda s: s[1] < limit,
+                             lambda s: (0.5 * (s[0] + a / s[0]), s[1] + 1),
+                             (a, 0), checkpoints=3)
+        return x
+
+    grads = jax.jit(jax.vmap(jax.grad(ours)))(a, limits)
+    expected = [jax.grad(lambda a: reference_newton(a, int(k)))(float(v))
+                for v, k in zip(a, limits)]
+    np.testing.assert_allclose(grads, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_unbounded_while_loop_keeps_the_carry_dtype(dtype):
+    def f(w):
+        h, _ = mw.while_loop(lambda s: s[1] < 9,
+                             lambda s: (jnp.tanh(w * s[0]).astype(dtype), s[1] + 1),
+                             (jnp.linspace(0.1, 0.5, 4).astype(dtype), 0), checkpoints=2)
+        return h
+
+    def ref(w):
+        return lax.fori_loop(0, 9, lambda i, h: jnp.tanh(w * h).astype(dtype),
+                             jnp.linspace(0.1, 0.5, 4).astype(dtype))
+
+    w = jnp.asarray(0.8, dtype)
+    assert f(w).dtype == dtype
+    got = jax.grad(lambda w: jnp.sum(f(w).astype(jnp.float32)))(w)
+    want = jax.grad(lambda w: jnp.sum(ref(w).astype(jnp.float32)))(w)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2 if dtype != jnp.float32 else 1e-5)
+
+
+def test_while_loop_memory_and_program_do_not_depend_on_max_steps_or_trip_count():
+    hidden = 256
+
+    def loss_fn(max_steps, c):
+        def loss(w, limit):
+            h, _ = mw.while_loop(lambda s: s[1] < limit,
+                                 lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
+                                 (jnp.ones(hidden), 0), max_steps=max_steps, checkpoints=c)
+            return jnp.sum(h)
+
+        return loss
+
+    def temp(max_steps, c):
+        return compiled_memory(loss_fn(max_steps, c), jnp.eye(hidden), 300,
+                               grad=True).temp_bytes
+
+    carry = hidden * 4
+    assert temp(None, 8) == temp(300, 8) == temp(16**4, 8)
+    # O(checkpoints): 8 more carries cost about 8 carries
+    grown = temp(None, 16) - temp(None, 8)
+    assert 7 * carry <= grown <= 10 * carry
+    assert temp(None, 8) < 20 * carry + hidden * hidden * 4
 
 
 def test_inside_shard_map_replicated_parameter_gradient_matches_lax_scan():

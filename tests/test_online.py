@@ -1,0 +1,50 @@
+"""memwise._online's JAX decisions against memwise.schedule's pure-Python ones."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memwise import _online, schedule
+
+
+def test_revolve_split_matches_the_schedule_for_every_small_length_and_slot_count():
+    lengths, slots = np.meshgrid(np.arange(2, 260), np.arange(2, 12), indexing="ij")
+    got = jax.jit(jax.vmap(_online.revolve_split))(lengths.ravel(), slots.ravel())
+    want = [schedule._revolve_split(int(n), int(s)) for n, s in zip(lengths.ravel(),
+                                                                     slots.ravel())]
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_segment_costs_match_the_schedule():
+    lengths, slots = np.meshgrid(np.arange(0, 300), np.arange(1, 12), indexing="ij")
+    got = jax.jit(_online.segment_advances)(lengths.ravel(), slots.ravel())
+    want = [schedule._segment_advances(int(n), int(s)) for n, s in zip(lengths.ravel(),
+                                                                        slots.ravel())]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    two = jax.jit(jax.vmap(_online._advances_two_slots))(jnp.arange(5000))
+    np.testing.assert_array_equal(np.asarray(two),
+                                  [schedule._segment_advances(n, 2) for n in range(5000)])
+
+
+@pytest.mark.parametrize("c", [1, 2, 3, 5, 8, 16])
+def test_placement_matches_the_online_checkpointer_step_by_step(c):
+    n = 300
+
+    def run():
+        def body(placement, i):
+            _, _, placement = _online._place(i, placement, c)
+            return placement, (placement["positions"], placement["order"], placement["count"])
+
+        return jax.lax.scan(body, _online._initial_placement(c), jnp.arange(n))[1]
+
+    positions, order, count = jax.jit(run)()
+    online = schedule.OnlineCheckpointer(c)
+    for i in range(n):
+        if i:
+            online.offer(i)
+        k = int(count[i])
+        assert np.asarray(positions[i][:k]).tolist() == online.positions, i
+        assert sorted(np.asarray(order[i]).tolist()) == list(range(c))  # a permutation
