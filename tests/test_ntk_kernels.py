@@ -204,11 +204,11 @@ def _assert_close(got, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
-@pytest.mark.parametrize("name", ["conv_relu_gap", "fc_relu_erf"])
+@pytest.mark.parametrize("name", ["conv_relu_gap", "fc_relu_erf", "fc_gelu"])
 def test_dtypes(name, dtype):
     # Sums over channels and conv windows accumulate in at least float32; kernels and
     # gradients keep the inputs' dtype.
-    kernel_fn = ARCHITECTURES[name]()
+    kernel_fn = {**ARCHITECTURES, **MORE_ARCHITECTURES}[name]()
     shape = (4, 5, 5, 2) if name.startswith("conv") else (4, 5)
     rng = np.random.default_rng(11)
     x1, x2 = (rng.normal(size=(n,) + shape[1:]).astype(dtype) for n in (4, 3))
@@ -225,3 +225,185 @@ def test_dtypes(name, dtype):
     for a, b in zip(got + (grad,), expected + (expected_grad,)):
         assert a.dtype == jnp.dtype(dtype)
         _assert_close(a, b, dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# More layers: pooling (Myrtle), residual networks, strided VALID convs, activations,
+# LayerNorm, against neural-tangents 0.6.5 (data/neural_tangents_more.README.md).
+
+MORE_REFERENCE = os.path.join(os.path.dirname(__file__), "data", "neural_tangents_more.npz")
+
+
+def _fc(activation):
+    return k.serial(k.Dense(W_std=1.3, b_std=0.1), activation, k.Dense())
+
+
+def _myrtle():
+    return k.serial(
+        k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.AvgPool((2, 2), strides=(2, 2)),
+        k.Conv((3, 3)), k.Relu(), k.AvgPool((2, 2), strides=(2, 2)), k.Flatten(), k.Dense(),
+    )
+
+
+def _resnet():
+    block = k.parallel(k.Identity(), k.serial(k.Relu(), k.Conv((3, 3), W_std=1.4)))
+    return k.serial(
+        k.Conv((3, 3), W_std=1.4, b_std=0.1), k.FanOut(2), block, k.FanInSum(), k.Relu(),
+        k.GlobalAvgPool(), k.Dense(),
+    )
+
+
+MORE_ARCHITECTURES = {
+    "myrtle": _myrtle,
+    "resnet": _resnet,
+    "conv_valid_stride": lambda: k.serial(
+        k.Conv((3, 3), strides=(2, 2), padding="VALID"), k.Relu(), k.Flatten(), k.Dense()
+    ),
+    "fc_gelu": lambda: _fc(k.Gelu()),
+    "fc_sigmoid_like": lambda: _fc(k.Sigmoid_like()),
+    "fc_leaky_relu": lambda: _fc(k.LeakyRelu(0.1)),
+    "fc_abrelu": lambda: _fc(k.ABRelu(-0.5, 1.5)),
+    "fc_sin": lambda: _fc(k.Sin(a=1, b=2, c=0.3)),
+    "fc_abs": lambda: _fc(k.Abs()),
+    "fc_layernorm": lambda: k.serial(
+        k.Dense(W_std=1.3, b_std=0.1), k.LayerNorm(), k.Relu(), k.Dense()
+    ),
+    "fc_deep_erf": lambda: k.serial(
+        *[layer for _ in range(4) for layer in (k.Dense(W_std=1.5, b_std=0.05), k.Erf())],
+        k.Dense(),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def more_reference():
+    with np.load(MORE_REFERENCE) as data:
+        return dict(data)
+
+
+def _inputs(reference, name):
+    prefix = "fc" if name.startswith("fc") else "img"
+    return reference[f"{prefix}_x1"], reference[f"{prefix}_x2"]
+
+
+@pytest.mark.parametrize("name", sorted(MORE_ARCHITECTURES))
+def test_more_layers_match_neural_tangents_in_float64(more_reference, name):
+    x1, x2 = _inputs(more_reference, name)
+    with jax.enable_x64(True):
+        nngp, ntk = _jit(MORE_ARCHITECTURES[name]())(jnp.asarray(x1), jnp.asarray(x2))
+        assert nngp.dtype == jnp.float64
+        np.testing.assert_allclose(nngp, more_reference[f"{name}_nngp"], rtol=1e-6, atol=0)
+        np.testing.assert_allclose(ntk, more_reference[f"{name}_ntk"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["myrtle", "resnet", "fc_gelu", "fc_sin", "fc_layernorm"])
+def test_more_layers_self_kernel_is_symmetric_psd_and_equals_cross(more_reference, name):
+    x1 = jnp.asarray(_inputs(more_reference, name)[0], jnp.float32)
+    kernel_fn = MORE_ARCHITECTURES[name]()
+    own_nngp, own_ntk = _jit(kernel_fn)(x1)
+    cross_nngp, cross_ntk = _jit(kernel_fn)(x1, x1)
+    for own, cross in ((own_nngp, cross_nngp), (own_ntk, cross_ntk)):
+        np.testing.assert_allclose(own, own.T, rtol=1e-5)
+        np.testing.assert_allclose(own, cross, rtol=1e-5)
+        assert np.all(np.linalg.eigvalsh(np.asarray(own, np.float64)) > -1e-4 * float(jnp.max(own)))
+
+
+def test_pooling_over_the_whole_image_is_global_average_pooling():
+    x1 = jax.random.normal(jax.random.PRNGKey(20), (3, 6, 5, 2))
+    x2 = jax.random.normal(jax.random.PRNGKey(21), (2, 6, 5, 2))
+    head = (k.Conv((3, 3), b_std=0.2), k.Gelu(), k.Conv((2, 2), strides=(2, 1)), k.Relu())
+    pooled = _jit(k.serial(*head, k.AvgPool((3, 5)), k.Flatten(), k.Dense()))(x1, x2)
+    global_ = _jit(k.serial(*head, k.GlobalAvgPool(), k.Dense()))(x1, x2)
+    for a, b in zip(pooled, global_):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_pooling_a_single_pixel_keeps_the_kernel():
+    # AvgPool((1, 1)) changes no value but makes every earlier layer pixel-by-pixel; after
+    # the last pool the covariance is per-pixel again.
+    x1 = jax.random.normal(jax.random.PRNGKey(22), (3, 5, 5, 2))
+    x2 = jax.random.normal(jax.random.PRNGKey(23), (2, 5, 5, 2))
+    layers = (k.Conv((3, 3)), k.LeakyRelu(0.2), k.Conv((3, 3), strides=(2, 2)), k.LayerNorm())
+    tail = (k.Conv((2, 2)), k.Sin(b=0.5), k.Flatten(), k.Dense())
+    plain = _jit(k.serial(*layers, *tail))(x1, x2)
+    pooled = _jit(k.serial(*layers, k.AvgPool((1, 1)), *tail))(x1, x2)
+    for a, b in zip(plain, pooled):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_residual_branches_add_their_kernels():
+    # FanOut + parallel + FanInSum adds the branches' kernels (neural-tangents'
+    # convention for independent branches), wherever the branches pool.
+    x1 = jax.random.normal(jax.random.PRNGKey(24), (3, 6, 6, 2))
+    x2 = jax.random.normal(jax.random.PRNGKey(25), (2, 6, 6, 2))
+    stem = k.Conv((3, 3), b_std=0.1)
+    branch_a = k.serial(k.Relu(), k.Conv((3, 3)), k.AvgPool((2, 2), (2, 2)))
+    branch_b = k.serial(k.Erf(), k.Conv((2, 2), strides=(2, 2), padding="VALID"))
+    joined = _jit(
+        k.serial(stem, k.FanOut(2), k.parallel(branch_a, branch_b), k.FanInSum()), "nngp"
+    )(x1, x2)
+    a = _jit(k.serial(stem, branch_a), "nngp")(x1, x2)
+    b = _jit(k.serial(stem, branch_b), "nngp")(x1, x2)
+    np.testing.assert_allclose(joined, a + b, rtol=1e-5)
+
+
+def test_more_layers_bad_inputs():
+    x = jnp.ones((2, 6, 6, 1))
+    with pytest.raises(ValueError, match="FanOut"):
+        k.serial(k.Conv((3, 3)), k.parallel(k.Identity(), k.Relu()))(x)
+    with pytest.raises(ValueError, match="FanInSum"):
+        k.serial(k.Conv((3, 3)), k.FanOut(2), k.Relu())(x)
+    with pytest.raises(ValueError, match="FanInSum"):
+        k.serial(k.Conv((3, 3)), k.FanOut(2))(x)
+    with pytest.raises(ValueError, match="joins branches"):
+        k.serial(k.Conv((3, 3)), k.FanInSum())(x)
+    with pytest.raises(ValueError, match="same pixel shape"):
+        k.serial(k.FanOut(2), k.parallel(k.Identity(), k.Conv((3, 3), strides=(2, 2))),
+                 k.FanInSum())(x)
+    with pytest.raises(ValueError, match="pixel axes"):
+        k.serial(k.Dense(), k.AvgPool((2, 2)))(jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match="strides"):
+        k.AvgPool((2, 2), strides=(2,))
+    with pytest.raises(ValueError, match="padding"):
+        k.AvgPool((2, 2), padding="CIRCULAR")
+    with pytest.raises(ValueError, match="FanOut n"):
+        k.FanOut(0)
+    with pytest.raises(TypeError, match="parallel"):
+        k.parallel(k.Relu(), "conv")
+    with pytest.raises(TypeError, match="ABRelu a"):
+        k.ABRelu("0", 1.0)
+    with pytest.raises(ValueError, match="eps"):
+        k.LayerNorm(eps=-1.0)
+
+
+def test_pooling_kernel_gradient_is_finite_and_correct():
+    kernel_fn = _myrtle()
+    x = jax.random.normal(jax.random.PRNGKey(26), (3, 4, 4, 2))
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(kernel_fn(x))))(x)
+    assert np.all(np.isfinite(grad))
+    with jax.enable_x64(True):
+        x64 = jnp.asarray(x[:, :3, :3, :1], jnp.float64)
+        check_grads(jax.jit(lambda x: _resnet()(x, x64[:2] + 0.5)), (x64,), order=1,
+                    modes=["rev"])
+
+
+def test_pooling_holds_pixel_pairs_until_the_last_pool():
+    # Before the last pool: (H*W)^2 per pair; a Myrtle kernel's memory grows 16x from
+    # 8x8 to 16x16 images (pixels^2), a conv/flatten kernel's 4x (pixels).
+    def temp(kernel_fn, side):
+        x = jax.ShapeDtypeStruct((4, side, side, 1), jnp.float32)
+        return compiled_memory(kernel_fn, x).temp_bytes
+
+    myrtle = _myrtle()
+    assert 10 < temp(myrtle, 16) / temp(myrtle, 8) < 20
+    flat = ARCHITECTURES["conv_relu2_flatten"]()
+    assert temp(flat, 16) / temp(flat, 8) < 8
+
+
+def test_pooling_in_bfloat16_accumulates_in_float32(more_reference):
+    x1, x2 = (jnp.asarray(a, jnp.bfloat16) for a in _inputs(more_reference, "myrtle"))
+    got = _jit(_myrtle(), "ntk")(x1, x2)
+    with jax.enable_x64(True):
+        expected = _jit(_myrtle(), "ntk")(*(jnp.asarray(a, jnp.float64) for a in (x1, x2)))
+    assert got.dtype == jnp.bfloat16
+    _assert_close(got, expected, "bfloat16")

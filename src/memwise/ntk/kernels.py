@@ -1,34 +1,41 @@
-"""Infinite-width NNGP and NTK kernels of conv and dense networks, computed layer by layer.
+"""Infinite-width NNGP and NTK kernels of conv, pooling, residual and dense networks.
 
 A network of ``Dense``/``Conv`` layers whose widths go to infinity under the NTK
 parameterization (Jacot et al. 2018) is a Gaussian process whose covariance (the NNGP
 kernel) and neural tangent kernel follow a recursion over layers (Lee et al. 2018,
-Arora et al. 2019, "On exact computation with an infinitely wide neural net";
-Novak et al. 2020, neural-tangents). This module implements that recursion directly
-and reproduces neural-tangents 0.6.5 (``stax``, NTK parameterization) to float64
-rounding: per-pixel covariances averaged over channels, a ``Conv`` window divides by the
-number of taps (zero padding counts), ReLU and Erf use their closed-form Gaussian
-expectations (arc-cosine kernel of Cho & Saul 2009; Williams 1997), and for the NTK a
-linear layer adds its NNGP while a nonlinearity multiplies by the expected derivative
-product.
+"Deep neural networks as Gaussian processes"; Arora et al. 2019, "On exact computation
+with an infinitely wide neural net"; Novak et al. 2019, "Bayesian deep convolutional
+networks with many channels are Gaussian processes"; Novak et al. 2020,
+neural-tangents). This module implements that recursion directly and reproduces
+neural-tangents 0.6.5 (``stax``, NTK parameterization) to float64 rounding: per-pixel
+covariances averaged over channels; a ``Conv`` window averages the covariance along the
+pixel diagonal (weights are independent across taps; zero padding counts); ``AvgPool``
+averages it over every pair of pixels of the two windows (Arora et al. 2019, "CNTK with
+global average pooling", and the Myrtle kernels of Shankar et al. 2020, "Neural kernels
+without tangents"); residual branches add (``FanOut``, ``parallel``, ``FanInSum``: the
+kernel of a sum of independent Gaussian branches is the sum of their kernels). For the NTK
+a linear layer adds its NNGP, and an activation (:mod:`memwise.ntk.elementwise`)
+multiplies it by the expected derivative product.
 
 Memory: for images the state of a pair of inputs is one number per pixel (the
 covariances stay *diagonal* in space: a ``Conv`` of a diagonal covariance is diagonal,
-and ``Flatten`` reads only the diagonal). Only the layers before a ``GlobalAvgPool``
-need the full pixel-by-pixel covariance (H*W)^2 per pair, as neural-tangents does when
-it cannot prove the off-diagonal unused. ``kernel_fn(x1, x2)`` computes the whole
-(n1, n2) kernel at once; tile it with :func:`memwise.ntk.kernel_regression` /
+and ``Flatten`` reads only the diagonal). Pooling mixes pixels, so every layer before the
+last ``AvgPool``/``GlobalAvgPool`` holds the full pixel-by-pixel covariance, (H*W)^2
+numbers per pair of images (614,656 for 28x28, 2.3 MiB in float32), as neural-tangents
+does; after the last pooling layer the covariance is diagonal again. ``kernel_fn(x1,
+x2)`` computes the whole (n1, n2) kernel at once; tile it with
+:func:`memwise.ntk.kernel_regression`, :func:`memwise.ntk.predict` or
 :func:`memwise.ntk.kip_loss` (which use :mod:`memwise.chunked`) for large inputs.
 
 A kernel is evaluated in two steps so that tiles share work: :meth:`KernelFn.prepare`
-computes each input's own variances at every nonlinearity (cost linear in n), and
-:meth:`KernelFn.cross` the kernel between two prepared sets (cost n1 * n2).
+computes each input's own variances at every layer that reads them (cost linear in n;
+with pooling, each input's own pixel-by-pixel covariance), and :meth:`KernelFn.cross`
+the kernel between two prepared sets (cost n1 * n2).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -39,16 +46,50 @@ import jax.numpy as jnp
 from jax import lax
 
 from memwise.engine import accumulation_dtype
+from memwise.ntk._covariance import (
+    Layer,
+    _broadcast_variances,
+    _is_zero_ntk,
+    _Layout,
+    _linear_ntk,
+    _map_ntk,
+    _pixel_diagonal,
+    _State,
+)
+from memwise.ntk.elementwise import (
+    ABRelu,
+    Abs,
+    Erf,
+    Gelu,
+    LayerNorm,
+    LeakyRelu,
+    Relu,
+    Sigmoid_like,
+    Sin,
+)
 
 __all__ = [
+    "ABRelu",
+    "Abs",
+    "AvgPool",
     "Conv",
     "Dense",
     "Erf",
+    "FanInSum",
+    "FanOut",
     "Flatten",
+    "Gelu",
     "GlobalAvgPool",
+    "Identity",
     "KernelFn",
+    "Layer",
+    "LayerNorm",
+    "LeakyRelu",
     "Prepared",
     "Relu",
+    "Sigmoid_like",
+    "Sin",
+    "parallel",
     "serial",
 ]
 
@@ -56,154 +97,7 @@ _GETS = ("nngp", "ntk")
 
 
 # ----------------------------------------------------------------------------------------
-# The state flowing through the layers
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """How a covariance array is laid out.
-
-    ``batch_ndim`` leading axes index inputs (2 for a cross kernel (n1, n2), 1 for an
-    input's own variances (n,)); then ``spatial_ndim`` pixel axes, repeated a second time
-    when ``full`` (pixel-by-pixel covariance) rather than diagonal.
-    """
-
-    batch_ndim: int
-    spatial_ndim: int
-    full: bool
-
-    def groups(self) -> list[int]:
-        """First axis of each group of pixel axes (one group, or two when full)."""
-        first = self.batch_ndim
-        if self.full:
-            return [first, first + self.spatial_ndim]
-        return [first]
-
-    def spatial_axes(self) -> tuple[int, ...]:
-        n_groups = 2 if self.full else 1
-        return tuple(range(self.batch_ndim, self.batch_ndim + n_groups * self.spatial_ndim))
-
-
-class _State(NamedTuple):
-    nngp: jax.Array
-    ntk: jax.Array | float | None  # None: not requested; 0.0: exactly zero so far
-    # Variances of the two sides, broadcastable against nngp (see _broadcast_variances).
-    var1: jax.Array
-    var2: jax.Array
-
-
-def _diagonal(cov: jax.Array, layout: _Layout) -> jax.Array:
-    """The per-pixel variances (n, *pixels) of an input's own covariance."""
-    if not layout.full or layout.spatial_ndim == 0:
-        return cov
-    n = cov.shape[0]
-    pixels = cov.shape[1 : 1 + layout.spatial_ndim]
-    size = math.prod(pixels)
-    flat = cov.reshape(n, size, size)
-    return jnp.diagonal(flat, axis1=1, axis2=2).reshape(n, *pixels)
-
-
-def _broadcast_variances(
-    diag1: jax.Array, diag2: jax.Array, layout: _Layout
-) -> tuple[jax.Array, jax.Array]:
-    """Variances (n1, *pixels), (n2, *pixels) shaped to broadcast against a covariance."""
-    s = layout.spatial_ndim
-    if layout.batch_ndim == 1:
-        # An input's own covariance: both sides are the same input.
-        if layout.full:
-            return diag1.reshape(diag1.shape + (1,) * s), diag1.reshape(
-                diag1.shape[:1] + (1,) * s + diag1.shape[1:]
-            )
-        return diag1, diag1
-    if layout.full:
-        v1 = diag1.reshape(diag1.shape[:1] + (1,) + diag1.shape[1:] + (1,) * s)
-        v2 = diag2.reshape((1,) + diag2.shape[:1] + (1,) * s + diag2.shape[1:])
-    else:
-        v1 = diag1[:, None]
-        v2 = diag2[None, :]
-    return v1, v2
-
-
-def _is_zero_ntk(ntk: Any) -> bool:
-    """The NTK of the input is exactly zero: a Python 0.0 until the first linear layer.
-
-    Kept symbolic so that no array of zeros is windowed or scaled (XLA would spend seconds
-    constant-folding those windows on large tiles).
-    """
-    return isinstance(ntk, float) and ntk == 0.0
-
-
-# ----------------------------------------------------------------------------------------
-# Square roots with a finite derivative at zero
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _safe_sqrt(x: jax.Array, zero_below: str) -> jax.Array:
-    """``sqrt(max(x, 0))`` whose derivative is 0 (not infinite) where ``x`` is (near) zero.
-
-    ``zero_below="rounding"``: for ``1 - cos^2``, O(1) quantities. sin(theta) is
-    identically zero on the diagonal of a kernel (an input against itself); its true
-    derivative along such inputs is zero, while sqrt's would be infinite, so values at
-    the rounding level (8 eps) count as that zero.
-
-    ``zero_below="zero"``: for variances, which scale with the inputs (a row scaled by
-    1e-3 has variances near 1e-6, not rounding noise): only zero counts as zero (as
-    neural-tangents' ``_sqrt``, whose tolerance is 1e-30); ``0.5 / sqrt(x)`` is finite
-    for every positive float, subnormals included. An all-zero input has zero variance;
-    its kernel row is the limit of a row scaled by t -> 0 (see :func:`_correlation`).
-    """
-    return jnp.sqrt(jnp.maximum(x, 0.0))
-
-
-@_safe_sqrt.defjvp
-def _safe_sqrt_jvp(zero_below, primals, tangents):
-    (x,), (t,) = primals, tangents
-    y = _safe_sqrt(x, zero_below)
-    tiny = 8 * jnp.finfo(jnp.result_type(x)).eps if zero_below == "rounding" else 0.0
-    positive = x > tiny
-    return y, jnp.where(positive, t * 0.5 / jnp.where(positive, y, 1.0), 0.0)
-
-
-def _correlation(cov: jax.Array, var1: jax.Array, var2: jax.Array):
-    """``(sqrt(var1 var2), cos)``, ``cos = cov / sqrt(var1 var2)`` clipped to [-1, 1].
-
-    An input of zero variance (an all-zero input with no bias, or a pixel whose whole
-    receptive field is zero) has zero covariance with everything: ``cos`` is 0/0. Its
-    kernel entries are the limit of a scaled input, t -> 0: a ReLU's output variance and
-    covariances go to zero whatever the angle, so any ``cos`` gives the limit; as
-    neural-tangents (``_arctan2(..., fill_zero=pi / 2)``) the pair counts as orthogonal,
-    ``cos = 0``. Both square roots and the division have finite derivatives there.
-    """
-    norm = _safe_sqrt(var1, "zero") * _safe_sqrt(var2, "zero")
-    # The zero-variance test runs on each input's own variances, not on the pair tile:
-    # a mask and a guarded copy of the (rows, cols, pixels) tile would be kept for the
-    # backward pass (+34% gradient memory for the KIP report's conv kernel).
-    cos = cov * (_inverse_sqrt(var1) * _inverse_sqrt(var2))
-    return norm, jnp.clip(cos, -1.0, 1.0)
-
-
-def _inverse_sqrt(var: jax.Array) -> jax.Array:
-    """``1 / sqrt(var)``, and 0 where ``var`` is zero (``cos`` of such a pair is 0)."""
-    positive = var > 0
-    return jnp.where(positive, lax.rsqrt(jnp.where(positive, var, 1.0)), 0.0)
-
-
-# ----------------------------------------------------------------------------------------
-# Layers
-
-
-class Layer:
-    """Base class of the layers of :func:`serial`. A layer maps covariances to covariances."""
-
-    def out_layout(self, layout: _Layout) -> _Layout:
-        return layout
-
-    def apply(self, state: _State, layout: _Layout) -> tuple[jax.Array, jax.Array | None]:
-        raise NotImplementedError
-
-    @property
-    def nonlinear(self) -> bool:
-        return False
+# Linear layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,19 +117,40 @@ class Dense(Layer):
         return nngp, _linear_ntk(state.ntk, nngp, lambda a: self.W_std**2 * a)
 
 
-def _linear_ntk(ntk: Any, nngp: jax.Array, transform) -> Any:
-    """NTK parameterization: a linear layer's own weights add its NNGP to the NTK."""
-    if ntk is None:
-        return None
-    if _is_zero_ntk(ntk):
-        return nngp
-    return nngp + transform(ntk)
+@dataclasses.dataclass(frozen=True)
+class Identity(Layer):
+    """The identity: covariances pass unchanged (a residual network's skip branch)."""
+
+    def apply(self, state, layout):
+        return state.nngp, state.ntk
 
 
-def _scale_ntk(ntk: Any, factor) -> Any:
-    if ntk is None or _is_zero_ntk(ntk):
-        return ntk
-    return ntk * factor
+def _window(name: str, window: Sequence[int], strides: Sequence[int] | None, padding: str,
+            window_arg: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validated (window, strides) of a conv or pooling layer; strides default to 1."""
+    try:
+        window = tuple(int(k) for k in window)
+    except TypeError:
+        raise TypeError(f"{name} {window_arg} must be a tuple of ints, got {window!r}") from None
+    if not window or min(window) < 1:
+        raise ValueError(f"{name} {window_arg} must be positive ints, got {window!r}")
+    strides_ = (1,) * len(window) if strides is None else tuple(strides)
+    if len(strides_) != len(window) or min(strides_) < 1:
+        raise ValueError(
+            f"{name} strides must be {len(window)} positive ints (one per pixel axis of "
+            f"{window_arg}), got {strides!r}"
+        )
+    if padding not in ("SAME", "VALID"):
+        raise ValueError(f"{name} padding must be 'SAME' or 'VALID', got {padding!r}")
+    return window, strides_
+
+
+def _check_pixel_axes(name: str, window: tuple[int, ...], layout: _Layout) -> None:
+    if layout.spatial_ndim != len(window):
+        raise ValueError(
+            f"{name} with a {len(window)}-D window {window} needs inputs with "
+            f"{len(window)} pixel axes, (n, *pixels, channels); got {layout.spatial_ndim}"
+        )
 
 
 def _window_mean(
@@ -283,6 +198,7 @@ def _window_mean(
     return (total / math.prod(filter_shape)).astype(dtype)
 
 
+
 @dataclasses.dataclass(frozen=True)
 class Conv(Layer):
     """Infinite-width convolution over the pixel axes of NHWC (or N, *pixels, C) inputs.
@@ -301,25 +217,13 @@ class Conv(Layer):
     b_std: float | None = None
 
     def __post_init__(self):
-        filter_shape = tuple(int(k) for k in self.filter_shape)
-        if not filter_shape or min(filter_shape) < 1:
-            raise ValueError(f"Conv filter_shape must be positive ints, got {self.filter_shape!r}")
-        strides = (1,) * len(filter_shape) if self.strides is None else tuple(self.strides)
-        if len(strides) != len(filter_shape) or min(strides) < 1:
-            raise ValueError(
-                f"Conv strides must be {len(filter_shape)} positive ints, got {self.strides!r}"
-            )
-        if self.padding not in ("SAME", "VALID"):
-            raise ValueError(f"Conv padding must be 'SAME' or 'VALID', got {self.padding!r}")
-        object.__setattr__(self, "filter_shape", filter_shape)
+        window, strides = _window("Conv", self.filter_shape, self.strides, self.padding,
+                                  "filter_shape")
+        object.__setattr__(self, "filter_shape", window)
         object.__setattr__(self, "strides", strides)
 
     def out_layout(self, layout):
-        if layout.spatial_ndim != len(self.filter_shape):
-            raise ValueError(
-                f"Conv with filter_shape {self.filter_shape} needs inputs with "
-                f"{len(self.filter_shape)} pixel axes, got {layout.spatial_ndim}"
-            )
+        _check_pixel_axes("Conv", self.filter_shape, layout)
         return layout
 
     def apply(self, state, layout):
@@ -333,44 +237,57 @@ class Conv(Layer):
 
 
 @dataclasses.dataclass(frozen=True)
-class Relu(Layer):
-    """ReLU: the arc-cosine kernel of degree 1 (Cho & Saul 2009).
+class AvgPool(Layer):
+    """Average pooling over pixel windows (neural-tangents' ``stax.AvgPool``).
 
-    With ``cos(theta) = nngp / sqrt(var1 var2)``:
-    ``nngp' = sqrt(var1 var2) (sin theta + (pi - theta) cos theta) / (2 pi)`` and
-    ``ntk' = ntk (pi - theta) / (2 pi)``.
+    The pooled covariance of two images is the mean of the covariance over every pixel
+    of the first image's window paired with every pixel of the second's, so it needs the
+    full pixel-by-pixel covariance at its input: every layer before the last pooling
+    layer holds (H*W)^2 numbers per pair of images (614,656 for 28x28 inputs, 2.3 MiB per
+    pair and per live layer in float32; 4,096 for 8x8), where a conv/flatten network
+    holds H*W. The windows are averaged with the padded zeros counted (neural-tangents'
+    ``normalize_edges=False``).
+
+    Args:
+      window_shape: pool size per pixel axis, e.g. ``(2, 2)``.
+      strides: step per pixel axis; default 1 (as neural-tangents; pass ``(2, 2)`` for
+        non-overlapping 2x2 pooling).
+      padding: ``"VALID"`` (default) or ``"SAME"``.
     """
 
-    @property
-    def nonlinear(self):
-        return True
+    window_shape: tuple[int, ...]
+    strides: tuple[int, ...] | None = None
+    padding: str = "VALID"
+    pools = True
+
+    def __post_init__(self):
+        window, strides = _window("AvgPool", self.window_shape, self.strides, self.padding,
+                                  "window_shape")
+        object.__setattr__(self, "window_shape", window)
+        object.__setattr__(self, "strides", strides)
+
+    def out_layout(self, layout):
+        _check_pixel_axes("AvgPool", self.window_shape, layout)
+        return layout
 
     def apply(self, state, layout):
-        norm, cos = _correlation(state.nngp, state.var1, state.var2)
-        sin = _safe_sqrt(1.0 - cos**2, "rounding")
-        theta = jnp.arctan2(sin, cos)
-        nngp = norm * (sin + (jnp.pi - theta) * cos) / (2 * jnp.pi)
-        return nngp, _scale_ntk(state.ntk, (jnp.pi - theta) / (2 * jnp.pi))
+        if not layout.full:
+            raise AssertionError("serial() keeps covariances full before a pooling layer")
+        batch = (1,) * layout.batch_ndim
+        window = batch + self.window_shape * 2
+        strides = batch + self.strides * 2
+        pads = lax.padtype_to_pads(layout.pixels(state.nngp), self.window_shape, self.strides,
+                                   self.padding)
+        padding = [(0, 0)] * layout.batch_ndim + list(pads) * 2
+        size = math.prod(self.window_shape) ** 2
 
+        def pool(a):
+            dtype = a.dtype
+            total = lax.reduce_window(a.astype(accumulation_dtype(dtype)), 0.0, lax.add,
+                                      window, strides, padding)
+            return (total / size).astype(dtype)
 
-@dataclasses.dataclass(frozen=True)
-class Erf(Layer):
-    """Erf nonlinearity (Williams 1997).
-
-    ``nngp' = 2/pi arcsin(2 nngp / sqrt((1 + 2 var1)(1 + 2 var2)))`` and
-    ``ntk' = ntk 4 / (pi sqrt((1 + 2 var1)(1 + 2 var2) - 4 nngp^2))``.
-    """
-
-    @property
-    def nonlinear(self):
-        return True
-
-    def apply(self, state, layout):
-        prod = (1 + 2 * state.var1) * (1 + 2 * state.var2)
-        nngp = 2 / jnp.pi * jnp.arcsin(jnp.clip(2 * state.nngp / jnp.sqrt(prod), -1.0, 1.0))
-        if state.ntk is None or _is_zero_ntk(state.ntk):
-            return nngp, state.ntk
-        return nngp, state.ntk * 4 / (jnp.pi * jnp.sqrt(prod - 4 * state.nngp**2))
+        return pool(state.nngp), _map_ntk(state.ntk, pool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,38 +301,186 @@ class Flatten(Layer):
         def flatten(a):
             if layout.spatial_ndim == 0:
                 return a
-            if layout.full:
-                a = _diagonal_pairs(a, layout)
+            a = _pixel_diagonal(a, layout)
             return jnp.mean(a, axis=tuple(range(layout.batch_ndim, a.ndim)))
 
-        ntk = state.ntk if state.ntk is None or _is_zero_ntk(state.ntk) else flatten(state.ntk)
-        return flatten(state.nngp), ntk
-
-
-def _diagonal_pairs(a: jax.Array, layout: _Layout) -> jax.Array:
-    """The entries (p, p) of a full pixel-by-pixel covariance: (*batch, *pixels)."""
-    batch = a.shape[: layout.batch_ndim]
-    pixels = a.shape[layout.batch_ndim : layout.batch_ndim + layout.spatial_ndim]
-    size = math.prod(pixels)
-    flat = a.reshape(*batch, size, size)
-    return jnp.diagonal(flat, axis1=-2, axis2=-1).reshape(*batch, *pixels)
+        return flatten(state.nngp), _map_ntk(state.ntk, flatten)
 
 
 @dataclasses.dataclass(frozen=True)
 class GlobalAvgPool(Layer):
-    """Average over pixels: the mean over all pixel *pairs* of the full covariance."""
+    """Average over pixels: the mean over all pixel *pairs* of the full covariance.
+
+    Needs the full pixel-by-pixel covariance at its input (see :class:`AvgPool`).
+    """
+
+    pools = True
 
     def out_layout(self, layout):
         if not layout.full and layout.spatial_ndim > 0:
-            raise AssertionError("serial() keeps covariances full before GlobalAvgPool")
+            raise AssertionError("serial() keeps covariances full before a pooling layer")
         return _Layout(layout.batch_ndim, 0, False)
 
     def apply(self, state, layout):
         def pool(a):
             return jnp.mean(a, axis=layout.spatial_axes()) if layout.spatial_ndim else a
 
-        ntk = state.ntk if state.ntk is None or _is_zero_ntk(state.ntk) else pool(state.ntk)
-        return pool(state.nngp), ntk
+        return pool(state.nngp), _map_ntk(state.ntk, pool)
+
+
+# ----------------------------------------------------------------------------------------
+# Walking the layers: one flow of covariances, or branches of them
+
+
+class _Flow(NamedTuple):
+    """The covariances between the layers: nngp, ntk (None / 0.0 as in _State), layout."""
+
+    nngp: jax.Array
+    ntk: Any
+    layout: _Layout
+
+
+def _to_diagonal(flow: _Flow) -> _Flow:
+    """Keep only the per-pixel covariances (nothing downstream pools any more)."""
+    layout = flow.layout
+    if not layout.full or layout.spatial_ndim == 0:
+        return flow
+    diagonal = lambda a: _pixel_diagonal(a, layout)  # noqa: E731
+    return _Flow(diagonal(flow.nngp), _map_ntk(flow.ntk, diagonal), layout.diagonal())
+
+
+class _Walk:
+    """One pass over a network's layers, for one input's own covariance or a cross kernel.
+
+    With ``variances=None`` (:meth:`KernelFn.prepare`) each layer that reads variances
+    takes them from the covariance it receives and records them; otherwise
+    (:meth:`KernelFn.cross`) it takes the next recorded pair. ``last_pool`` is the index,
+    in visiting order, of the last pooling layer: after it the covariance is diagonal.
+    """
+
+    def __init__(self, last_pool: int, variances: list | None = None):
+        self.collect = variances is None
+        self.variances = [] if variances is None else variances
+        self.n_read = 0
+        self.n_steps = 0
+        self.last_pool = last_pool
+
+    def step(self, layer: Layer, flow: Any) -> _Flow:
+        if isinstance(flow, list):
+            raise ValueError(
+                f"{layer!r} takes one input but gets {len(flow)} branches; join them first "
+                f"with FanInSum(), or give each its own layer with parallel(...)"
+            )
+        var1 = var2 = None
+        if layer.needs_variances:
+            if self.collect:
+                diag = _pixel_diagonal(flow.nngp, flow.layout)
+                self.variances.append(diag)
+                var1, var2 = _broadcast_variances(diag, diag, flow.layout)
+            else:
+                diag1, diag2 = self.variances[self.n_read]
+                self.n_read += 1
+                var1, var2 = _broadcast_variances(diag1, diag2, flow.layout)
+        out_layout = layer.out_layout(flow.layout)
+        nngp, ntk = layer.apply(_State(flow.nngp, flow.ntk, var1, var2), flow.layout)
+        flow = _Flow(nngp, ntk, out_layout)
+        index, self.n_steps = self.n_steps, self.n_steps + 1
+        return _to_diagonal(flow) if index == self.last_pool else flow
+
+
+# ----------------------------------------------------------------------------------------
+# Residual structure
+
+
+@dataclasses.dataclass(frozen=True)
+class FanOut(Layer):
+    """Copy the input into ``n`` branches (for :func:`parallel`, then :class:`FanInSum`)."""
+
+    n: int
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"FanOut n must be a positive int (the number of branches), got {self.n!r}")
+
+    def _leaves(self):
+        return iter(())
+
+    def _walk(self, walk, flow):
+        if isinstance(flow, list):
+            raise ValueError(f"FanOut({self.n}) gets {len(flow)} branches; join them first")
+        return [flow] * self.n
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parallel(Layer):
+    layers: tuple[Layer, ...]
+
+    def __repr__(self) -> str:
+        return f"parallel({', '.join(map(repr, self.layers))})"
+
+    def _leaves(self):
+        for layer in self.layers:
+            yield from layer._leaves()
+
+    def _walk(self, walk, flow):
+        if not isinstance(flow, list) or len(flow) != len(self.layers):
+            got = f"{len(flow)} branches" if isinstance(flow, list) else "one input"
+            raise ValueError(
+                f"{self!r} applies {len(self.layers)} layers to {len(self.layers)} branches "
+                f"but gets {got}; put FanOut({len(self.layers)}) before it"
+            )
+        return [layer._walk(walk, branch) for layer, branch in zip(self.layers, flow)]
+
+
+def parallel(*layers: Layer) -> Layer:
+    """Apply ``layers[i]`` to branch ``i`` (after :class:`FanOut`), as ``stax.parallel``.
+
+    Each layer may itself be a :func:`serial` network. Example, a residual block::
+
+        serial(FanOut(2), parallel(Identity(), serial(Relu(), Conv((3, 3)))), FanInSum())
+    """
+    _check_layers(layers, "parallel")
+    if not layers:
+        raise ValueError("parallel() needs at least one layer (one per branch)")
+    return _Parallel(tuple(layers))
+
+
+def _add_ntk(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return None
+    if _is_zero_ntk(a):
+        return b
+    if _is_zero_ntk(b):
+        return a
+    return a + b
+
+
+@dataclasses.dataclass(frozen=True)
+class FanInSum(Layer):
+    """Sum the branches: independent Gaussian branches add their kernels (NNGP and NTK)."""
+
+    def _leaves(self):
+        return iter(())
+
+    def _walk(self, walk, flow):
+        if not isinstance(flow, list):
+            raise ValueError("FanInSum() joins branches but gets one input; put FanOut(n) "
+                             "and parallel(...) before it")
+        # A branch past the network's last pooling layer is per-pixel; the others may
+        # still be pixel-by-pixel, which nothing downstream needs.
+        if any(not branch.layout.full for branch in flow):
+            flow = [_to_diagonal(branch) for branch in flow]
+        shapes = {branch.nngp.shape for branch in flow}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"FanInSum() branches must have the same pixel shape, got kernels of shapes "
+                f"{sorted(shapes)}; use the same strides and padding in every branch"
+            )
+        nngp, ntk = flow[0].nngp, flow[0].ntk
+        for branch in flow[1:]:
+            nngp = nngp + branch.nngp
+            ntk = _add_ntk(ntk, branch.ntk)
+        return _Flow(nngp, ntk, flow[0].layout)
 
 
 # ----------------------------------------------------------------------------------------
@@ -423,11 +488,12 @@ class GlobalAvgPool(Layer):
 
 
 class Prepared(NamedTuple):
-    """An input set with its own per-pixel variances at every nonlinearity.
+    """An input set with its own per-pixel variances at every layer that reads them.
 
     ``x`` is the input (n, ..., channels); ``variances[k]`` the variances (n, *pixels)
-    of the k-th nonlinearity's input. Row ``i`` of every leaf belongs to input ``i``, so
-    a Prepared can be sliced and chunked along its leading axis like the input itself.
+    at the input of the k-th such layer (activations, ``LayerNorm``), in the order the
+    layers run. Row ``i`` of every leaf belongs to input ``i``, so a Prepared can be
+    sliced and chunked along its leading axis like the input itself.
     """
 
     x: jax.Array
@@ -442,20 +508,43 @@ def _check_gets(get: str | Sequence[str]) -> tuple[tuple[str, ...], bool]:
     return gets, single
 
 
-class KernelFn:
-    """The NNGP / NTK kernel of an infinite-width network built by :func:`serial`."""
+class KernelFn(Layer):
+    """The NNGP / NTK kernel of an infinite-width network built by :func:`serial`.
+
+    A KernelFn is also a layer: ``serial`` networks nest (e.g. inside :func:`parallel`).
+    """
 
     def __init__(self, layers: Sequence[Layer]):
         self.layers = tuple(layers)
-        pools = [i for i, layer in enumerate(self.layers) if isinstance(layer, GlobalAvgPool)]
-        # Layers before the last GlobalAvgPool need pixel-by-pixel covariances.
-        self._full_until = pools[-1] if pools else -1
+        pools = [i for i, layer in enumerate(self._leaves()) if layer.pools]
+        # Layers up to the last pooling layer need pixel-by-pixel covariances.
+        self._last_pool = pools[-1] if pools else -1
 
     def __repr__(self) -> str:
         return f"serial({', '.join(map(repr, self.layers))})"
 
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is KernelFn and other.layers == self.layers
+
+    def __hash__(self) -> int:
+        return hash((KernelFn, self.layers))
+
+    def _leaves(self):
+        for layer in self.layers:
+            yield from layer._leaves()
+
+    def _walk(self, walk, flow):
+        for layer in self.layers:
+            flow = layer._walk(walk, flow)
+        return flow
+
+    @property
+    def pools(self) -> bool:
+        """Whether the network pools, so that its inputs need pixel-by-pixel covariances."""
+        return self._last_pool >= 0
+
     def _input_layout(self, x: jax.Array, batch_ndim: int) -> _Layout:
-        return _Layout(batch_ndim, x.ndim - 2, self._full_until >= 0 and x.ndim > 2)
+        return _Layout(batch_ndim, x.ndim - 2, self._last_pool >= 0 and x.ndim > 2)
 
     def _check_input(self, x: Any, name: str) -> jax.Array:
         x = jnp.asarray(x)
@@ -486,21 +575,26 @@ class KernelFn:
         cov = jnp.einsum(spec, x1, x2, preferred_element_type=accumulation_dtype(dtype))
         return (cov / x1.shape[-1]).astype(dtype)
 
+    def _run(self, flow: _Flow, variances: list | None) -> tuple[_Flow, _Walk]:
+        walk = _Walk(self._last_pool, variances)
+        flow = self._walk(walk, flow)
+        if isinstance(flow, list):
+            raise ValueError(
+                f"the network ends in {len(flow)} branches; join them with FanInSum()"
+            )
+        return flow, walk
+
     def prepare(self, x: jax.Array) -> Prepared:
-        """The variances of ``x`` at every nonlinearity (cost linear in ``len(x)``)."""
+        """The variances of ``x`` at every layer that reads them (cost linear in ``len(x)``).
+
+        With pooling this holds each input's own pixel-by-pixel covariance, (H*W)^2
+        numbers per input (see :class:`AvgPool`).
+        """
         x = self._check_input(x, "x")
         layout = self._input_layout(x, 1)
         cov = self._input_covariance(x, None, layout)
-        variances = []
-        for layer in self.layers:
-            diag = _diagonal(cov, layout)
-            if layer.nonlinear:
-                variances.append(diag)
-            var1, var2 = _broadcast_variances(diag, diag, layout)
-            out_layout = layer.out_layout(layout)
-            cov, _ = layer.apply(_State(cov, None, var1, var2), layout)
-            layout = out_layout
-        return Prepared(x, tuple(variances))
+        _, walk = self._run(_Flow(cov, None, layout), None)
+        return Prepared(x, tuple(walk.variances))
 
     def cross(
         self, p1: Prepared, p2: Prepared, *, get: str | Sequence[str] = "ntk"
@@ -516,18 +610,9 @@ class KernelFn:
         layout = self._input_layout(x1, 2)
         nngp = self._input_covariance(x1, x2, layout)
         ntk = 0.0 if "ntk" in gets else None
-        nonlinear = 0
-        for layer in self.layers:
-            if layer.nonlinear:
-                var1, var2 = _broadcast_variances(
-                    p1.variances[nonlinear], p2.variances[nonlinear], layout
-                )
-                nonlinear += 1
-            else:
-                var1 = var2 = None
-            out_layout = layer.out_layout(layout)
-            nngp, ntk = layer.apply(_State(nngp, ntk, var1, var2), layout)
-            layout = out_layout
+        variances = list(zip(p1.variances, p2.variances))
+        flow, _ = self._run(_Flow(nngp, ntk, layout), variances)
+        nngp, ntk = flow.nngp, flow.ntk
         if _is_zero_ntk(ntk):  # no linear layer: the NTK is zero
             ntk = jnp.zeros_like(nngp)
         values = {"nngp": nngp, "ntk": ntk}
@@ -552,7 +637,7 @@ class KernelFn:
             (4, 4)
 
         Memory: the cross kernel holds one (n1, n2, *pixels) array per live layer (the
-        pixel axes twice before a GlobalAvgPool); tile large sets with
+        pixel axes twice up to the last pooling layer); tile large sets with
         :func:`memwise.ntk.kernel_regression` / :func:`memwise.ntk.kip_loss`.
         """
         x1 = self._check_input(x1, "x1")
@@ -574,14 +659,40 @@ jax.tree_util.register_pytree_node(
     KernelFn, lambda kernel: ((), kernel.layers), lambda layers, _: KernelFn(layers)
 )
 
+_LAYER_NAMES = (
+    "Dense, Conv, AvgPool, Flatten, GlobalAvgPool, Identity, Relu, LeakyRelu, ABRelu, Abs, "
+    "Erf, Sigmoid_like, Gelu, Sin, LayerNorm, FanOut, parallel, FanInSum, serial"
+)
+
+
+def _check_layers(layers: Sequence[Any], where: str) -> None:
+    for layer in layers:
+        if not isinstance(layer, Layer):
+            raise TypeError(
+                f"{where}() takes layers from memwise.ntk.kernels ({_LAYER_NAMES}), got "
+                f"{layer!r}"
+            )
+
 
 def serial(*layers: Layer) -> KernelFn:
     """The infinite-width kernel of ``layers`` applied in order.
 
-    Layers: :class:`Dense`, :class:`Conv`, :class:`Relu`, :class:`Erf`, :class:`Flatten`,
-    :class:`GlobalAvgPool` (NTK parameterization, widths -> infinity; the readout width
-    does not change the kernel). Values agree with neural-tangents' ``stax.serial`` of the
-    same layers.
+    Layers (NTK parameterization, widths -> infinity; the readout width does not change
+    the kernel): linear :class:`Dense`, :class:`Conv`, :class:`AvgPool`,
+    :class:`Flatten`, :class:`GlobalAvgPool`, :class:`Identity`; activations
+    :func:`Relu`, :func:`LeakyRelu`, :class:`ABRelu`, :func:`Abs`, :class:`Erf`,
+    :func:`Sigmoid_like`, :class:`Gelu`, :class:`Sin`; :class:`LayerNorm`; residual
+    structure :class:`FanOut`, :func:`parallel`, :class:`FanInSum`, and nested ``serial``.
+    Values agree with neural-tangents' ``stax.serial`` of the same layers.
+
+    Args:
+      *layers: the layers, in order.
+
+    Returns:
+      A :class:`KernelFn`: ``kernel_fn(x1, x2=None, *, get="ntk")``.
+
+    Memory/compute: one (n1, n2, *pixels) array per live layer, the pixel axes twice up
+    to the last pooling layer (:class:`AvgPool`, :class:`GlobalAvgPool`).
 
     Example::
 
@@ -590,11 +701,11 @@ def serial(*layers: Layer) -> KernelFn:
         >>> kernel_fn = k.serial(k.Dense(W_std=1.5, b_std=0.05), k.Relu(), k.Dense())
         >>> kernel_fn(jnp.ones((3, 5)), jnp.ones((2, 5)), get="nngp").shape
         (3, 2)
+        >>> block = k.serial(k.FanOut(2), k.parallel(k.Identity(), k.serial(k.Relu(),
+        ...                  k.Conv((3, 3)))), k.FanInSum())
+        >>> resnet = k.serial(k.Conv((3, 3)), block, k.Relu(), k.GlobalAvgPool(), k.Dense())
+        >>> resnet(jnp.ones((2, 6, 6, 3))).shape
+        (2, 2)
     """
-    for layer in layers:
-        if not isinstance(layer, Layer):
-            raise TypeError(
-                f"serial() takes layers from memwise.ntk.kernels (Dense, Conv, Relu, Erf, "
-                f"Flatten, GlobalAvgPool), got {layer!r}"
-            )
+    _check_layers(layers, "serial")
     return KernelFn(layers)

@@ -1,0 +1,208 @@
+"""Activations and ``LayerNorm`` of infinite-width networks, in closed form.
+
+The pre-activations of an infinitely wide layer are Gaussian, so an elementwise
+nonlinearity phi maps the covariance ``nngp`` of two inputs (variances ``var1``,
+``var2``) to ``E[phi(u) phi(v)]`` and, for the NTK, multiplies it by the expected
+derivative product ``E[phi'(u) phi'(v)]`` (Jacot et al. 2018; Lee et al. 2019). These
+expectations have closed forms for the layers here, which reproduce neural-tangents
+0.6.5's ``stax`` values (Novak et al. 2020) to float64 rounding:
+
+* ``ABRelu(a, b)`` (``a min(x, 0) + b max(x, 0)``; ``Relu``, ``LeakyRelu``, ``Abs``): the
+  arc-cosine kernel of degree 1 (Cho & Saul 2009, "Kernel methods for deep learning"),
+  leaky variant as in Tsuchida, Roosta & Gallagher 2018.
+* ``Erf(a, b, c)`` (``a erf(b x) + c``; ``Sigmoid_like``): Williams 1997, "Computing with
+  infinite networks".
+* ``Gelu``: Tsuchida, Pearce, van der Heide, Roosta & Gallagher 2021, "Avoiding kernel
+  fixed points" (arXiv:2002.08517).
+* ``Sin(a, b, c)`` (``a sin(b x + c)``): the Gaussian expectation of a product of sines
+  (the random Fourier features identity of Rahimi & Recht 2007).
+* ``LayerNorm``: in the infinite-width limit the feature mean is 0 and the feature
+  variance is the input's variance at that pixel, so the covariance is divided by
+  ``sqrt((eps + var1)(eps + var2))`` (neural-tangents' ``stax.LayerNorm`` over features).
+
+Each layer acts pixel by pixel (on a per-pixel or a pixel-by-pixel covariance alike) and
+reads each input's own variances, which :meth:`memwise.ntk.kernels.KernelFn.prepare`
+computes once per input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from memwise.ntk._covariance import Layer, _correlation, _safe_sqrt, _scale_ntk
+
+__all__ = [
+    "ABRelu",
+    "Abs",
+    "Erf",
+    "Gelu",
+    "LayerNorm",
+    "LeakyRelu",
+    "Relu",
+    "Sigmoid_like",
+    "Sin",
+]
+
+
+def _check_finite(layer: str, **values: float) -> None:
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+            abs(value) < float("inf")
+        ):
+            raise TypeError(f"{layer} {name} must be a finite float, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ABRelu(Layer):
+    """``a min(x, 0) + b max(x, 0)``: the arc-cosine kernel of degree 1 (Cho & Saul 2009).
+
+    With ``cos(theta) = nngp / sqrt(var1 var2)``, ``f = (a - b)^2 / (2 pi)`` and
+    ``d = (a^2 + b^2) / 2 - f theta``:
+    ``nngp' = sqrt(var1 var2) (f sin(theta) + d cos(theta))`` and ``ntk' = d ntk``.
+    """
+
+    a: float
+    b: float
+    needs_variances = True
+
+    def __post_init__(self):
+        _check_finite("ABRelu", a=self.a, b=self.b)
+
+    def apply(self, state, layout):
+        norm, cos = _correlation(state.nngp, state.var1, state.var2)
+        sin = _safe_sqrt(1.0 - cos**2, "rounding")
+        theta = jnp.arctan2(sin, cos)
+        factor = (self.a - self.b) ** 2 / (2 * jnp.pi)
+        derivative = (self.a**2 + self.b**2) / 2 - factor * theta
+        nngp = norm * (factor * sin + derivative * cos)
+        return nngp, _scale_ntk(state.ntk, derivative)
+
+
+def Relu() -> ABRelu:  # noqa: N802 (neural-tangents' layer names)
+    """ReLU, ``max(x, 0)``: ``ABRelu(0, 1)``.
+
+    ``nngp' = sqrt(var1 var2) (sin theta + (pi - theta) cos theta) / (2 pi)``,
+    ``ntk' = ntk (pi - theta) / (2 pi)``.
+    """
+    return ABRelu(0.0, 1.0)
+
+
+def LeakyRelu(alpha: float) -> ABRelu:  # noqa: N802
+    """Leaky ReLU, ``alpha min(x, 0) + max(x, 0)``: ``ABRelu(alpha, 1)``."""
+    return ABRelu(alpha, 1.0)
+
+
+def Abs() -> ABRelu:  # noqa: N802
+    """Absolute value, ``|x|``: ``ABRelu(-1, 1)``."""
+    return ABRelu(-1.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Erf(Layer):
+    """``a erf(b x) + c`` (Williams 1997).
+
+    With the inputs scaled by ``b`` (covariances by ``b^2``):
+    ``nngp' = a^2 2/pi arcsin(2 nngp / sqrt((1 + 2 var1)(1 + 2 var2))) + c^2`` and
+    ``ntk' = a^2 ntk 4 / (pi sqrt((1 + 2 var1)(1 + 2 var2) - 4 nngp^2))``.
+    """
+
+    a: float = 1.0
+    b: float = 1.0
+    c: float = 0.0
+    needs_variances = True
+
+    def __post_init__(self):
+        _check_finite("Erf", a=self.a, b=self.b, c=self.c)
+
+    def apply(self, state, layout):
+        scale = self.b**2
+        cov, var1, var2 = (scale * v for v in (state.nngp, state.var1, state.var2))
+        prod = (1 + 2 * var1) * (1 + 2 * var2)
+        nngp = 2 / jnp.pi * jnp.arcsin(jnp.clip(2 * cov / jnp.sqrt(prod), -1.0, 1.0))
+        derivative = 4 * scale / (jnp.pi * jnp.sqrt(prod - 4 * cov**2))
+        return self.a**2 * nngp + self.c**2, _scale_ntk(state.ntk, self.a**2 * derivative)
+
+
+def Sigmoid_like() -> Erf:  # noqa: N802
+    """``0.5 erf(x / 2.4020563531719796) + 0.5``, neural-tangents' sigmoid stand-in.
+
+    The constant minimises the squared distance to the logistic sigmoid on [-5, 5].
+    """
+    return Erf(a=0.5, b=1 / 2.4020563531719796, c=0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gelu(Layer):
+    """GELU, ``x Phi(x)`` (arXiv:2002.08517, as neural-tangents' ``stax.Gelu``).
+
+    With ``p = var1 var2``, ``q = (1 + var1)(1 + var2)``, ``delta = sqrt(q - nngp^2)``:
+    ``nngp' = nngp / 4 + ((nngp^2 + p delta^2) / (q delta) + nngp arctan(nngp / delta)) / (2 pi)``;
+    ``ntk' = ntk (1/4 + arctan(nngp / delta) / (2 pi)
+    + nngp / (2 pi delta) (1 / delta^2 + (1 - p) / q + 1))``.
+    """
+
+    needs_variances = True
+
+    def apply(self, state, layout):
+        cov = state.nngp
+        prod = state.var1 * state.var2
+        prod_plus_1 = (state.var1 + 1) * (state.var2 + 1)
+        delta_squared = prod_plus_1 - cov**2  # >= 1 + var1 + var2 > 0
+        delta = jnp.sqrt(delta_squared)
+        angle = jnp.arctan2(cov, delta)
+        nngp = ((cov**2 + prod * delta_squared) / (prod_plus_1 * delta) + cov * angle) / (
+            2 * jnp.pi
+        ) + 0.25 * cov
+        derivative = 0.25 + angle / (2 * jnp.pi) + (
+            1 / delta_squared + (1 - prod) / prod_plus_1 + 1
+        ) * cov / (2 * jnp.pi * delta)
+        return nngp, _scale_ntk(state.ntk, derivative)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sin(Layer):
+    """``a sin(b x + c)``.
+
+    With ``s = var1 + var2``, ``e+ = exp(b^2 (nngp - s / 2))`` and
+    ``e- = exp(-b^2 (nngp + s / 2)) cos(2 c)``: ``nngp' = a^2 / 2 (e+ - e-)`` and
+    ``ntk' = ntk a^2 b^2 / 2 (e+ + e-)``.
+    """
+
+    a: float = 1.0
+    b: float = 1.0
+    c: float = 0.0
+    needs_variances = True
+
+    def __post_init__(self):
+        _check_finite("Sin", a=self.a, b=self.b, c=self.c)
+
+    def apply(self, state, layout):
+        scale = self.b**2
+        half_sum = 0.5 * (state.var1 + state.var2)
+        plus = jnp.exp(scale * (state.nngp - half_sum))
+        minus = jnp.exp(-scale * (state.nngp + half_sum)) * jnp.cos(2 * self.c)
+        half_a2 = self.a**2 / 2
+        return half_a2 * (plus - minus), _scale_ntk(state.ntk, half_a2 * scale * (plus + minus))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNorm(Layer):
+    """Layer normalisation over features (channels), per pixel.
+
+    ``nngp' = nngp / sqrt((eps + var1)(eps + var2))``, the same for ``ntk``
+    (neural-tangents' ``stax.LayerNorm(axis=-1, eps=1e-12)``).
+    """
+
+    eps: float = 1e-12
+    needs_variances = True
+
+    def __post_init__(self):
+        _check_finite("LayerNorm", eps=self.eps)
+        if self.eps < 0:
+            raise ValueError(f"LayerNorm eps must be >= 0, got {self.eps!r}")
+
+    def apply(self, state, layout):
+        inverse = 1 / jnp.sqrt((self.eps + state.var1) * (self.eps + state.var2))
+        return state.nngp * inverse, _scale_ntk(state.ntk, inverse)
