@@ -280,3 +280,114 @@ def test_dtypes(dtype):
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
         assert a.dtype == jnp.dtype(dtype)
         _assert_close(a, b, dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# mw.taylor_expand: neural-tangents' taylor_expand with the expansion point as leaves
+
+
+def _nested_jvp_taylor(f, params, degree):
+    """neural-tangents' recursion, written directly: f(p) + sum_k d^k/ds^k f(p + s dp) / k!."""
+
+    def tayl(new_params, x):
+        delta = jax.tree_util.tree_map(jnp.subtract, new_params, params)
+
+        def derivative(order):
+            fn = lambda p: f(p, x)  # noqa: E731
+            for _ in range(order):
+                fn = (lambda g: lambda p: jax.jvp(g, (p,), (delta,))[1])(fn)
+            return fn(params)
+
+        total = f(params, x)
+        for order in range(1, degree + 1):
+            total = total + derivative(order) / np.prod(np.arange(1, order + 1))
+        return total
+
+    return tayl
+
+
+@pytest.mark.parametrize("degree", [0, 1, 2, 3])
+def test_taylor_expand_matches_nested_jvp(problem, degree):
+    params, new, x = problem
+    with jax.enable_x64(True):
+        p64, n64, x64 = (jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), t)
+                         for t in (params, new, x))
+        tayl = mw.taylor_expand(_mlp, p64, degree)
+        got = jax.jit(lambda t, q, x: t(q, x))(tayl, n64, x64)
+        np.testing.assert_allclose(got, _nested_jvp_taylor(_mlp, p64, degree)(n64, x64),
+                                   rtol=1e-12, atol=1e-12)
+        if degree == 1:
+            np.testing.assert_allclose(got, mw.linearize(_mlp, p64)(n64, x64), rtol=1e-12)
+        # The error shrinks with the degree (the shift is small).
+        error = float(jnp.max(jnp.abs(got - _mlp(n64, x64))))
+        lower = mw.taylor_expand(_mlp, p64, max(degree - 1, 0))(n64, x64)
+        assert degree == 0 or error < float(jnp.max(jnp.abs(lower - _mlp(n64, x64))))
+
+
+def test_taylor_expand_is_exact_on_polynomials():
+    # A cubic in its parameters equals its own third-order expansion, anywhere.
+    def cubic(p, x):
+        return (x @ p["a"]) ** 3 + p["b"] * (x @ p["a"]) + p["c"] ** 2
+
+    params = {"a": jnp.array([0.3, -0.2]), "b": jnp.array(1.5), "c": jnp.array(0.7)}
+    new = {"a": jnp.array([-1.1, 2.0]), "b": jnp.array(-0.4), "c": jnp.array(2.5)}
+    x = jnp.array([[1.0, 2.0], [-0.5, 0.25]])
+    np.testing.assert_allclose(mw.taylor_expand(cubic, params, 3)(new, x), cubic(new, x),
+                               rtol=1e-5)
+    assert not np.allclose(mw.taylor_expand(cubic, params, 2)(new, x), cubic(new, x))
+
+
+def test_taylor_expand_gradients_and_forward_mode(problem):
+    params, new, x = problem
+    tayl = mw.taylor_expand(_mlp, params, 2)
+    reference = _nested_jvp_taylor(_mlp, params, 2)
+    loss = lambda t, q, x: jnp.sum(t(q, x) ** 2)  # noqa: E731
+    got = jax.jit(jax.grad(loss, argnums=(1, 2)))(tayl, new, x)
+    expected = jax.grad(lambda q, x: jnp.sum(reference(q, x) ** 2), argnums=(0, 1))(new, x)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # The point is differentiable too (a pytree leaf), and jvp works (no custom rule).
+    point_grad = jax.grad(loss)(tayl, new, x)
+    assert isinstance(point_grad, mw.TaylorExpanded)
+    direction = jax.tree_util.tree_map(jnp.ones_like, new)
+    _, tangent = jax.jvp(lambda q: tayl(q, x), (new,), (direction,))
+    _, expected_tangent = jax.jvp(lambda q: reference(q, x), (new,), (direction,))
+    np.testing.assert_allclose(tangent, expected_tangent, rtol=1e-4, atol=1e-5)
+
+
+def test_taylor_expand_bakes_no_parameters_into_the_program():
+    # A training step of the second-order expansion: the point is an argument (no
+    # constants), and the program stays within a small factor of training f's, whatever
+    # the number of parameters; the closure form carries the parameters as constants.
+    def programs(width):
+        params = _params(width)
+        x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+        tayl = mw.taylor_expand(_mlp, params, 2)
+        closure = _nested_jvp_taylor(_mlp, params, 2)
+        return (
+            compiled_memory(lambda q, x: jnp.sum(_mlp(q, x) ** 2), params, x, grad=True),
+            compiled_memory(lambda q, t, x: jnp.sum(t(q, x) ** 2), params, tayl, x, grad=True),
+            compiled_memory(lambda q, x: jnp.sum(closure(q, x) ** 2), params, x, grad=True),
+        )
+
+    small_f, small_tayl, _ = programs(32)
+    big_f, big_tayl, big_closure = programs(256)
+    for f_mem, tayl_mem in ((small_f, small_tayl), (big_f, big_tayl)):
+        assert tayl_mem.constant_bytes == 0
+        assert tayl_mem.program_bytes <= 8 * f_mem.program_bytes, (tayl_mem, f_mem)
+    assert big_tayl.program_bytes <= 1.2 * small_tayl.program_bytes
+    assert big_closure.constant_bytes > 0
+
+
+def test_taylor_expand_bad_inputs(problem):
+    params, _, x = problem
+    with pytest.raises(ValueError, match="degree"):
+        mw.taylor_expand(_mlp, params, -1)
+    with pytest.raises(ValueError, match="degree"):
+        mw.taylor_expand(_mlp, params, 1.5)
+    with pytest.raises(TypeError, match="f must be callable"):
+        mw.taylor_expand(None, params, 2)
+    with pytest.raises(TypeError, match="params"):
+        mw.taylor_expand(_mlp, {"n": jnp.arange(3)}, 2)
+    with pytest.raises(ValueError, match="structure"):
+        mw.taylor_expand(_mlp, params, 2)({"w1": params["w1"]}, x)

@@ -6,7 +6,7 @@ from memwise.attention import attention
 from memwise.chunked import chunked_map, chunked_sum
 from memwise.pairwise import pairwise_reduce
 from memwise.fit import MemoryBudgetError, fit, region
-from memwise.linearize import Linearized, linearize
+from memwise.linearize import Linearized, TaylorExpanded, linearize, taylor_expand
 from memwise.measure import MemoryReport, Residual, memory_report
 from memwise.scan import scan, while_loop
 
@@ -17,6 +17,7 @@ __all__ = [
     "MemoryBudgetError",
     "MemoryReport",
     "Residual",
+    "TaylorExpanded",
     "accumulate_grad",
     "attention",
     "chunked_map",
@@ -32,5 +33,6 @@ __all__ = [
     "region",
     "scan",
     "schedule",
+    "taylor_expand",
     "while_loop",
 ]
