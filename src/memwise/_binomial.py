@@ -1,4 +1,4 @@
-"""The binomial ("revolve") checkpointing executor behind ``scan`` and ``while_loop``.
+"""The binomial ("revolve") checkpointing executor behind ``scan``.
 
 Result used: Griewank & Walther (2000), "Algorithm 799: revolve", ACM TOMS 26(1): a loop
 of n steps can be reversed from ``c`` stored carries with the minimal number of step
@@ -6,32 +6,24 @@ evaluations, ``memwise.schedule.evaluations(n, c)``. :mod:`memwise.schedule` dec
 that schedule (pure Python, checked against brute force); this module executes it.
 
 A :class:`Loop` is ``n_steps`` applications of ``step(carry, x, consts) -> (carry, y)``
-on lists of leaves, in one of two kinds:
+on lists of leaves: ``xs`` are read by index and ``ys`` are written, in ``reverse`` order
+if asked. It runs through one ``jax.custom_vjp``, declared once below with the
+:class:`Loop` as a non-differentiable argument (its inputs pass through
+``forbid_forward_mode``, so that forward mode raises the loop's own error, naming the fix,
+not JAX's generic one):
 
-* a scan (``cond`` is None): every step runs, ``xs`` are read by index and ``ys`` are
-  written, in ``reverse`` order if asked;
-* a while loop (``cond`` given): no ``xs`` or ``ys``; the steps run while the predicate
-  holds, at most ``n_steps`` times, so the trip count is only known when traced.
-
-Both run through one ``jax.custom_vjp``, declared once below with the :class:`Loop` as a
-non-differentiable argument (its inputs pass through ``forbid_forward_mode``, so that
-forward mode raises the loop's own error, naming the fix, not JAX's generic one):
-
-* the forward rule records: one ``lax.scan`` (or ``lax.while_loop``) over the steps that
-  also writes the carries the schedule keeps into stacked ``(n_slots, ...)`` buffers,
-  one dynamic slot write per step;
+* the forward rule records: one ``lax.scan`` over the steps that also writes the carries
+  the schedule keeps into stacked ``(n_slots, ...)`` buffers, one dynamic slot write per
+  step;
 * the backward rule replays and reverses: one ``fori_loop`` over the reversed steps
   whose body restores a slot, advances in an inner ``while_loop`` (storing as the
-  schedule says) and differentiates one step. In a while loop the steps at or past the
-  trip count are identities. The schedule enters as integer arrays, so the compiled
-  program and its compile time do not depend on n. Only the carry leaves the inputs
-  perturb are differentiated (the fixed point ``lax.scan`` computes), so a leaf the
-  gradient does not depend on may go through operations without a reverse rule.
+  schedule says) and differentiates one step. The schedule enters as integer arrays, so
+  the compiled program and its compile time do not depend on n. Only the carry leaves
+  the inputs perturb are differentiated (the fixed point ``lax.scan`` computes), so a
+  leaf the gradient does not depend on may go through operations without a reverse rule.
 
-Not yet optimal: a while loop replays the schedule of ``n_steps`` restricted to the steps
-that ran, and its backward loop spends a cheap iteration on each of the ``n_steps``
-schedule entries; an online schedule (Stumm & Walther 2010) would adapt to the trip
-count.
+Loops of unknown length (``while_loop``) run on :mod:`memwise._online`, which reuses this
+module's taped step, perturbed-carry fixed point and slot reads and writes.
 """
 
 from __future__ import annotations
@@ -71,8 +63,7 @@ class Loop:
       body: ``(carry, x, *consts) -> (new_carry, y)`` on lists of leaves, the user's
         function with its closed-over arrays made arguments (``jax.closure_convert``).
       schedule: the binomial schedule of ``schedule.n_steps`` steps.
-      reverse, unroll: as in ``lax.scan`` (a scan's forward pass only).
-      cond: None for a scan; for a while loop ``(carry, *cond_consts) -> bool scalar``.
+      reverse, unroll: as in ``lax.scan`` (the forward pass only).
       forward_mode_error, second_order_error: the ``TypeError`` messages for forward
         mode (``jvp``, ``jacfwd``, ``jax.linearize``) and for reverse mode of the
         backward pass (``grad`` of ``grad``), each naming what to use instead.
@@ -82,7 +73,6 @@ class Loop:
     schedule: schedule_lib.Schedule
     reverse: bool = False
     unroll: int | bool = 1
-    cond: Callable | None = None
     forward_mode_error: str = "this loop does not support forward-mode differentiation"
     second_order_error: str = "this loop cannot be differentiated twice in reverse mode"
 
@@ -97,23 +87,18 @@ class Loop:
         """The position in ``xs``/``ys`` of the step run i-th."""
         return self.n_steps - 1 - i if self.reverse else i
 
-    def keep_going(self, i: Any, carry: list, cond_consts: list) -> Any:
-        return (i < self.n_steps) & self.cond(carry, *cond_consts)
 
-
-def run(loop: Loop, consts: list, cond_consts: list, carry: list, xs: list) -> tuple[list, list]:
+def run(loop: Loop, consts: list, carry: list, xs: list) -> tuple[list, list]:
     """``(final carry, ys)`` of ``loop``; its reverse mode follows the binomial schedule.
 
-    ``consts`` are the body's closed-over arrays (they get cotangents), ``cond_consts``
-    the predicate's (they get none: pass them through ``lax.stop_gradient``). A while
-    loop takes ``xs=[]`` and returns ``ys=[]``.
+    ``consts`` are the body's closed-over arrays (they get cotangents).
     """
     def guard(leaves):
         # Forward mode through the custom_vjp raises the loop's own error, naming the fix.
         return [forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
                 for a in leaves]
 
-    return _run(loop, guard(consts), list(cond_consts), guard(carry), guard(xs))
+    return _run(loop, guard(consts), guard(carry), guard(xs))
 
 
 # --------------------------------------------------------------------------------------
@@ -121,14 +106,13 @@ def run(loop: Loop, consts: list, cond_consts: list, carry: list, xs: list) -> t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _run(loop, consts, cond_consts, carry, xs):
-    carry, ys, _, _ = _sweep(loop, consts, cond_consts, carry, xs, buffers=None)
+def _run(loop, consts, carry, xs):
+    carry, ys, _ = _sweep(loop, consts, carry, xs, buffers=None)
     return carry, ys
 
 
-def _run_fwd(loop, consts, cond_consts, carry, xs):
+def _run_fwd(loop, consts, carry, xs):
     consts, consts_perturbed = unwrap(consts)
-    cond_consts, cond_perturbed = unwrap(cond_consts)
     carry, carry_perturbed = unwrap(carry)
     xs, xs_perturbed = unwrap(xs)
     carry_mask = _perturbed_carry(
@@ -136,16 +120,14 @@ def _run_fwd(loop, consts, cond_consts, carry, xs):
     )
     buffers = [vary(jnp.zeros((loop.schedule.n_slots,) + a.shape, a.dtype), varying_axes(a))
                for a in carry]
-    carry, ys, buffers, trips = _sweep(loop, consts, cond_consts, carry, xs, buffers=buffers)
-    perturbed = Static((consts_perturbed, cond_perturbed, carry_perturbed, carry_mask,
-                        xs_perturbed))
-    return (carry, ys), (consts, xs, buffers, trips, perturbed)
+    carry, ys, buffers = _sweep(loop, consts, carry, xs, buffers=buffers)
+    perturbed = Static((consts_perturbed, carry_perturbed, carry_mask, xs_perturbed))
+    return (carry, ys), (consts, xs, buffers, perturbed)
 
 
 def _run_bwd(loop, residuals, output_cotangents):
-    consts, xs, buffers, trips, perturbed = residuals
-    consts_perturbed, cond_perturbed, carry_perturbed, carry_mask, xs_perturbed = (
-        perturbed.value)
+    consts, xs, buffers, perturbed = residuals
+    consts_perturbed, carry_perturbed, carry_mask, xs_perturbed = perturbed.value
     ct_carry, ct_ys = output_cotangents
     n = loop.n_steps
     taped = _TapedStep(loop, _entry(buffers), _entry(xs), consts, carry_mask, xs_perturbed,
@@ -163,7 +145,7 @@ def _run_bwd(loop, residuals, output_cotangents):
     def reverse_step(k, state):
         ct_carry, ct_consts, ct_xs, buffers = state
         r = n - 1 - k
-        carry, buffers = _replay(arrays, k, r, buffers, advance, limit=trips)
+        carry, buffers = _replay(arrays, k, r, buffers, advance)
         t = loop.time_index(r)
 
         def differentiate(accumulated):
@@ -174,12 +156,7 @@ def _run_bwd(loop, residuals, output_cotangents):
             ct_xs = [lax.dynamic_update_index_in_dim(a, b, t, 0) for a, b in zip(ct_xs, ct_x)]
             return ct_c, ct_consts, ct_xs
 
-        accumulated = (ct_carry, ct_consts, ct_xs)
-        if trips is None:
-            accumulated = differentiate(accumulated)
-        else:  # a while loop: the steps past the trip count did not run
-            accumulated = lax.cond(r < trips, differentiate, lambda a: a, accumulated)
-        return (*accumulated, buffers)
+        return (*differentiate((ct_carry, ct_consts, ct_xs)), buffers)
 
     ct_carry, ct_consts, ct_xs, _ = lax.fori_loop(
         0, n, reverse_step, (ct_carry, ct_consts, ct_xs, buffers)
@@ -194,7 +171,6 @@ def _run_bwd(loop, residuals, output_cotangents):
     init_mask = [m and p for m, p in zip(carry_mask, carry_perturbed)]
     return (
         out(taped.const_mask, ct_consts),
-        [None] * len(cond_perturbed),
         out(init_mask, select(ct_carry, select(carry_perturbed, carry_mask))),
         out(taped.x_mask, ct_xs),
     )
@@ -207,12 +183,11 @@ _run.defvjp(_run_fwd, _run_bwd, symbolic_zeros=True)
 # forward: run the steps, recording the schedule's carries
 
 
-def _sweep(loop: Loop, consts, cond_consts, carry, xs, *, buffers):
-    """Runs the loop from the start: ``(carry, ys, buffers, trips)``.
+def _sweep(loop: Loop, consts, carry, xs, *, buffers):
+    """Runs the loop from the start: ``(carry, ys, buffers)``.
 
     With ``buffers`` the carries at the schedule's forward positions are written into
-    them (slot j holds the j-th); without, nothing is stored. ``trips`` is the traced trip
-    count of a while loop, None for a scan (which runs all its steps).
+    them (slot j holds the j-th); without, nothing is stored.
     """
     record = buffers is not None
     if record:
@@ -229,43 +204,24 @@ def _sweep(loop: Loop, consts, cond_consts, carry, xs, *, buffers):
         return carry, stored, y
 
     stored = (buffers, jnp.int32(0)) if record else ()
-    if loop.cond is None:
-        def scan_body(state, x):
-            i, carry, stored = state
-            carry, stored, y = advance(i, carry, stored, x)
-            return (i + 1, carry, stored), y
+    def scan_body(state, x):
+        i, carry, stored = state
+        carry, stored, y = advance(i, carry, stored, x)
+        return (i + 1, carry, stored), y
 
-        (_, carry, stored), ys = lax.scan(
-            scan_body, (jnp.int32(0), carry, stored), xs, length=loop.n_steps,
-            reverse=loop.reverse, unroll=loop.unroll,
-        )
-        trips = None
-    else:
-        def while_body(state):
-            i, carry, stored = state
-            carry, stored, _ = advance(i, carry, stored, [])
-            return i + 1, carry, stored
-
-        trips, carry, stored = lax.while_loop(
-            lambda s: loop.keep_going(s[0], s[1], cond_consts),
-            while_body,
-            (jnp.int32(0), carry, stored),
-        )
-        ys = []
-    return carry, ys, (stored[0] if record else None), trips
+    (_, carry, stored), ys = lax.scan(
+        scan_body, (jnp.int32(0), carry, stored), xs, length=loop.n_steps,
+        reverse=loop.reverse, unroll=loop.unroll,
+    )
+    return carry, ys, (stored[0] if record else None)
 
 
 # --------------------------------------------------------------------------------------
 # backward: replay from a slot, differentiate one step
 
 
-def _replay(arrays, k, r, buffers, advance, *, limit):
-    """Restore the carry of reversed step k and advance it to step r, storing on the way.
-
-    With ``limit`` (a traced trip count, for while_loop) steps at or past ``limit`` are
-    identities: the advance stops at r if r < limit, else right after the last store
-    this entry schedules before ``limit`` (later stores are never restored).
-    """
+def _replay(arrays, k, r, buffers, advance):
+    """Restore the carry of reversed step k and advance it to step r, storing on the way."""
     position = arrays["restore_position"][k]
     carry = _take(buffers, arrays["restore_slot"][k])
     first = arrays["store_offsets"][k]
@@ -275,11 +231,7 @@ def _replay(arrays, k, r, buffers, advance, *, limit):
     last = arrays["n_stores"] - 1
 
     def cond(state):
-        i, _, _, pointer = state
-        if limit is None:
-            return i < r
-        pending = (pointer < end) & (store_position[jnp.minimum(pointer, last)] < limit)
-        return (i < r) & ((r < limit) | pending)
+        return state[0] < r
 
     def body(state):
         i, carry, buffers, pointer = state

@@ -103,7 +103,7 @@ def segment_advances(length, slots):
     length, slots = jnp.broadcast_arrays(length, slots)
 
     def cond(state):
-        t, beta = state
+        _, beta = state
         return jnp.any((beta < length) & (slots > 1))
 
     def body(state):

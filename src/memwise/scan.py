@@ -423,7 +423,7 @@ def _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only):
         body=body, schedule=schedule_lib.binomial(n, c), reverse=reverse, unroll=unroll,
         forward_mode_error=_SCAN_FORWARD_MODE, second_order_error=_SCAN_SECOND_ORDER,
     )
-    carry_out, ys = _binomial.run(loop, consts, [], loop_carry, x_leaves)
+    carry_out, ys = _binomial.run(loop, consts, loop_carry, x_leaves)
     carry_out = fill(carry_leaves, [not r for r in read_only], carry_out)
     return (
         jax.tree_util.tree_unflatten(carry_def, carry_out),
