@@ -34,12 +34,12 @@ Trade-offs, honestly:
   (its casts inside nested jaxprs of the body, e.g. a ``jit`` call, stay per step).
 * The schedule is baked into the program as int32 arrays of about 5n entries (2 MB at
   n = 100,000): constants, not temporaries.
-* ``while_loop`` runs the binomial schedule of ``max_steps`` with the steps after
-  termination skipped: O(checkpoints) memory, but its recomputation is that of the
-  ``max_steps`` schedule restricted to the steps that ran (each step replayed at most t
-  times, beta(c, t) >= max_steps), and its backward loop spends a cheap iteration on each
-  of the ``max_steps`` schedule entries. An online schedule (Stumm & Walther 2010) would
-  adapt to the actual trip count; it is not implemented.
+* ``while_loop`` does not know its trip count while it runs: it places its checkpoints
+  online (:class:`memwise.schedule.OnlineCheckpointer`, executed by
+  :mod:`memwise._online`) and reverses each stretch with revolve, so its memory, program
+  and recomputation follow the steps that ran, never ``max_steps`` (which may be None).
+  It matches the offline optimum below (c+1)(c+2)/2 steps and stays within 5% of it at
+  c >= 4 up to 10,000 steps.
 """
 
 from __future__ import annotations
