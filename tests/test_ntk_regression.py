@@ -212,3 +212,43 @@ def test_dtypes(dtype):
     for a, b in zip(got, expected):
         assert a.dtype == jnp.dtype(dtype)
         _assert_close(a, b, dtype)
+
+
+# Pooling kernels (the KIP paper's Myrtle-style and residual architectures): each input's
+# own variances need its pixel-by-pixel covariance, prepared in chunks inside the tiling.
+MYRTLE = k.serial(k.Conv((3, 3)), k.Relu(), k.AvgPool((2, 2), (2, 2)), k.Conv((3, 3)), k.Relu(),
+                  k.AvgPool((2, 2), (2, 2)), k.Flatten(), k.Dense())
+RESNET = k.serial(k.Conv((3, 3), W_std=1.4, b_std=0.1), k.FanOut(2),
+                  k.parallel(k.Identity(), k.serial(k.Relu(), k.Conv((3, 3), W_std=1.4))),
+                  k.FanInSum(), k.Relu(), k.GlobalAvgPool(), k.Dense())
+
+
+@pytest.mark.parametrize(
+    "kernel_fn", [MYRTLE, pytest.param(RESNET, marks=pytest.mark.slow)], ids=["myrtle", "resnet"]
+)
+def test_kip_with_pooling_kernels_matches_dense(kernel_fn):
+    xs, xt = _images(8, 4, side=4), _images(9, 7, side=4)
+    ys, yt = _labels(4), _labels(7)
+    loss = lambda xs, ys: kip_loss(kernel_fn, xs, ys, xt, yt, ridge=1e-3, chunk_size=(3, 2))
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(xs, ys)
+    naive = lambda xs, ys: _naive_kip(kernel_fn, xs, ys, xt, yt, 1e-3)
+    expected_value, expected_grads = jax.jit(jax.value_and_grad(naive, argnums=(0, 1)))(xs, ys)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-4)
+    for got, expected in zip(grads, expected_grads):
+        scale = float(jnp.max(jnp.abs(expected)))
+        np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4 * scale)
+
+
+def test_kip_gradient_memory_with_pooling_does_not_grow_with_targets():
+    # Targets are prepared (own pixel-by-pixel covariance) a few at a time, never as a
+    # whole block of rows: memory flat from 40 to 640 targets with 20-target row tiles.
+    def temp(n_target):
+        s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        return compiled_memory(
+            lambda xs, ys, xt, yt: kip_loss(MYRTLE, xs, ys, xt, yt, ridge=1e-6, chunk_size=(20, 2)),
+            s(8, 8, 8, 1), s(8, 10), s(n_target, 8, 8, 1), s(n_target, 10),
+            grad=True, argnums=(0, 1),
+        ).temp_bytes
+
+    small, large = temp(40), temp(640)
+    assert large == pytest.approx(small, rel=0.05), (small, large)

@@ -9,9 +9,18 @@ naive program is the KIP notebook's loss written densely (the whole target-by-su
 kernel at once, ``jnp.linalg.solve``), on memwise's kernels since neural-tangents does
 not import on current JAX; the memwise program is :func:`memwise.ntk.kip_loss`, which
 tiles targets and support and recomputes tiles in the backward pass.
+
+The KIP paper's other architectures run the same way (``make(..., kernel=...)``):
+``"myrtle"``, a Myrtle-style kernel (Shankar et al. 2020: conv, relu and 2x2 average
+pooling), and ``"resnet"``, a small residual kernel (a conv stem, one block
+``x + Conv(Relu(x))``, global average pooling). Pooling needs the pixel-by-pixel
+covariance of every pair of images before it, (28*28)^2 numbers per pair, so their tiles
+are much smaller than the conv/flatten kernel's.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +42,28 @@ def kernel_fn() -> kernels.KernelFn:
     return k.serial(k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
 
 
-def naive_loss(x_support, y_support, x_target, y_target, ridge=RIDGE):
+def myrtle_kernel_fn() -> kernels.KernelFn:
+    """Myrtle-style: Conv Relu Conv Relu AvgPool(2x2) Conv Relu AvgPool(2x2) Flatten Dense."""
+    k = kernels
+    pool = k.AvgPool((2, 2), strides=(2, 2))
+    return k.serial(k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), pool,
+                    k.Conv((3, 3)), k.Relu(), pool, k.Flatten(), k.Dense())
+
+
+def resnet_kernel_fn() -> kernels.KernelFn:
+    """A small residual network: Conv, x + Conv(Relu(x)), Relu, GlobalAvgPool, Dense."""
+    k = kernels
+    block = k.parallel(k.Identity(), k.serial(k.Relu(), k.Conv((3, 3), W_std=1.4)))
+    return k.serial(k.Conv((3, 3), W_std=1.4, b_std=0.1), k.FanOut(2), block, k.FanInSum(),
+                    k.Relu(), k.GlobalAvgPool(), k.Dense())
+
+
+KERNELS = {"conv": kernel_fn, "myrtle": myrtle_kernel_fn, "resnet": resnet_kernel_fn}
+
+
+def naive_loss(x_support, y_support, x_target, y_target, ridge=RIDGE, kernel="conv"):
     """The KIP notebook's ``loss_fn``: the whole kernel at once, regulariser by the trace."""
-    kernel = kernel_fn()
+    kernel = KERNELS[kernel]()
     k_ss = kernel(x_support, x_support)
     k_ts = kernel(x_target, x_support)
     n = k_ss.shape[0]
@@ -53,8 +81,11 @@ def data(n_support: int, n_target: int, side: int, classes: int = 10):
     return x_support, one_hot(n_support), x_target, one_hot(n_target)
 
 
-def make(n_support: int, n_target: int, side: int, chunk_size: tuple[int, int]) -> Scenario:
-    kernel = kernel_fn()
+def make(n_support: int, n_target: int, side: int, chunk_size: tuple[int, int],
+         kernel: str = "conv") -> Scenario:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    kernel_name, kernel = kernel, KERNELS[kernel]()
 
     def memwise_loss(x_support, y_support, x_target, y_target):
         return kip_loss(kernel, x_support, y_support, x_target, y_target, ridge=RIDGE,
@@ -63,10 +94,11 @@ def make(n_support: int, n_target: int, side: int, chunk_size: tuple[int, int]) 
     return Scenario(
         name="kip",
         description=(
-            f"grad of a KIP loss, 2-layer conv NTK, {n_support} support and {n_target:,} "
+            f"grad of a KIP loss, {kernel_name} NTK, {n_support} support and {n_target:,} "
             f"target images {side}x{side}x1, tiles {chunk_size}"
         ),
-        naive=jax.value_and_grad(naive_loss, argnums=(0, 1)),
+        naive=jax.value_and_grad(functools.partial(naive_loss, kernel=kernel_name),
+                                 argnums=(0, 1)),
         memwise=jax.value_and_grad(memwise_loss, argnums=(0, 1)),
         args=data(n_support, n_target, side),
         rtol=1e-3,
