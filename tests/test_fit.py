@@ -1,6 +1,7 @@
 """mw.fit: budgets met (from memory_analysis), values unchanged, plans monotone, errors."""
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,9 @@ def test_budgets_met_and_gradients_unchanged(data):
     for budget in ("64MiB", "8MiB", "2MiB"):
         fitted = mw.fit(three_knobs, budget=budget)
         grad = jax.grad(fitted)(w, xs)
-        np.testing.assert_allclose(grad, expected, rtol=2e-5, atol=1e-4)
+        # float32 sums of 1,024 terms of ~1: another chunk size changes the order of
+        # the additions, hence the last digits.
+        np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-4)
         peak = compiled_memory(fitted, w, xs, grad=True).peak_bytes
         assert peak <= parse_budget(budget)
         assert fitted.plan.peak_bytes == peak
@@ -346,3 +349,40 @@ def test_none_leaves_are_not_arrays():
     fitted = mw.fit(lambda p, xs: pairwise_loss(p["w"], xs), budget="1GiB")
     grads = jax.grad(fitted)({"w": W, "unused": None}, XS)
     assert grads["unused"] is None and grads["w"].shape == W.shape
+
+
+def _pair_loss(x, y):
+    return jnp.sum(mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y,
+                                      reduce="logsumexp", chunk_size="auto"))
+
+
+def test_verbose_prints_each_compiled_plan(capsys):
+    x = jnp.ones((600, 2))
+    fitted = mw.fit(_pair_loss, budget="1MiB", verbose=True, policies=False)
+    plan = fitted.plan_for(x, x)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "compiled plan" in line]
+    assert len(lines) == plan.compilations >= 2
+    assert re.search(r"chunk_size=\(\d+, \d+\) -> peak .* vs budget 1\.0 MiB \((fits|over)\), "
+                     r"predicted time \d+\.\d\dx", lines[0]), lines[0]
+
+
+def test_tune_times_the_fastest_predicted_plans_and_keeps_the_fastest_measured():
+    x = jax.random.normal(jax.random.PRNGKey(1), (600, 2))
+    fitted = mw.fit(_pair_loss, budget="1MiB", tune=True, policies=False)
+    plan = fitted.plan_for(x, x)
+    assert 1 <= len(plan.timed) <= 3 and plan.tuning_compilations <= 3
+    assert plan.timing_runs == 6 * len(plan.timed)  # a warm-up and 5 timed runs each
+    seconds = [s for _, s in plan.timed]
+    assert seconds == sorted(seconds) and plan.values == plan.timed[0][0]
+    assert plan.compilations <= 10 and plan.peak_bytes <= parse_budget("1MiB")
+    assert "tuned: timed" in plan.to_text()
+    assert compiled_memory(fitted, x, x, grad=True).peak_bytes <= parse_budget("1MiB")
+    np.testing.assert_allclose(jax.grad(fitted)(x, x), jax.grad(_pair_loss)(x, x), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_tune_and_verbose_must_be_booleans():
+    with pytest.raises(TypeError, match="tune must be True or False"):
+        mw.fit(_pair_loss, budget="1MiB", tune="yes")
+    with pytest.raises(TypeError, match="verbose must be True or False"):
+        mw.fit(_pair_loss, budget="1MiB", verbose=1)

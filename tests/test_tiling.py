@@ -110,3 +110,39 @@ def test_explicit_backward_tile_changes_the_backward_memory_only():
 def test_bad_tile_sizes_name_the_argument(bad):
     with pytest.raises((ValueError, TypeError), match="chunk_size"):
         tiling.tiling(10, 10, bad)
+
+
+def _auto_tile_costs(fn, point, n, monkeypatch):
+    from memwise import costmodel, knobs
+    from memwise import tiling as tiling_lib
+
+    machine = costmodel.Machine("cpu/test", 1e11, ((2**15, 1e11), (2**20, 1e11), (2**25, 1e10)),
+                                1e-7)
+    monkeypatch.setattr(costmodel, "machine", lambda: machine)
+    with knobs.recording() as found:
+        tiling_lib.tiling(n, n, "auto", pair_bytes=lambda: tiling_lib.item_bytes(fn, point, point))
+    (knob,) = found
+    return dict(zip(knob.candidates, knob.cost))
+
+
+def test_auto_tile_costs_follow_the_roofline(monkeypatch):
+    n = 4096
+    # memory-bound: a few flops per pair, so a tile in cache beats the largest tiles
+    cheap = _auto_tile_costs(lambda a, b: -jnp.sum((a - b) ** 2), jnp.zeros(2), n, monkeypatch)
+    multi = {t: c for t, c in cheap.items() if t != (n, n)}
+    best = min(multi, key=multi.get)
+    largest = max(multi, key=lambda t: t[0] * t[1])
+    assert best[0] * best[1] < largest[0] * largest[1] // 16
+    assert multi[largest] > 3 * multi[best]
+    # compute-bound: a 64 x 64 matrix product per pair, so the largest tile is fastest
+    w = jnp.ones((64, 64)) / 64
+    heavy = _auto_tile_costs(lambda a, b: jnp.sum(jnp.tanh(w @ (a * b))), jnp.zeros(64), n,
+                             monkeypatch)
+    multi = {t: c for t, c in heavy.items() if t != (n, n)}
+    largest = max(multi, key=lambda t: t[0] * t[1])
+    assert multi[largest] <= 1.05 * min(multi.values())
+    # outside fit, "auto" is the default tile and compiles nothing
+    from memwise import tiling as tiling_lib
+
+    assert tiling_lib.tiling(n, n, "auto",
+                             pair_bytes=lambda: tiling_lib.item_bytes(lambda a, b: a @ b, w[0], w[0]))

@@ -34,11 +34,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from memwise import _arguments, knobs, measure
 
@@ -140,6 +144,11 @@ class Plan:
     cost: float
     budget_bytes: int
     compilations: int = 0
+    # With tune=True: the plans timed, (knob values, median seconds), fastest first; the
+    # extra compilations they needed and the timing runs, counted apart from the search.
+    timed: tuple[tuple[tuple, float], ...] = ()
+    tuning_compilations: int = 0
+    timing_runs: int = 0
 
     @property
     def values(self) -> tuple:
@@ -152,9 +161,15 @@ class Plan:
     def to_text(self) -> str:
         lines = [
             f"plan: peak {measure.format_bytes(self.peak_bytes)} within budget "
-            f"{measure.format_bytes(self.budget_bytes)}, predicted compute {self.cost:.2f}x "
+            f"{measure.format_bytes(self.budget_bytes)}, predicted time {self.cost:.2f}x "
             f"({self.compilations} compilations)"
         ]
+        if self.timed:
+            lines.append(
+                f"  tuned: timed {len(self.timed)} plans ({self.tuning_compilations} more "
+                f"compilations, {self.timing_runs} timing runs); kept the fastest measured, "
+                f"{self.timed[0][1] * 1e3:.1f} ms"
+            )
         if not self.entries:
             lines.append("  (no 'auto' knobs reached)")
         for e in self.entries:
@@ -181,6 +196,7 @@ class Trial:
 
 
 def _predicted_cost(found: Sequence[knobs.Knob], indices: Sequence[int]) -> float:
+    """Predicted time relative to the fastest-candidate plan: knob overheads summed."""
     return 1.0 + sum(k.cost[i] / k.cost[0] - 1.0 for k, i in zip(found, indices))
 
 
@@ -265,12 +281,14 @@ class _Signature:
     # of jitted or checkpointed helpers are shared by the calls of this plan only.
     cache_key: Any = dataclasses.field(default_factory=knobs.fresh_cache_key)
     traced: bool = False  # whether a trace under cache_key has reached every knob
+    verbose: bool = False
 
     def room(self) -> int:
         return self.max_compilations - self.compilations
 
     def trial(self, indices: tuple[int, ...], compile_plan: _Compile) -> Trial:
-        if indices not in self.memory:
+        compiled_now = indices not in self.memory
+        if compiled_now:
             self.compilations += 1
             self.memory[indices] = compile_plan(indices)
         if indices not in self.trials:
@@ -279,7 +297,28 @@ class _Signature:
                 indices, tuple(k.candidates[i] for k, i in zip(self.layout, indices)), peak,
                 _predicted_cost(self.layout, indices), peak <= self.budget_bytes,
             )
+            if self.verbose:
+                self.say(self.trials[indices], "compiled" if compiled_now else "known")
         return self.trials[indices]
+
+    def say(self, trial: Trial, how: str) -> None:
+        """One line per plan for ``fit(verbose=True)``: knobs, peak vs budget, cost."""
+        knob_text = ", ".join(f"{k.kind}={v!s}" for k, v in zip(self.layout, trial.values))
+        verdict = "fits" if trial.fits else "over"
+        print(f"mw.fit: {how} plan {self.compilations}/{self.max_compilations}: "
+              f"{knob_text or 'no knobs'} -> peak {measure.format_bytes(trial.peak_bytes)} "
+              f"vs budget {measure.format_bytes(self.budget_bytes)} ({verdict}), "
+              f"predicted time {trial.cost:.2f}x", flush=True)
+
+    def tuning_candidates(self, count: int) -> list[tuple[int, ...]]:
+        """The ``count`` fastest predicted plans that fit (or are leaner than one that does)."""
+        best = self.best()
+        pool = {t.indices: t.cost for t in self.trials.values() if t.fits}
+        for _, candidate in self._moves(best):
+            leaner = all(c >= b for c, b in zip(candidate, best.indices))
+            if leaner and candidate not in self.trials:
+                pool[candidate] = _predicted_cost(self.layout, candidate)
+        return sorted(pool, key=lambda i: (pool[i], i))[:count]
 
     def best(self) -> Trial | None:
         fitting = [t for t in self.trials.values() if t.fits]
@@ -315,22 +354,34 @@ class _Signature:
         self._relax(compile_plan)
         return self.best()
 
+    def _moves(self, current: Trial) -> list[tuple[float, tuple[int, ...]]]:
+        """Single-knob changes of ``current`` predicted faster, largest saving first.
+
+        A knob's candidates are ordered by memory, not by time: a leaner candidate (a
+        cache-sized tile) may be predicted faster, and is then tried as well.
+        """
+        moves = []
+        for k, knob in enumerate(self.layout):
+            for index in range(len(knob.candidates)):
+                candidate = list(current.indices)
+                candidate[k] = index
+                candidate = tuple(candidate)
+                known = self.trials.get(candidate)
+                if index == current.indices[k] or (known is not None and not known.fits):
+                    continue
+                saving = current.cost - _predicted_cost(self.layout, candidate)
+                if saving > 1e-9 and (known is None or known.fits):
+                    moves.append((saving, index > current.indices[k], candidate))
+        # Leaner moves first among equal savings: they fit whenever the current plan does.
+        return [(saving, c) for saving, _, c in sorted(moves, reverse=True)]
+
     def _relax(self, compile_plan: _Compile) -> None:
-        """Knob by knob, step towards faster candidates while the program still fits."""
+        """Move knob by knob to candidates predicted faster while the program still fits."""
         improved = True
         while improved and self.room() > 0:
             improved = False
-            current = self.best()
-            steps = []
-            for k in range(len(self.layout)):
-                if current.indices[k] > 0:
-                    candidate = list(current.indices)
-                    candidate[k] -= 1
-                    saving = current.cost - _predicted_cost(self.layout, candidate)
-                    if saving > 1e-9:
-                        steps.append((saving, tuple(candidate)))
-            for _, candidate in sorted(steps, reverse=True):
-                if self.room() <= 0:
+            for _, candidate in self._moves(self.best()):
+                if candidate not in self.memory and self.room() <= 0:
                     return
                 if self.trial(candidate, compile_plan).fits:
                     improved = True
@@ -340,8 +391,11 @@ class _Signature:
 class Fitted:
     """``fn`` with its ``"auto"`` knobs chosen to meet a memory budget. See :func:`fit`."""
 
-    def __init__(self, fn, budget, argnums, grad, policies, max_compilations, static):
+    def __init__(self, fn, budget, argnums, grad, policies, max_compilations, static,
+                 verbose=False, tune=False, tune_plans=3, tune_runs=5):
         self.fn = fn
+        self.verbose = verbose
+        self.tune, self.tune_plans, self.tune_runs = tune, tune_plans, tune_runs
         self.budget_bytes = measure.parse_budget(budget)
         self.argnums = argnums
         self.grad = grad
@@ -455,20 +509,65 @@ class Fitted:
                 abstract_args, abstract_kwargs, self._knobs_of(abstract_args, abstract_kwargs),
                 self.budget_bytes, self.max_compilations,
                 _memory_cache(self.fn, (key, self.grad, self.argnums, self.policies)),
+                verbose=self.verbose,
             )
             self._signatures[key] = state
         if state.plan is None:
             chosen = state.search(lambda indices: self._compile(indices, state))
             if chosen is None:
                 self._raise_infeasible(state)
+            timed, tuning_compilations, runs = (), 0, 0
+            if self.tune:
+                chosen, timed, tuning_compilations, runs = self._tune(state, chosen, args, kwargs)
             entries = tuple(
                 PlanEntry(k.kind, k.label, k.source, k.candidates[i], i, len(k.candidates))
                 for k, i in zip(state.layout, chosen.indices)
             )
             state.plan = Plan(entries, chosen.peak_bytes, chosen.cost, self.budget_bytes,
-                              state.compilations)
+                              state.compilations, timed, tuning_compilations, runs)
         self._last = state
         return state
+
+    def _tune(self, state: _Signature, chosen: Trial, args: tuple, kwargs: dict):
+        """Times the fastest predicted plans that fit; returns the fastest measured.
+
+        Each is compiled (the search's memory results are not executables) and run
+        ``tune_runs`` times after a warm-up, the plans interleaved round by round.
+        """
+        static_positions, static_names = _arguments.static_arguments(
+            self.fn, args, kwargs, **self._static)
+        data_args, data_kwargs = _example_data(args, kwargs, static_positions, static_names)
+        executables, compilations = {}, 0
+        for indices in state.tuning_candidates(self.tune_plans):
+            compiled, memory = measure.compile_measured(
+                self._program(indices, state.layout), *args, grad=self.grad,
+                argnums=self.argnums, **self._static, **kwargs,
+            )
+            compilations += 1
+            if memory.peak_bytes <= state.budget_bytes:
+                executables[indices] = compiled
+                if indices not in state.memory:
+                    state.memory[indices] = memory
+                    state.trial(indices, lambda _: memory)
+        samples: dict[tuple, list[float]] = {i: [] for i in executables}
+        runs = 0
+        for round_ in range(self.tune_runs + 1):  # round 0 warms up
+            for indices, compiled in executables.items():
+                start = time.perf_counter()
+                jax.block_until_ready(compiled(*data_args, **data_kwargs))
+                if round_:
+                    samples[indices].append(time.perf_counter() - start)
+                runs += 1
+        medians = {i: statistics.median(v) for i, v in samples.items() if v}
+        if not medians:
+            return chosen, (), compilations, runs
+        ranked = sorted(medians, key=medians.get)
+        timed = tuple((state.trials[i].values, medians[i]) for i in ranked)
+        if self.verbose:
+            for values, seconds in timed:
+                print(f"mw.fit: timed {values}: {seconds * 1e3:.2f} ms (median of "
+                      f"{self.tune_runs})", flush=True)
+        return state.trials[ranked[0]], timed, compilations, runs
 
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for arguments of these shapes (planned on first use, then cached)."""
@@ -542,6 +641,30 @@ class Fitted:
         return self.plan_for(*args, **kwargs).to_text()
 
 
+def _example_data(args: tuple, kwargs: dict, static_positions, static_names):
+    """What ``tune`` runs on: the arguments when concrete, else random arrays like them.
+
+    Static arguments are left out as the compiled executable expects (None in place of
+    positional ones).
+    """
+    key = [jax.random.PRNGKey(0)]
+
+    def concrete(leaf):
+        if isinstance(leaf, (jax.Array, np.ndarray)) and not isinstance(leaf, jax.core.Tracer):
+            return leaf
+        shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
+        key[0], sub = jax.random.split(key[0])
+        if jnp.issubdtype(dtype, jnp.floating):
+            return jax.random.normal(sub, shape, dtype)
+        return jnp.zeros(shape, dtype)
+
+    data_args = tuple(None if i in static_positions else jax.tree.map(concrete, a)
+                      for i, a in enumerate(args))
+    data_kwargs = {k: jax.tree.map(concrete, v) for k, v in kwargs.items()
+                   if k not in static_names}
+    return data_args, data_kwargs
+
+
 def fit(
     fn: Callable,
     *,
@@ -552,6 +675,8 @@ def fit(
     max_compilations: int = 10,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
+    verbose: bool = False,
+    tune: bool = False,
 ) -> Fitted:
     """Chooses every ``"auto"`` knob inside ``fn`` so its compiled peak fits ``budget``.
 
@@ -573,6 +698,14 @@ def fit(
       static_argnums, static_argnames: arguments passed to ``fn`` as Python values, as
         ``jax.jit`` passes static arguments (hashable; each value is planned on its own).
         Call ``jax.grad(fitted)`` inside ``jax.jit`` with the same static arguments.
+      verbose: print each plan as it is compiled: its knob values, compiled peak against
+        the budget and predicted time.
+      tune: after the search, compile and run the 3 fastest predicted plans that fit (5
+        timed runs each, after a warm-up) and keep the fastest measured. It runs the
+        program on the arguments when they are concrete arrays, else on random arrays of
+        their shapes (a data-dependent loop, e.g. Sinkhorn's, may then run another number
+        of iterations). ``plan.tuning_compilations`` and ``plan.timing_runs`` count that
+        work apart from the search's ``plan.compilations``.
 
     Raises:
       MemoryBudgetError: when even the leanest plan exceeds the budget; the message says
@@ -592,7 +725,8 @@ def fit(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    for name, flag in (("grad", grad), ("policies", policies)):
+    for name, flag in (("grad", grad), ("policies", policies), ("verbose", verbose),
+                       ("tune", tune)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     if (isinstance(max_compilations, bool) or not isinstance(max_compilations, int)
@@ -610,4 +744,5 @@ def fit(
         )
     static = {"static_argnums": static_argnums, "static_argnames": static_argnames}
     argnums = argnums if isinstance(argnums, int) else nums
-    return Fitted(fn, budget, argnums, grad, policies, max_compilations, static)
+    return Fitted(fn, budget, argnums, grad, policies, max_compilations, static,
+                  verbose=verbose, tune=tune)

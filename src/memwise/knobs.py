@@ -45,8 +45,10 @@ class Knob:
       kind: what the knob sets: ``"checkpoints"``, ``"chunk_size"`` or ``"microbatches"``.
       source: ``file:line`` of the user's call that left the knob as ``"auto"``.
       candidates: allowed values, fastest (most memory) first, leanest last.
-      cost: predicted compute of each candidate, relative to candidate 0 (1.0 = no
-        overhead), nondecreasing. Scans count body evaluations; chunks count tiles.
+      cost: predicted time of each candidate, relative to candidate 0 (1.0). Scans count
+        body evaluations (nondecreasing); chunks predict each tiling's time from XLA's
+        cost analysis of one tile and the machine's balance (``memwise.costmodel``), so a
+        mid-size tile may cost less than the largest.
       default: the value used outside ``fit``.
       label: optional name shown in plans (e.g. the region a remat policy applies to).
     """
@@ -128,7 +130,8 @@ def auto(
     Args:
       kind: ``"checkpoints"``, ``"chunk_size"`` or ``"microbatches"``.
       candidates: allowed values ordered fastest (most memory) first.
-      cost: predicted relative compute per candidate, or a function of a candidate.
+      cost: predicted relative time per candidate, or a function of a candidate
+        (called only inside ``fit``, where the costs are used).
       default: value used when no plan is active.
       label: optional name shown in plans.
       source: where the knob is set; by default the innermost user frame's ``file:line``.
@@ -141,12 +144,12 @@ def auto(
     candidates = tuple(candidates)
     if not candidates:
         raise ValueError(f"knob {kind!r} needs at least one candidate")
-    costs = tuple(float(cost(c)) for c in candidates) if callable(cost) else tuple(cost)
-    if len(costs) != len(candidates):
-        raise ValueError(f"knob {kind!r}: {len(costs)} costs for {len(candidates)} candidates")
+    if not callable(cost) and len(cost) != len(candidates):
+        raise ValueError(f"knob {kind!r}: {len(cost)} costs for {len(candidates)} candidates")
     recorder = _RECORDER.get()
     if recorder is None:
-        return default
+        return default  # a cost function may compile: it runs only where costs are used
+    costs = tuple(float(cost(c)) for c in candidates) if callable(cost) else tuple(cost)
     knob = Knob(kind, source or user_source(), candidates, costs, default, label)
     recorder.knobs.append(knob)
     occurrence = recorder.seen.get(knob.key, 0)

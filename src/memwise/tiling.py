@@ -13,16 +13,22 @@ object that the loops then follow:
   scores, their cotangent and the user function's residuals, about twice a forward
   tile's live set, so by default its tile has half the rows. Both tiles are visible on
   the object and can be set (``tiling(..., backward=(rows, cols))``).
-* ``"auto"`` sizes come from one cost model (:func:`_relative_cost`): the work of a tile
-  size is padded items x bytes per item + chunks x a per-chunk loop overhead, and the
-  bytes per item follow one rule for every primitive (:func:`item_bytes`: three times the
-  intermediates of one item, as traced: the forward's live values, the vjp's residuals
-  and their cotangents). The user function is traced for that estimate only when the
-  size is ``"auto"``.
+* ``"auto"`` sizes come from one rule for the memory of a tile, the bytes per item
+  (:func:`item_bytes`: three times the intermediates of one item, as traced: the
+  forward's live values, the vjp's residuals and their cotangents), and one cost model
+  for its time (:func:`_tile_costs`): a tile's body (the user function over the tile,
+  reduced over its columns with the engine's max-shifted sum of exponentials) is
+  compiled and XLA's ``cost_analysis()`` of it, flops and bytes accessed at each
+  candidate's size (:func:`_tile_cost`), is combined with the machine's measured balance
+  into a roofline time (:mod:`memwise.costmodel`), times the number of tiles. So a cheap, memory-bound pair function gets a cache-sized tile on a CPU and a
+  compute-bound one the largest tile. The tile bodies are compiled only inside
+  ``mw.fit`` (where the costs are read), once per function, shapes and tile. Where the
+  body cannot be compiled apart (it closes over traced values), the count model of
+  padded items x bytes per item + tiles x a per-tile loop overhead stands in.
 
-The cost model's known limit: it counts padding and loop overhead only, so it cannot
-tell a cheap, memory-bound pair function (faster with cache-sized tiles on CPU) from a
-compute-bound one (fastest with the largest tile).
+The model's known limits: the working set of a tile is taken to be its bytes accessed,
+and a one-tile tiling is priced by its arithmetic alone (XLA removes the one-trip loop
+and fuses the reduction); ``mw.fit(tune=True)`` times the best predicted plans instead.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memwise import knobs
+from memwise import costmodel, knobs
 
 __all__ = [
     "TILE_BYTES",
@@ -210,12 +216,35 @@ def leading_length(tree: Any, arg: str) -> int:
     return lengths.pop()
 
 
+class ItemBytes(int):
+    """Bytes per item (the int), and the function and example item it was measured on.
+
+    The function lets the cost model compile one tile of it (:func:`_tile_costs`);
+    ``key`` identifies the function and shapes for caching those compilations.
+    """
+
+    fn: Callable | None
+    examples: tuple
+    key: str
+
+    def __new__(cls, nbytes: int, fn: Callable | None = None, examples: tuple = (),
+                key: str = ""):
+        out = super().__new__(cls, nbytes)
+        out.fn, out.examples, out.key = fn, examples, key
+        return out
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+
+
 def item_bytes(fn: Callable, *example_args: Any) -> int:
     """Estimated bytes one item (or pair) costs inside a chunk: THE rule for ``"auto"``.
 
     Three times the bytes of all intermediates of ``fn`` on one example, as traced: the
     forward's live values, the vjp's residuals and their cotangents. XLA fuses many of
-    them, so the estimate errs on the lean side.
+    them, so the estimate errs on the lean side. The result is an :class:`ItemBytes`,
+    which also carries ``fn`` and the example's shapes for the time model.
     """
     try:
         jaxpr = jax.make_jaxpr(fn)(*example_args)
@@ -227,11 +256,12 @@ def item_bytes(fn: Callable, *example_args: Any) -> int:
             aval = getattr(var, "aval", None)
             if hasattr(aval, "shape") and hasattr(aval, "dtype"):
                 total += int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    return 3 * max(total, 4)
+    examples = _abstract(example_args)
+    return ItemBytes(3 * max(total, 4), fn, examples, f"{jaxpr}|{examples}")
 
 
 def _relative_cost(work: Sequence[float]) -> list[float]:
-    """Relative compute per candidate, made nondecreasing as knobs.auto expects."""
+    """Relative work per candidate of the count model, made nondecreasing."""
     base = work[0]
     out, running = [], 1.0
     for w in work:
@@ -248,7 +278,110 @@ def _bytes(estimate: int | Callable[[], int] | None) -> int:
     """Bytes per item from a number or a zero-argument estimator (called only here)."""
     if callable(estimate):
         estimate = estimate()
+    if isinstance(estimate, ItemBytes) and estimate > 0:
+        return estimate
     return max(int(estimate or _FALLBACK_ITEM_BYTES), 1)
+
+
+# Predicted seconds of one tile body, per (function and shapes, tile): compiled once.
+_TILE_COSTS: dict[tuple, costmodel.Cost | None] = {}
+
+
+def _tile_body(fn: Callable, n_cols: int | None) -> Callable:
+    """One tile's work: ``fn`` over every pair (or item), reduced as the engine reduces.
+
+    The max-shifted sum of exponentials over the columns makes XLA hold the tile of
+    scores between two reductions, as the engine's online log-sum-exp does.
+    """
+
+    def scores(rows, cols, consts):
+        if n_cols is None:
+            out = jax.vmap(lambda a: fn(a, *consts))(rows)
+        else:
+            out = jax.vmap(jax.vmap(lambda a, b: fn(a, b, *consts), (None, 0)), (0, None))(
+                rows, cols)
+        leaves = [jnp.real(leaf).astype(jnp.float32) for leaf in jax.tree.leaves(out)]
+        return sum(leaf.reshape(leaf.shape[: 1 if n_cols is None else 2] + (-1,)).sum(-1)
+                   for leaf in leaves)
+
+    def body(rows, cols, consts):
+        s = scores(rows, cols, consts)
+        if n_cols is None:
+            return jnp.sum(s)
+        top = lax.stop_gradient(jnp.max(s, axis=1, keepdims=True))
+        return jnp.sum(jnp.log(jnp.sum(jnp.exp(s - top), axis=1)) + top[:, 0])
+
+    return body
+
+
+def _batched(tree: Any, size: int) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((size,) + tuple(a.shape), a.dtype), tree)
+
+
+def _tile_cost(profile: ItemBytes, shape: tuple[int, ...], tile: tuple[int, ...]
+               ) -> costmodel.Cost | None:
+    """XLA's cost of one tile body of ``tile``, from the body compiled at two sizes.
+
+    A tile body's flops and bytes are an affine function of its pairs (items): each pair
+    is the same work, plus a fixed part (the reductions' outputs). So the body is
+    compiled at a small and a larger reference tile (clipped to the problem) and every
+    candidate is read off the line through them: two compilations per function and
+    shapes instead of one per candidate.
+    """
+    references = [tuple(min(n, r) for n, r in zip(shape, (64,) * len(shape))),
+                  tuple(min(n, r) for n, r in zip(shape, (256,) * len(shape)))]
+    costs = [_compiled_tile(profile, *ref, *((None,) * (2 - len(ref)))) for ref in references]
+    if any(c is None for c in costs):
+        return None
+    (low, high), (p_low, p_high) = costs, [math.prod(r) for r in references]
+    pairs = math.prod(tile)
+    if p_high == p_low:
+        return high
+    slope = (pairs - p_low) / (p_high - p_low)
+    return costmodel.Cost(
+        max(0.0, low.flops + slope * (high.flops - low.flops)),
+        max(0.0, low.bytes_accessed + slope * (high.bytes_accessed - low.bytes_accessed)),
+        high.operations,
+    )
+
+
+def _compiled_tile(profile: ItemBytes, rows: int, cols: int | None) -> costmodel.Cost | None:
+    key = (profile.key, rows, cols)
+    if key not in _TILE_COSTS:
+        two_d = cols is not None
+        first, second = profile.examples[0], profile.examples[1] if two_d else None
+        consts = profile.examples[2 if two_d else 1:]
+        try:
+            _TILE_COSTS[key] = costmodel.compiled_cost(
+                _tile_body(profile.fn, cols), _batched(first, rows),
+                _batched(second, cols) if two_d else None, consts,
+            )
+        except Exception:  # noqa: BLE001 - e.g. fn closes over traced values: no model
+            _TILE_COSTS[key] = None
+    return _TILE_COSTS[key]
+
+
+def _tile_costs(per_item: int, shape: tuple[int, ...], candidates: Sequence[tuple],
+                count_work: Callable[[tuple], float]) -> dict[tuple, float]:
+    """Relative predicted time of each candidate tile (candidate 0 is 1.0).
+
+    The roofline of :mod:`memwise.costmodel` for the tile body of ``per_item``'s
+    function; the count model ``count_work`` where that body cannot be compiled.
+    """
+    times = None
+    if isinstance(per_item, ItemBytes) and per_item.fn is not None:
+        machine = costmodel.machine()
+        times = []
+        for tile in candidates:
+            cost = _tile_cost(per_item, shape, tile)
+            if cost is None:
+                times = None
+                break
+            tiles = math.prod(Chunking(n, t).n_chunks for n, t in zip(shape, tile))
+            times.append(costmodel.tile_time(cost, tiles, machine))
+    if times is None:
+        times = _relative_cost([count_work(t) for t in candidates])
+    return {tile: t / times[0] for tile, t in zip(candidates, times)}
 
 
 def chunking(
@@ -293,16 +426,19 @@ def chunking(
             s for s in (2**k for k in range(16, -1, -1)) if s < length and s >= 1
         ][:12]
 
-        def work(size: int) -> int:
-            c = Chunking(length, size)
+        def work(size: tuple[int]) -> int:
+            c = Chunking(length, size[0])
             return c.padded * per_item + _LOOP_OVERHEAD_BYTES * c.n_chunks
 
-        size = knobs.auto(
-            "chunk_size",
-            candidates=candidates,
-            cost=_relative_cost([work(c) for c in candidates]),
-            default=min(default, length),
-        )
+        table: dict = {}
+
+        def cost(size: int) -> float:  # evaluated inside fit only
+            if not table:
+                table.update(_tile_costs(per_item, (length,), [(c,) for c in candidates], work))
+            return table[(size,)]
+
+        size = knobs.auto("chunk_size", candidates=candidates, cost=cost,
+                          default=min(default, length))
         return Chunking(length, min(int(size), length))
     return Chunking(length, min(_check_positive_int(chunk_size, arg), length))
 
@@ -343,12 +479,14 @@ def _auto_tile(n: int, m: int, per_pair: int) -> tuple[int, int]:
         r, c = Chunking(n, tile[0]), Chunking(m, tile[1])
         return r.padded * c.padded * per_pair + _LOOP_OVERHEAD_BYTES * r.n_chunks * c.n_chunks
 
-    return knobs.auto(
-        "chunk_size",
-        candidates=candidates,
-        cost=_relative_cost([work(t) for t in candidates]),
-        default=default,
-    )
+    table: dict = {}
+
+    def cost(tile: tuple[int, int]) -> float:  # evaluated inside fit only
+        if not table:
+            table.update(_tile_costs(per_pair, (n, m), candidates, work))
+        return table[tile]
+
+    return knobs.auto("chunk_size", candidates=candidates, cost=cost, default=default)
 
 
 def tiling(
