@@ -322,6 +322,14 @@ BAD_INPUTS = {
     "kernel_regression ridge": (lambda: mw.ntk.kernel_regression(
         mw.ntk.kernels.serial(mw.ntk.kernels.Dense()), _X, jnp.ones(4), _X, ridge=-1.0),
         ValueError, "ridge"),
+    "predict t": (lambda: mw.ntk.predict(mw.ntk.kernels.serial(mw.ntk.kernels.Dense()), _X,
+                                         jnp.ones(4), _X, ridge=1e-3, t=-1.0), ValueError, "t must"),
+    "predict get": (lambda: mw.ntk.predict(mw.ntk.kernels.serial(mw.ntk.kernels.Dense()), _X,
+                                           jnp.ones(4), _X, ridge=1e-3, get="both"), ValueError, "get"),
+    "taylor_expand degree": (lambda: mw.taylor_expand(lambda p, x: p["w"] * x, {"w": _X}, -1),
+                             ValueError, "degree"),
+    "kernels AvgPool strides": (lambda: mw.ntk.kernels.AvgPool((2, 2), strides=(2,)), ValueError,
+                                "strides"),
     "memory_report fn": (lambda: mw.memory_report(3, _X), TypeError, "fn"),
     "fit budget": (lambda: mw.fit(jnp.sum, budget="lots"), ValueError, "budget"),
 }
