@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from memwise import _arguments, _jax_private, timeline as _timeline
+from memwise._display import _pyplot, check_plot_path, format_bytes  # noqa: F401 - re-exported
 
 __all__ = [
     "CompiledMemory",
@@ -418,16 +419,6 @@ def parse_budget(budget: int | float | str) -> int:
 # The report
 
 
-def format_bytes(n: int | float) -> str:
-    """1536 -> '1.5 KiB'."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 _CONSTANT_WARNING_BYTES = 1 << 20
 
 
@@ -567,36 +558,6 @@ class MemoryReport(CompiledMemory):
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:  # pragma: no cover - exercised by monkeypatching
-        raise ImportError(
-            "plotting needs matplotlib: pip install memwise[plot]"
-        ) from error
-    return plt
-
-
-def check_plot_path(path: str | os.PathLike, arg: str = "path") -> None:
-    """Raises ``ValueError`` naming ``arg`` when matplotlib cannot write ``path``'s format.
-
-    A path without an extension is written in matplotlib's default format (PNG).
-    """
-    _pyplot()
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    extension = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
-    supported = sorted(FigureCanvasBase.get_supported_filetypes())
-    if extension and extension not in supported:
-        raise ValueError(
-            f"cannot write {arg} {os.fspath(path)!r}: matplotlib has no .{extension} format; "
-            f"end the file name with one of {', '.join('.' + e for e in supported)}"
-        )
 
 
 def memory_report(

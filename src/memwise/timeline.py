@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from memwise._display import _pyplot, check_plot_path, format_bytes
+
 __all__ = ["Buffer", "Loop", "Timeline", "argument_source", "of_lowered", "parse_dump"]
 
 
@@ -333,8 +335,6 @@ class Timeline:
 
     def to_text(self, max_rows: int = 12) -> str:
         """The peak, the buffers alive there (largest first) and the loops."""
-        from memwise.measure import format_bytes  # the one byte formatter
-
         peak = self.peak_step
         lines = [
             f"memory timeline: {self.name}  ({len(self.steps)} steps of the compiled schedule)",
@@ -381,8 +381,6 @@ class Timeline:
         Raises:
           ValueError: when matplotlib cannot write ``path``'s file format.
         """
-        from memwise.measure import _pyplot, check_plot_path, format_bytes
-
         check_plot_path(path)
         plt = _pyplot()
         buffers = self.at_peak()[:top]
