@@ -33,7 +33,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,8 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Cost", "Machine", "compiled_cost", "machine", "measure_machine", "median_time",
-           "tile_time"]
+__all__ = ["Cost", "Machine", "compiled_cost", "machine", "measure_machine", "tile_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,14 +217,3 @@ def tile_time(cost: Cost, tiles: int, machine: Machine) -> float:
         return compute
     memory = cost.bytes_accessed / machine.bandwidth_at(cost.bytes_accessed)
     return tiles * (max(compute, memory) + cost.operations * machine.op_overhead_s)
-
-
-def median_time(run: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of ``repeats`` runs after a warm-up (what ``fit(tune=True)`` times)."""
-    jax.block_until_ready(run())
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)

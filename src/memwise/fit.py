@@ -1,7 +1,9 @@
 """Choose every memory knob left as ``"auto"`` so the compiled program meets a budget.
 
 Each ``"auto"`` knob a function's trace reaches registers itself (``memwise.knobs``) with
-its candidates, ordered fastest-first, and a predicted compute cost per candidate. With
+its candidates, ordered from the most memory to the least, and a predicted time per
+candidate: body evaluations for scans, a roofline for chunk sizes (XLA's cost analysis of
+one tile body and the machine's measured balance, ``memwise.costmodel``). With
 ``policies=True`` the function as a whole, and every block marked with :func:`region`,
 becomes one more knob whose candidates are ``jax.checkpoint`` policies, from saving
 everything to saving nothing.
@@ -9,24 +11,32 @@ everything to saving nothing.
 The search never runs the program; it compiles and reads XLA's ``memory_analysis()``:
 
 1. *Pressure path.* One pressure level p in [0, 1] maps to every knob at once
-   (candidate index round(p * (len - 1))). p = 0 is the fastest plan; if it fits, done.
-   Otherwise p = 1 (the leanest plan) is compiled, first with the remat policies left
-   at "save everything" (they recompute whole regions), then, if that does not fit,
-   with them too; if even the leanest plan does not fit, no plan can (knobs are
-   monotone), and :class:`MemoryBudgetError` says what dominates.
+   (candidate index round(p * (len - 1))). p = 0 is the most-memory plan; if it fits,
+   the search goes on at step 3. Otherwise p = 1 (the leanest plan) is compiled, first
+   with the remat policies left at "save everything" (they recompute whole regions),
+   then, if that does not fit, with them too; if even the leanest plan does not fit, no
+   plan can (knobs are monotone in memory), and :class:`MemoryBudgetError` says what
+   dominates.
 2. *Bisection* over the distinct plans of the path finds the least pressure that fits
    (log2 of the number of levels compilations), assuming peak memory decreases along it.
-3. *Greedy relaxation*: knob by knob, step back towards faster candidates while the
-   program still fits, largest predicted saving first, until ``max_compilations``.
+3. *Descent*: knob by knob, move to any candidate predicted faster while the program
+   still fits, largest predicted saving first, until ``max_compilations``. A leaner
+   candidate can be faster (a cache-sized tile for a memory-bound pair function); it
+   fits whenever the current plan does, and is compiled to verify it.
+
+With ``tune=True`` the 3 fastest predicted plans that fit are then compiled and run (5
+timed runs after a warm-up each, interleaved) and the fastest measured is kept; those
+compilations and runs are counted apart from the search's. ``verbose=True`` prints every
+plan as it is compiled.
 
 Each argument signature (tree structure, shapes and dtypes) is searched on its own, with
 its own ``max_compilations``: a shape planned after another gets the plan it would get
 alone. Every compiled plan is remembered per signature, and the fastest predicted plan
 known to fit is chosen, so a larger budget never gets a slower predicted plan. The cost
-model is coarse by design (relative recomputation per knob, summed as overheads): it only
-has to order plans; the memory claim is always verified by compiling. Honest limits: the
-bisection assumes monotone peaks along the path, and the greedy step may miss a plan that
-changes two knobs at once to reach a lower cost.
+model only has to order plans (knob overheads relative to the most-memory plan, summed);
+the memory claim is always verified by compiling. Honest limits: the bisection assumes
+monotone peaks along the path, and the descent may miss a plan that changes two knobs at
+once to reach a lower cost.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ what the compiler cannot say: which arrays the backward pass of ``jax.grad`` kee
 (``residuals``, from ``jax.ad_checkpoint``'s saved-residual analysis) and the line of user
 code that produced each of them (:func:`memory_report`). It also reads budgets
 (:func:`parse_budget`: bytes, ``"8GiB"``, ``"1e9"``, or a fraction of
-:func:`device_memory_bytes`).
+:func:`device_memory_bytes`). A report's :meth:`MemoryReport.timeline` says *when* the
+memory is live, step by step along the compiled schedule (:mod:`memwise.timeline`).
 
 Peak memory is argument + output - alias + temp, or XLA's ``peak_memory_in_bytes`` where
 jaxlib reports a larger value (it also counts constants baked into the program). The max
