@@ -8,14 +8,16 @@ XLA's own ``cost_analysis()`` of the compiled body, and the machine's balance fr
 micro-benchmark run once per backend and device kind (:func:`machine`):
 
 * the flop rate of a float32 matrix product;
-* the streaming bandwidth as a function of the working set (32 KiB to 128 MiB): the
-  cache hierarchy, which is why a cheap, memory-bound pair function runs fastest with a
-  cache-sized tile on a CPU;
+* the bandwidth of a tile's access pattern (a row max, a shifted sum of exponentials
+  and an update over a 2-D block) as a function of the block's size (32 KiB to
+  128 MiB): the cache hierarchy, which is why a cheap, memory-bound pair function runs
+  fastest with a cache-sized tile on a CPU;
 * the fixed cost of one operation in a loop body (what makes tiny tiles slow: a tile
   pays it for each operation of its compiled body).
 
-A tile's time is ``max(flops / flop_rate, bytes / bandwidth(bytes)) + loop_overhead``,
-with the tile's bytes accessed standing for its working set; a tiling's time is that
+A tile's time is ``max(flops / flop_rate, bytes / bandwidth(working set))`` plus the
+fixed cost of its operations, where the working set is the compiled body's buffers
+(XLA's ``memory_analysis()``: arguments, outputs, temporaries); a tiling's time is that
 times the number of tiles. A tiling of one tile has no loop: XLA removes a loop of one
 trip and fuses the reduction into the pair function, so its tile never reaches memory
 and only its arithmetic counts. It orders candidate tiles, it does not promise seconds:
@@ -63,9 +65,14 @@ class Machine:
     op_overhead_s: float
 
     def bandwidth_at(self, working_set: float) -> float:
-        """Streaming bandwidth for this working set (log-linear between measured sizes)."""
+        """Streaming bandwidth for this working set (log-linear between measured sizes).
+
+        A larger working set never streams faster than a smaller one (it fits in no
+        faster cache), so each size gets the best rate measured at it or any larger size:
+        a dip measured while other work ran does not make a mid-size tile look slow.
+        """
         sizes = [math.log(s) for s, _ in self.bandwidth]
-        rates = [r for _, r in self.bandwidth]
+        rates = list(np.maximum.accumulate([r for _, r in self.bandwidth][::-1])[::-1])
         return float(np.interp(math.log(max(working_set, 1.0)), sizes, rates))
 
 
@@ -103,24 +110,36 @@ def _measure(repeats: int) -> Machine:
 
     bandwidth = []
     for size in (2**15, 2**17, 2**19, 2**21, 2**23, 2**25, 2**27):
-        x = jnp.ones(size // 4, jnp.float32)
-        # Enough passes over x that the loop, not the dispatch, is timed.
+        # A tile's access pattern, not a plain stream: the max over each row, then the
+        # sum of exponentials shifted by it, then an update (three passes over the block),
+        # as the engine's log-sum-exp reads its tile of scores.
+        block = jnp.ones((size // 4 // 256, 256), jnp.float32)
         passes = max(2, min(256, 2**26 // size))
-        stream = jax.jit(lambda x, n=passes: lax.fori_loop(0, n, lambda _, v: v * 0.999 + 1e-3, x))
-        seconds = _best_time(lambda: stream(x), repeats)
-        bandwidth.append((size, 2 * size * passes / seconds))  # read and write
 
-    # A loop body like a tile step (slice by the loop index, reduce, write back), small
-    # enough that its arithmetic is negligible: what one more tile costs beyond its work.
+        def reduce_rows(_, v):
+            top = jnp.max(v, axis=1, keepdims=True)
+            return v * 0.999 + jnp.sum(jnp.exp(v - top), axis=1, keepdims=True) * 1e-6
+
+        run = jax.jit(lambda v, n=passes, f=reduce_rows: lax.fori_loop(0, n, f, v))
+        seconds = _best_time(lambda: run(block), repeats)
+        bandwidth.append((size, 3 * size * passes / seconds))
+
+    # A loop body like a tile step (slice a block by the loop index, a small product, a
+    # row max and shifted sum, write back), small enough that its arithmetic is
+    # negligible: the fixed cost per operation that one more tile pays.
+    weights = jnp.ones((8, 8), jnp.float32)
+
     def step(i, carry):
         acc, v = carry
-        block = lax.dynamic_slice(v, (i % 64 * 16,), (16,))
-        total = jnp.sum(jnp.exp(block))
-        return acc + total, lax.dynamic_update_slice(v, block * 0.5 + total * 1e-9, (i % 64 * 16,))
+        block = lax.dynamic_slice(v, (i % 64 * 8, 0), (8, 8)) @ weights
+        top = jnp.max(block, axis=1, keepdims=True)
+        total = jnp.sum(jnp.exp(block - top))
+        return acc + total, lax.dynamic_update_slice(v, block * 1e-3, (i % 64 * 8, 0))
 
-    loop = jax.jit(lambda v: lax.fori_loop(0, 2048, step, (jnp.float32(0), v)))
-    body_ops = _operations(jax.jit(step).lower(0, (jnp.float32(0), jnp.ones(1024))).compile())
-    overhead = _best_time(lambda: loop(jnp.ones(1024, jnp.float32)), repeats) / 2048 / body_ops
+    data = (jnp.float32(0), jnp.ones((512, 8), jnp.float32))
+    loop = jax.jit(lambda carry: lax.fori_loop(0, 2048, step, carry))
+    body_ops = _operations(jax.jit(step).lower(0, data).compile())
+    overhead = _best_time(lambda: loop(data), repeats) / 2048 / body_ops
     return Machine(f"{jax.default_backend()}/{device.device_kind}", flops_per_s,
                    tuple(bandwidth), overhead)
 
@@ -179,11 +198,16 @@ def _operations(compiled: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """XLA's ``cost_analysis()`` of one compiled tile body, and its operation count."""
+    """One compiled tile body: XLA's ``cost_analysis()`` and ``memory_analysis()``.
+
+    ``working_set`` is the body's arguments + outputs + temporaries as XLA assigns them:
+    the bytes its traffic cycles through, which decide the cache level it streams from.
+    """
 
     flops: float
     bytes_accessed: float
     operations: int
+    working_set: float
 
 
 def compiled_cost(fn: Callable, *args: Any) -> Cost:
@@ -197,8 +221,12 @@ def compiled_cost(fn: Callable, *args: Any) -> Cost:
     if isinstance(analysis, Sequence):  # older jaxlib: one dict per computation
         analysis = analysis[0] if analysis else {}
     analysis = analysis or {}
-    return Cost(float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
-                _operations(compiled))
+    memory = compiled.memory_analysis()
+    working_set = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                   + memory.temp_size_in_bytes) if memory is not None else 0
+    bytes_accessed = float(analysis.get("bytes accessed", 0.0))
+    return Cost(float(analysis.get("flops", 0.0)), bytes_accessed, _operations(compiled),
+                float(working_set or bytes_accessed))
 
 
 def tile_time(cost: Cost, tiles: int, machine: Machine) -> float:
@@ -207,13 +235,13 @@ def tile_time(cost: Cost, tiles: int, machine: Machine) -> float:
     Example::
 
         >>> m = Machine("cpu/test", 1e11, ((2**15, 1e11), (2**27, 1e10)), 1e-7)
-        >>> round(tile_time(Cost(1e6, 4e6, 10), 10, m) * 1e3, 3)  # memory-bound
+        >>> round(tile_time(Cost(1e6, 4e6, 10, 4e6), 10, m) * 1e3, 3)  # memory-bound
         0.843
-        >>> round(tile_time(Cost(1e9, 1e3, 10), 1, m) * 1e3, 3)   # one tile: arithmetic
+        >>> round(tile_time(Cost(1e9, 1e3, 10, 1e3), 1, m) * 1e3, 3)   # one tile: arithmetic
         10.0
     """
     compute = cost.flops / machine.flops_per_s
     if tiles == 1:
         return compute
-    memory = cost.bytes_accessed / machine.bandwidth_at(cost.bytes_accessed)
+    memory = cost.bytes_accessed / machine.bandwidth_at(cost.working_set)
     return tiles * (max(compute, memory) + cost.operations * machine.op_overhead_s)

@@ -26,8 +26,8 @@ object that the loops then follow:
   body cannot be compiled apart (it closes over traced values), the count model of
   padded items x bytes per item + tiles x a per-tile loop overhead stands in.
 
-The model's known limits: the working set of a tile is taken to be its bytes accessed,
-and a one-tile tiling is priced by its arithmetic alone (XLA removes the one-trip loop
+The model's known limits: a tile's flops, bytes and working set are read off two compiled
+sizes (linear in the tile's pairs), and a one-tile tiling is priced by its arithmetic alone (XLA removes the one-trip loop
 and fuses the reduction); ``mw.fit(tune=True)`` times the best predicted plans instead.
 """
 
@@ -338,11 +338,12 @@ def _tile_cost(profile: ItemBytes, shape: tuple[int, ...], tile: tuple[int, ...]
     if p_high == p_low:
         return high
     slope = (pairs - p_low) / (p_high - p_low)
-    return costmodel.Cost(
-        max(0.0, low.flops + slope * (high.flops - low.flops)),
-        max(0.0, low.bytes_accessed + slope * (high.bytes_accessed - low.bytes_accessed)),
-        high.operations,
-    )
+    def line(field: str) -> float:
+        a, b = getattr(low, field), getattr(high, field)
+        return max(0.0, a + slope * (b - a))
+
+    return costmodel.Cost(line("flops"), line("bytes_accessed"), high.operations,
+                          line("working_set"))
 
 
 def _compiled_tile(profile: ItemBytes, rows: int, cols: int | None) -> costmodel.Cost | None:
