@@ -9,7 +9,11 @@ at once) and ``mw.ntk.kip_loss`` in (500 targets x 10 support) tiles. neural-tan
 0.6.5's figures (tests/data/neural_tangents_kernels.README.md, same architecture and
 sizes, measured on jax 0.4.30) are the anchor. A second table varies the support tile at
 6,000 targets (a tile of the whole support set is "chunking the targets only"); a third
-times the dense and tiled gradients at 500 targets, where both run.
+times the dense and tiled gradients at 500 targets, where both run. A fourth table
+compiles the KIP paper's other architectures, a Myrtle-style kernel (conv, relu, 2x2
+average pooling) and a small residual kernel (global average pooling), at 6,000 and
+60,000 targets with the default ("auto") tiles: their pooling needs each pair's
+pixel-by-pixel covariance, (28*28)^2 floats.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ def _shapes(n_target: int):
             s(n_target, CLASSES))
 
 
-def _tiled(chunk_size):
-    kernel = kip.kernel_fn()
+def _tiled(chunk_size, kernel_name="conv"):
+    kernel = kip.KERNELS[kernel_name]()
 
     def loss(xs, ys, xt, yt):
         return kip_loss(kernel, xs, ys, xt, yt, ridge=kip.RIDGE, chunk_size=chunk_size)
@@ -86,7 +90,20 @@ def main(quick: bool = False) -> None:
         baseline="dense", quick=quick, repeats=3 if quick else 5,
     )
     harness.print_table(timed)
-    harness.save("kip", [by_targets, by_tile, timed], notes=__doc__.split("\n\n")[0], quick=quick)
+    pooled_targets = [6000] if quick else [6000, 60_000]
+    pooled_variants = [
+        harness.Variant(f"{name} kernel, auto tiles, {n:,} targets", _tiled("auto", name),
+                        _shapes(n), {"targets": n}, run=False)
+        for name in ("myrtle", "resnet") for n in pooled_targets
+    ]
+    pooled = harness.run_table(
+        "KIP gradient with pooling kernels vs number of targets (compiled only; 100 support "
+        "images 28x28x1; Myrtle-style and small residual kernels)",
+        pooled_variants, baseline=pooled_variants[0].name, quick=quick, time=False,
+    )
+    harness.print_table(pooled)
+    harness.save("kip", [by_targets, by_tile, timed, pooled], notes=__doc__.split("\n\n")[0],
+                 quick=quick)
 
 
 if __name__ == "__main__":

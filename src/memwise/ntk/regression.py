@@ -14,8 +14,9 @@ Here every kernel matrix is computed in (rows, cols) tiles through
 row chunks whose prediction ``sum_j k(x, x_j) alpha_j`` is itself a ``chunked_sum`` over
 column chunks of the support set. Both sums recompute their tiles in the backward pass,
 so the gradient w.r.t. the support images and labels holds one (rows x cols x pixels)
-tile's intermediates whatever the number of targets: 310 MiB for 500 x 10 tiles of the
-KIP report's conv kernel, at 500 or 60,000 targets. Chunking the targets alone still holds
+tile's intermediates whatever the number of targets: 282 MiB for 500 x 10 tiles of the
+KIP report's conv kernel, at 500 or 60,000 targets; 102 MiB for a Myrtle-style kernel
+(pooling: a pair's pixel-by-pixel covariance, so one-pair tiles) at 6,000 or 60,000. Chunking the targets alone still holds
 a target chunk against the *whole* support set (4.1 GiB at 500 x 100 x 784 floats).
 The linear solve is a Cholesky factorisation (cheaper and more stable to differentiate
 than a general solve), on the small support/train kernel.
