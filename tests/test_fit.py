@@ -370,8 +370,11 @@ def test_tune_times_the_fastest_predicted_plans_and_keeps_the_fastest_measured()
     x = jax.random.normal(jax.random.PRNGKey(1), (600, 2))
     fitted = mw.fit(_pair_loss, budget="1MiB", tune=True, policies=False)
     plan = fitted.plan_for(x, x)
-    assert 1 <= len(plan.timed) <= 3 and plan.tuning_compilations <= 3
+    assert len(plan.timed) == 3 and plan.tuning_compilations <= 3
     assert plan.timing_runs == 6 * len(plan.timed)  # a warm-up and 5 timed runs each
+    # a budget the fastest predicted plan meets still times two more: prediction can err
+    roomy = mw.fit(_pair_loss, budget="1GiB", tune=True, policies=False).plan_for(x, x)
+    assert len(roomy.timed) == 3 and roomy.compilations <= 1  # the first plan fits
     seconds = [s for _, s in plan.timed]
     assert seconds == sorted(seconds) and plan.values == plan.timed[0][0]
     assert plan.compilations <= 10 and plan.peak_bytes <= parse_budget("1MiB")

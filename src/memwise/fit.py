@@ -321,13 +321,16 @@ class _Signature:
               f"predicted time {trial.cost:.2f}x", flush=True)
 
     def tuning_candidates(self, count: int) -> list[tuple[int, ...]]:
-        """The ``count`` fastest predicted plans that fit (or are leaner than one that does)."""
+        """The ``count`` fastest predicted plans among those known to fit and the leaner
+        single-knob variants of the best (which fit when it does), whatever their
+        predicted time: timing is there to correct the prediction."""
         best = self.best()
         pool = {t.indices: t.cost for t in self.trials.values() if t.fits}
-        for _, candidate in self._moves(best):
-            leaner = all(c >= b for c, b in zip(candidate, best.indices))
-            if leaner and candidate not in self.trials:
-                pool[candidate] = _predicted_cost(self.layout, candidate)
+        for k, knob in enumerate(self.layout):
+            for index in range(best.indices[k] + 1, len(knob.candidates)):
+                candidate = best.indices[:k] + (index,) + best.indices[k + 1:]
+                if candidate not in self.trials:
+                    pool[candidate] = _predicted_cost(self.layout, candidate)
         return sorted(pool, key=lambda i: (pool[i], i))[:count]
 
     def best(self) -> Trial | None:
