@@ -649,16 +649,19 @@ def test_unbounded_while_loop_gradients_match_unrolled_at_every_regime(c):
                           jax.grad(unrolled_loss, argnums=(0, 1))(params, h0, limit))
 
 
-def test_unbounded_while_loop_evaluates_the_body_as_the_online_schedule_says():
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_unbounded_while_loop_evaluates_the_body_as_the_online_schedule_says(c):
+    # the backward pass splits while the slots are fewer than the steps left and
+    # sweeps (a push per step) once they cover them; long loops need both
     calls = []
     w, _, h0 = make_inputs(1)
-    c = 4
+    two = (c + 1) * (c + 2) // 2
     grad = jax.jit(jax.grad(unbounded_loss(c, lambda: calls.append(1))))
-    for limit in (0, 1, 4, 14, 15, 16, 35, 36, 90):
+    for limit in sorted({0, 1, c, two - 1, two, two + 1, 35, 36, 90, 400}):
         calls.clear()
         jax.block_until_ready(grad((w, h0), h0, limit))
         assert len(calls) == (schedule.online_evaluations(limit, c) if limit else 0), limit
-        if 0 < limit < 15:
+        if 0 < limit < two:
             assert len(calls) == schedule.evaluations(limit, c)
 
 

@@ -13,13 +13,23 @@ JAX, from O(c) integer state, so nothing depends on ``max_steps`` (which may be 
   the ``(c, ...)`` slot buffers, the stored steps in order (``positions``), the slot of
   each (``order``: the stored ones first, then the free ones) and the cached cost of the
   cheapest eviction. Each step stores the carry in hand or not, as the placement rule
-  says, before running the body;
+  says, before running the body; only a store that evicts (or fills the last slot)
+  ranks the evictions anew, in a ``lax.cond``;
 * the backward rule is one ``lax.while_loop`` over the steps that ran, last first. For
   step r it restores the newest stored carry (its step is <= r, the positions form a
-  stack), advances to r in an inner loop, pushing a carry at each revolve split, then
-  differentiates step r and pops the carry of step r if it was stored.
+  stack), advances to r pushing a carry at each revolve split, then differentiates step
+  r and pops the carry of step r if it was stored. The advance is two loops in a row:
+  one iteration per split while the slots left are fewer than the steps (the steps up
+  to a split run in a loop of the body alone), then, once there is a slot for every
+  step (revolve's sweep: every split is 1), one iteration per step.
 
-Both share :mod:`memwise._binomial`'s pieces: the taped step (``_TapedStep``), the
+For a small body these loops cost per iteration and per kernel more than per flop
+(measured on CPU: an iteration of an XLA loop, or a kernel in its body, costs more than
+a 32x32 matrix-vector step), so the bookkeeping runs where it is needed only: revolve's
+split is searched once per push, not once per step; segment costs are summed without a
+loop (``segment_advances``) and the evictions ranked by one matrix product.
+
+The two rules share :mod:`memwise._binomial`'s pieces: the taped step (``_TapedStep``), the
 perturbed-carry fixed point, slot reads and writes, and the forward-mode and
 second-order guards. Gradients do not depend on the placement or the splits being
 optimal (any stored positions and any split in range reverse correctly), so the costs
@@ -31,10 +41,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from memwise._binomial import (
@@ -96,27 +108,39 @@ def run(loop: OnlineLoop, consts: list, cond_consts: list, carry: list) -> list:
 # the costs, in JAX (float32), mirroring memwise.schedule
 
 
-def segment_advances(length, slots):
-    """p(length, slots) elementwise (float32): ``schedule._segment_advances`` in JAX."""
-    length = jnp.asarray(length, jnp.float32)
-    slots = jnp.asarray(slots, jnp.float32)
-    length, slots = jnp.broadcast_arrays(length, slots)
+# p(L, s) = t L - beta(s + 1, t - 1) is also sum_{u >= 0} max(L - beta(s, u), 0): the
+# terms are nonzero for u < t exactly, and beta(s + 1, t - 1) = sum_{u < t} beta(s, u).
+# With the slot counts static, the first _SUMMED_TERMS terms of every cost are one fused
+# elementwise expression over constants, with no loop and no division; a loop adds more
+# only while some segment is longer than beta(s, _SUMMED_TERMS) (s >= 3: 165 steps and
+# up). The forward pass computes 3(c-1) of them at every eviction, and on CPU each
+# kernel an XLA loop body launches costs more than these flops.
+_SUMMED_TERMS = 8
 
-    def cond(state):
-        _, beta = state
-        return jnp.any((beta < length) & (slots > 1))
 
-    def body(state):
-        t, beta = state
-        grow = beta < length
-        t_next = t + 1
-        return jnp.where(grow, t_next, t), jnp.where(grow, beta * (slots + t_next) / t_next,
-                                                     beta)
+def segment_advances(length, slots: np.ndarray):
+    """p(length, slots) elementwise (float32) for static slot counts ``slots`` >= 1:
+    ``schedule._segment_advances`` in JAX."""
+    slots = np.asarray(slots)
+    length = jnp.broadcast_to(jnp.asarray(length, jnp.float32), slots.shape)
+    binomials = np.array([[math.comb(int(s) + u, u) for s in slots.ravel()]
+                          for u in range(_SUMMED_TERMS + 1)], np.float64)
+    # slots 1 and 2 take closed forms (there beta(s, u) grows slowly): no terms
+    binomials = np.where(slots.ravel() <= 2, np.inf, binomials).astype(np.float32)
+    binomials = binomials.reshape((_SUMMED_TERMS + 1,) + slots.shape)
+    total = sum(jnp.maximum(length - binomials[u], 0.0) for u in range(_SUMMED_TERMS))
+    s = slots.astype(np.float32)
 
-    t, beta = lax.while_loop(cond, body, (jnp.ones_like(length), slots + 1))
-    binomial = t * length - beta * t / (slots + 1)
-    out = jnp.where(slots == 1, length * (length - 1) / 2, binomial)
-    return jnp.where(length <= 1, 0.0, out)
+    def more(state):
+        u, beta, total = state                      # beta = beta(s, u)
+        total = total + jnp.maximum(length - beta, 0.0)
+        return u + 1, beta * (s + u + 1) / (u + 1), total
+
+    _, _, total = lax.while_loop(
+        lambda state: jnp.any(state[1] < length), more,
+        (jnp.float32(_SUMMED_TERMS), binomials[_SUMMED_TERMS], total))
+    return jnp.where(slots == 1, _advances_one_slot(length),
+                     jnp.where(slots == 2, _advances_two_slots(length), total))
 
 
 def _advances_two_slots(length):
@@ -182,30 +206,52 @@ def _initial_placement(c: int):
     }
 
 
+@functools.lru_cache(maxsize=None)
+def _eviction_terms(c: int) -> tuple[np.ndarray, np.ndarray]:
+    """Static slot counts of the 3c-4 segment costs (each closed segment with its own
+    slots and with one more, each pair merged) and the (c-2, 3c-4) matrix of +-1 that
+    sums them into the cost of evicting k = 1..c-2: an O(c^2) constant (47 KB at
+    c = 64), independent of the trip count."""
+    n = c - 1                                           # closed segments 0..c-2
+    j, k = np.arange(n), np.arange(1, n)
+    slots = np.concatenate([c - j, c - j + 1, c - k + 1])
+    combine = np.zeros((n - 1, 3 * n - 1), np.float32)
+    for row, kk in enumerate(k):
+        combine[row, 2 * n + kk - 1] += 1               # segments kk-1 and kk merged
+        combine[row, [kk - 1, kk]] -= 1                 # ... instead of apart
+        combine[row, n + kk + 1: 2 * n] += 1            # later segments: one slot more
+        combine[row, kk + 1: n] -= 1
+    return slots, combine
+
+
 def _closed_evictions(positions, c: int):
-    """(cost, k) of the cheapest eviction k in 1..c-2 once the slots are full."""
+    """(cost, k) of the cheapest eviction k in 1..c-2 once the slots are full.
+
+    Evicting k merges closed segments k-1 and k (now reversed with c-k+1 slots) and
+    gives each later closed segment one more slot: every segment cost at once, then
+    every k's cost as one product with a constant matrix (exact: the costs are
+    integers, float32 holds their sums exactly in its range).
+    """
     if c < 3:
         return jnp.float32(jnp.inf), jnp.int32(0)
-    j = jnp.arange(c - 1)
-    lengths = positions[1:] - positions[:-1]                      # closed segments 0..c-2
-    k = jnp.arange(1, c - 1)
+    slots, combine = _eviction_terms(c)
+    lengths = (positions[1:] - positions[:-1]).astype(jnp.float32)
     costs = segment_advances(
-        jnp.concatenate([lengths, lengths, lengths[:-1] + lengths[1:]]),
-        jnp.concatenate([c - j, c - j + 1, c - k + 1]),
-    )
-    own, up, merged = costs[: c - 1], costs[c - 1: 2 * (c - 1)], costs[2 * (c - 1):]
-    gain = up - own
-    later = jnp.cumsum(gain[::-1])[::-1]                          # sum over j >= index
-    later_after = jnp.concatenate([later[1:], jnp.zeros((1,), later.dtype)])
-    cost = merged - own[:-1] - own[1:] + later_after[1:]          # for k = 1..c-2
-    best = jnp.argmin(cost)                                       # first: smallest k
-    return cost[best], (best + 1).astype(jnp.int32)
+        jnp.concatenate([lengths, lengths, lengths[:-1] + lengths[1:]]), slots)
+    cost = jnp.dot(combine, costs, precision=lax.Precision.HIGHEST)
+    best = jnp.min(cost)
+    index = jnp.min(jnp.where(cost == best, np.arange(1, c - 1, dtype=np.int32), c))
+    return best, index                                          # ties: the smallest k
 
 
 def _place(i, placement, c: int):
-    """Decide for x_i: ``(store, slot, placement)`` (``schedule.OnlineCheckpointer``)."""
+    """Decide for x_i: ``(store, slot, placement)`` (``schedule.OnlineCheckpointer``).
+
+    Most steps store nothing or append to a free slot; only an eviction and the store
+    that fills the last slot reorder the slots and rank the evictions anew (O(c) work,
+    in a ``lax.cond`` so that the other steps do scalar work only).
+    """
     positions, order, count = placement["positions"], placement["order"], placement["count"]
-    idx = jnp.arange(c, dtype=jnp.int32)
     free = count < c
     if c >= 2:
         length = (i - positions[c - 1]).astype(jnp.float32)
@@ -221,25 +267,30 @@ def _place(i, placement, c: int):
         evict_now = jnp.bool_(False)
         evict = jnp.int32(0)
     store = free | evict_now
-    # free: append at `count`; evicting k: shift k+1.. left, the new one last, in k's slot
     removed = jnp.where(free, count, evict)
-    shifted = jnp.minimum(idx + 1, c - 1)
-    new_index = jnp.where(free, count, c - 1)
-    moved = (idx >= removed) & (idx < new_index)
-    new_positions = jnp.where(idx == new_index, i, jnp.where(moved, positions[shifted], positions))
-    slot = order[removed]
-    new_order = jnp.where(idx == new_index, slot, jnp.where(moved, order[shifted], order))
-    new_positions = jnp.where(store, new_positions, positions)
-    new_order = jnp.where(store, new_order, order)
-    new_count = count + free.astype(jnp.int32)
-    cost, index = lax.cond(
-        store & (new_count == c),
-        lambda p: _closed_evictions(p, c),
-        lambda p: (placement["eviction_cost"], placement["eviction_index"]),
-        new_positions,
-    )
-    return store, slot, {"positions": new_positions, "order": new_order, "count": new_count,
-                         "eviction_cost": cost, "eviction_index": index}
+    slot = order[jnp.minimum(removed, c - 1)]
+
+    def append(placement):
+        appended = placement["positions"].at[jnp.minimum(count, c - 1)].set(i)
+        return {**placement, "positions": jnp.where(free, appended, placement["positions"]),
+                "count": count + free.astype(jnp.int32)}
+
+    def rearrange(placement):
+        # free: append at `count`; evicting k: shift k+1.. left, the new one last, in k's
+        # slot; then the slots are full, and the cheapest eviction changed
+        idx = jnp.arange(c, dtype=jnp.int32)
+        shifted = jnp.minimum(idx + 1, c - 1)
+        new_index = jnp.where(free, count, c - 1)
+        moved = (idx >= removed) & (idx < new_index)
+        new_positions = jnp.where(idx == new_index, i,
+                                  jnp.where(moved, positions[shifted], positions))
+        new_order = jnp.where(idx == new_index, slot, jnp.where(moved, order[shifted], order))
+        cost, index = _closed_evictions(new_positions, c)
+        return {"positions": new_positions, "order": new_order, "count": jnp.int32(c),
+                "eviction_cost": cost, "eviction_index": index}
+
+    placement = lax.cond(evict_now | (free & (count == c - 1)), rearrange, append, placement)
+    return store, slot, placement
 
 
 # --------------------------------------------------------------------------------------
@@ -296,26 +347,49 @@ def _run_bwd(loop, residuals, ct_carry):
         return jnp.where(can, held + revolve_split(jnp.maximum(length, 2),
                                                    jnp.maximum(slots, 2)), r + 1)
 
+    def push(carry, buffers, positions, top, at, do):
+        slot = jnp.minimum(top, c - 1)
+        buffers = _store(buffers, carry, order[slot], do)
+        positions = jnp.where(do, positions.at[slot].set(at), positions)
+        return buffers, positions, top + do.astype(jnp.int32)
+
     def reverse_step(state):
         r, ct_carry, ct_consts, buffers, positions, top = state
         held = positions[top - 1]
         carry = _take(buffers, order[top - 1])
 
         def advance(inner):
-            i, carry, buffers, positions, top, push_at = inner
-            carry = loop.step(carry, [], consts)[0]
-            i = i + 1
-            push = i == push_at
-            buffers = _store(buffers, carry, order[jnp.minimum(top, c - 1)], push)
-            positions = jnp.where(push, positions.at[jnp.minimum(top, c - 1)].set(i), positions)
-            top = top + push.astype(jnp.int32)
-            push_at = jnp.where(push, split_at(i, r, top), push_at)
-            return i, carry, buffers, positions, top, push_at
+            i, carry, target = inner
+            return i + 1, loop.step(carry, [], consts)[0], target
 
-        _, carry, buffers, positions, top, _ = lax.while_loop(
-            lambda inner: inner[0] < r, advance,
-            (held, carry, buffers, positions, top, split_at(held, r, top)),
-        )
+        def sweeping(held, top):
+            # a slot for every step left (length <= slots + 1): every split is 1
+            return r + 1 - held <= c - top + 2
+
+        def to_split(inner):
+            # Advance to revolve's next split (or to r) and push the carry there; the
+            # steps before the last run the body alone, in a loop of their own.
+            held, carry, buffers, positions, top = inner
+            push_at = split_at(held, r, top)
+            target = jnp.minimum(push_at, r)
+            _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance,
+                                         (held, carry, target - 1))
+            carry = loop.step(carry, [], consts)[0]
+            return (target, carry, *push(carry, buffers, positions, top, target,
+                                         push_at <= r))
+
+        def sweep_step(inner):
+            i, carry, buffers, positions, top = inner
+            carry = loop.step(carry, [], consts)[0]
+            return (i + 1, carry, *push(carry, buffers, positions, top, i + 1, top < c))
+
+        # Splits until the slots cover the steps left, then one step and one push per
+        # iteration up to r (once sweeping, revolve keeps sweeping). Two loops in a
+        # row, not a lax.cond: a cond would copy the slot buffers.
+        inner = lax.while_loop(lambda inner: (inner[0] < r) & ~sweeping(inner[0], inner[4]),
+                               to_split, (held, carry, buffers, positions, top))
+        _, carry, buffers, positions, top = lax.while_loop(
+            lambda inner: inner[0] < r, sweep_step, inner)
         ct_carry, ct_x, ct_k = taped(carry, [], consts, ct_carry, [])
         del ct_x
         ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
