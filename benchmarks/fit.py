@@ -6,7 +6,8 @@ knobs (remat policy left at "save everything"), compiled and timed; the budgets 
 geometrically from the smallest peak any of them reaches to the fastest setting's peak.
 For each budget ``mw.fit`` plans from a cold cache (planning time and compile count),
 once with its cost model alone and once with ``tune=True`` (the 3 fastest predicted plans
-that fit, compiled and timed 5 times each, counted apart), its program's compiled peak is
+that fit or are leaner variants of the chosen one, compiled and timed 5 times each,
+counted apart), its program's compiled peak is
 checked against the budget, and its wall time is compared with the fastest hand-picked
 setting whose peak fits the same budget, all timed interleaved in one run. Every program
 is ``jax.grad`` of the loss, the program ``mw.fit`` plans. The cost model of the chunked
