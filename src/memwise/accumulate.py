@@ -20,8 +20,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax.sharding import PartitionSpec as P
+
 from memwise import knobs
 from memwise.engine import accumulation_dtype
+from memwise.sharding import check_divisible, devices, row_sharding, sharded_call
 
 __all__ = ["accumulate_grad"]
 
@@ -95,7 +98,11 @@ def accumulate_grad(
       microbatches: how many equal micro-batches to split ``n`` into (must divide ``n``),
         or ``"auto"`` (1 outside :func:`memwise.fit`, which picks the count that fits).
       axis_name: when given (inside ``pmap``/``shard_map``), loss and gradients are
-        averaged over that axis with ``lax.pmean``.
+        averaged over that axis with ``lax.pmean``. Without it, a ``batch`` split over
+        devices (its ``NamedSharding``, an Explicit-axes type, or a mesh with Auto axes,
+        as for :func:`memwise.pairwise_reduce`) runs data parallel: each device
+        accumulates ``microbatches`` micro-batches of its own examples, ``params`` whole
+        on every device, then one ``pmean`` (aux then stacks D x ``microbatches``).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is returned stacked over the
         micro-batches (a leading axis of size ``microbatches``).
 
@@ -126,6 +133,21 @@ def accumulate_grad(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable loss_fn(params, batch), got {loss_fn!r}")
     n = _batch_size(batch)
+    split = None if axis_name is not None else row_sharding(batch, None, None, "batch")
+    if split is not None:
+        # Data parallel: every device accumulates over its own examples, then one pmean.
+        mesh, axes = split
+        check_divisible(n, mesh, axes, "batch")
+        local_n = n // devices(mesh, axes)
+        count = _resolve_microbatches(microbatches, local_n)
+
+        def local(params, batch):
+            return accumulate_grad(loss_fn, params, batch, microbatches=count,
+                                   axis_name=axes, has_aux=has_aux)
+
+        # aux: every device's micro-batches, device by device (D x microbatches).
+        out_specs = ((P(), P(axes)), P()) if has_aux else (P(), P())
+        return sharded_call(local, mesh, (P(), P(axes)), out_specs, params, batch)
     count = _resolve_microbatches(microbatches, n)
     size = n // count
     stacked = jax.tree_util.tree_map(lambda a: jnp.reshape(a, (count, size) + a.shape[1:]), batch)

@@ -36,8 +36,16 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise.engine import accumulation_dtype, tiled_reduce
-from memwise.sharding import check_divisible, row_sharding, sharded_call
+from memwise.engine import Ring, accumulation_dtype, tiled_reduce
+from memwise.sharding import (
+    auto_split,
+    check_divisible,
+    declared_split,
+    devices,
+    row_sharding,
+    sharded_call,
+    use_ring,
+)
 from memwise.tiling import ChunkSize, item_bytes, tiling
 
 __all__ = ["attention"]
@@ -79,9 +87,12 @@ def _attention_sharding(q: jax.Array, mesh: Any, axis_name: Any, shard_dim: int)
         spec = [None] * nd
         spec[shard_dim % nd] = axes
     else:
-        found = [row_sharding(q, None, None, "q", dim=i) for i in range(nd)]
+        found = [declared_split(q, dim=i) for i in range(nd)]
         if not any(found):
-            return None
+            inferred = auto_split(q, dim=shard_dim)
+            if inferred is None:
+                return None
+            found[shard_dim % nd] = inferred
         if found[-1] is not None:
             raise ValueError(
                 "q's feature dim is sharded; attention splits queries or batch/head dims "
@@ -108,6 +119,7 @@ def attention(
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     shard_dim: int = -2,
+    ring: bool | None = None,
 ) -> jax.Array:
     """Softmax attention ``softmax(q k^T * scale + bias) v`` in tiles, forward and backward.
 
@@ -140,14 +152,22 @@ def attention(
         :class:`memwise.tiling.Tiling` (which also sets the backward tile).
       mesh, axis_name: run on many devices (``shard_map``), dim ``shard_dim`` of ``q``
         split over mesh axis ``axis_name`` (as for :func:`memwise.pairwise_reduce`). With
-        the queries split (``shard_dim=-2``, the default) each device holds its queries,
-        all of k and v, and one tile; the gradients of k and v are all-reduced once.
-        With a batch/head dim split, k, v, mask and bias are split the same way and
-        nothing is communicated. Without these arguments the split is read from a
-        concrete ``q`` with a ``NamedSharding`` (any of its batch/head/query dims);
-        under ``jit`` pass them explicitly.
+        a batch/head dim split, k, v, mask and bias are split the same way and nothing
+        is communicated. With the queries split (``shard_dim=-2``, the default) k and v
+        are split too and passed around the devices (ring attention, see ``ring``).
+        Without these arguments the split follows the data, eagerly and under ``jit``:
+        ``q``'s ``NamedSharding`` or Explicit-axes type (any of its batch/head/query
+        dims), or, on a mesh with Auto axes, dim ``shard_dim`` over all its devices.
       shard_dim: the dim of ``q`` that ``axis_name`` splits: ``-2`` (queries) or a
         leading batch/head dim.
+      ring: with the queries split, whether k and v are split over the same devices
+        and passed around them (Liu, Zaharia, Abbeel, *Ring Attention with Blockwise
+        Transformers*, 2023): every device then holds 1/D of q, k and v; each block is
+        reduced while the next is in flight, and in the backward the gradients of k and
+        v travel with their block back to its owner. ``None`` (the default): a ring when
+        Lk divides evenly and there is no ``mask``/``bias`` (which are not supported
+        with a ring yet). ``False``: k and v whole on every device, their gradients
+        all-reduced once. ``True``: a ring, or a ``ValueError``.
 
     Example::
 
@@ -202,9 +222,21 @@ def attention(
 
     sharding = _attention_sharding(q, mesh, axis_name, shard_dim)
     if sharding is None:
+        if ring:
+            raise ValueError("ring=True needs the queries split over devices: pass mesh= "
+                             "(and axis_name=), shard q, or call under jax.set_mesh")
         return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, None)
     mesh, spec = sharding
     row_axes = spec[-2]
+    ringed = None
+    if row_axes is not None:
+        if ring and (mask is not None or bias is not None):
+            raise ValueError("ring=True does not support mask or bias yet: pass ring=False "
+                             "(k and v whole on every device) or fold the mask into causal")
+        if mask is None and bias is None and use_ring(ring, k, lk, mesh, row_axes, "k"):
+            ringed = Ring(row_axes, devices(mesh, row_axes))
+    elif ring:
+        raise ValueError("ring=True needs the queries split over devices (shard_dim=-2)")
 
     def pair_spec(arr):
         # A dim the mask/bias broadcasts over (size 1) stays replicated.
@@ -215,9 +247,10 @@ def attention(
         if row_axes is not None:
             # Causal masking compares global positions: this device's first query.
             offset = lax.axis_index(row_axes).astype(jnp.int32) * q.shape[-2]
-        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, offset)
+        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, offset,
+                                ringed)
 
-    kv_spec = P(*spec[:-2], None, None)
+    kv_spec = P(*spec[:-2], row_axes if ringed else None, None)
     in_specs = (
         P(*spec), kv_spec, kv_spec,
         P() if mask is None else pair_spec(mask),
@@ -254,9 +287,11 @@ def _pair_bytes(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
     return per_head * int(np.prod(q.shape[:-2], dtype=np.int64))
 
 
-def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset):
+def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset,
+                     ring=None):
     """Attention on one device (or per device inside shard_map); ``row_offset`` is the
-    global position of the first query (None: 0)."""
+    global position of the first query (None: 0); with a ``ring``, k and v are this
+    device's block."""
     batch = q.shape[:-2]
     lq, lk = q.shape[-2], k.shape[-2]
     dtype = jnp.result_type(q, k, v)
@@ -295,6 +330,6 @@ def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset)
     tiles = tiling(lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v))
     out, _ = tiled_reduce(
         tile_fn, q, {"k": k, "v": v}, reduce="softmax", tiles=tiles, pairs=pairs,
-        consts=consts, batch=batch, upcast=True, live=live if causal else None,
+        consts=consts, batch=batch, upcast=True, live=live if causal else None, ring=ring,
     )
     return out.astype(dtype)

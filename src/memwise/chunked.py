@@ -215,30 +215,27 @@ def _prepare_1d(f, xs, chunk_size, kind):
     return spec, xs_leaves, consts
 
 
-def _chunked_1d(f, xs, chunk_size, kind, mesh, axis_name):
+def _chunked_1d(f, xs, chunk_size, kind, mesh, axis_name, *, follow_data=True):
     if not callable(f):
         raise TypeError(f"f must be a callable of one item of xs, got {type(f).__name__}")
     _check_chunk_size(chunk_size)
     xs = jax.tree.map(jnp.asarray, xs)
     if leading_length(xs, "xs") == 0:
         return _empty_result(f, xs, kind)
-    sharded = row_sharding(xs, mesh, axis_name, "xs")
+    sharded = row_sharding(xs, mesh, axis_name, "xs") if follow_data else None
     if sharded is None:
         spec, xs_leaves, consts = _prepare_1d(f, xs, chunk_size, kind)
         return _map_core(spec, xs_leaves, consts)
     mesh, axes = sharded
     check_divisible(leading_length(xs, "xs"), mesh, axes, "xs")
-    # Closure constants become explicit replicated operands of the shard_map.
-    converted, consts = jax.closure_convert(f, first_items(xs))
-
-    def local(xs_local, consts):
-        out = _chunked_1d(
-            lambda x: converted(x, *consts), xs_local, chunk_size, kind, None, None
-        )
+    # f is traced inside the shard_map (see pairwise_reduce): the arrays it closes over
+    # enter as replicated values.
+    def local(xs_local):
+        out = _chunked_1d(f, xs_local, chunk_size, kind, None, None)
         return jax.tree.map(lambda o: lax.psum(o, axes), out) if kind == "sum" else out
 
     out_spec = P(axes) if kind == "map" else P()
-    return sharded_call(local, mesh, (P(axes), P()), out_spec, xs, list(consts))
+    return sharded_call(local, mesh, (P(axes),), out_spec, xs)
 
 
 def chunked_map(
@@ -319,6 +316,19 @@ def chunked_sum(
     return _chunked_1d(f, xs, chunk_size, "sum", mesh, axis_name)
 
 
+def sum_over_chunks(fn: Callable, n_chunks: int) -> Any:
+    """``sum_i fn(i)`` over chunk indices ``0 .. n_chunks - 1``, one at a time, with the
+    memory of :func:`chunked_sum` (the items are indices: the loop never follows a mesh;
+    the arrays ``fn`` slices decide that).
+
+    Example::
+
+        >>> sum_over_chunks(lambda i: i * 2.0, 4)
+        Array(12., dtype=float32)
+    """
+    return _chunked_1d(fn, jnp.arange(n_chunks), 1, "sum", None, None, follow_data=False)
+
+
 def over_row_chunks(fn: Callable, x_rows: Any, row_tiles: Chunking) -> Any:
     """``fn(block)`` for each chunk of rows, stacked back to ``(n, ...)``.
 
@@ -340,5 +350,7 @@ def over_row_chunks(fn: Callable, x_rows: Any, row_tiles: Chunking) -> Any:
         start = index * row_tiles.size
         return fn(jax.tree.map(lambda a: row_tiles.block(a, start), x_rows))
 
-    blocks = chunked_map(one, jnp.arange(row_tiles.n_chunks), chunk_size=1)
+    # A loop over indices: it never follows a mesh (the rows it slices decide that).
+    blocks = _chunked_1d(one, jnp.arange(row_tiles.n_chunks), 1, "map", None, None,
+                         follow_data=False)
     return row_tiles.merge(blocks)

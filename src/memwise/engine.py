@@ -59,7 +59,7 @@ from memwise._vjp import Static, add, cotangents, dense, fill, is_zero, select, 
 from memwise.sharding import psum_replicated, typed_zeros, vary, varying_over
 from memwise.tiling import Chunking, Tiling, leading_length
 
-__all__ = ["REDUCTIONS", "accumulation_dtype", "sum_dtype", "tiled_reduce"]
+__all__ = ["REDUCTIONS", "Ring", "accumulation_dtype", "sum_dtype", "tiled_reduce"]
 
 REDUCTIONS = ("sum", "logsumexp", "max", "softmax")
 
@@ -320,16 +320,22 @@ def _problem_forward(spec: _TileSpec, first, rows, cols, pairs, consts):
     return R.merge(out)
 
 
-def _tiled_forward(spec: _TileSpec, rows, cols, pairs, consts):
-    """``(result, residual)`` of the whole batch: each problem vmapped, pairs broadcast
-    over the batch dims they lack (never expanded)."""
+def _statistics(spec: _TileSpec, rows, cols, pairs, consts):
+    """``(tile type, statistics)`` of the whole batch: each problem vmapped, pairs
+    broadcast over the batch dims they lack (never expanded)."""
     pairs = spec.squeeze_pairs(pairs)
     first = _tile_type(spec, rows, cols, pairs, consts)
     problem = spec.over_batch(
         lambda r, c, p: _problem_forward(spec, first, r, c, p, consts),
         lambda level: (0, 0, spec.pair_axes(level)),
     )
-    return _finish(spec.reduce, first, problem(rows, cols, pairs))
+    return first, problem(rows, cols, pairs)
+
+
+def _tiled_forward(spec: _TileSpec, rows, cols, pairs, consts):
+    """``(result, residual)`` of the whole batch."""
+    first, stats = _statistics(spec, rows, cols, pairs, consts)
+    return _finish(spec.reduce, first, stats)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -345,7 +351,13 @@ def _tiled_core_fwd(spec, *primals):
 
 def _tiled_core_bwd(spec, res, ct):
     values, residual, flags = res
-    flags = flags.value
+    return _backward(spec, values, residual, flags.value, ct)
+
+
+def _backward(spec, values, residual, flags, ct, running=None):
+    """The tiled backward pass: the cotangents of ``values`` (``None`` where a flag is
+    off). With ``running`` (a ring's accumulators, see :func:`_ring_core_bwd`), this
+    pass adds into them instead and returns them, padded, in the accumulation dtype."""
     rows, cols, pairs, consts = values
     R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
     reduce = spec.reduce
@@ -401,12 +413,15 @@ def _tiled_core_bwd(spec, res, ct):
         dtype = jnp.result_type(p) if once else accumulation_dtype(jnp.result_type(p))
         return vary(jnp.zeros(shape, dtype), axes)
 
-    d_rows0 = [padded(a, R, a.dtype) for a in select(rows, row_f)]
-    d_cols0 = [padded(a, C, accumulation_dtype(a.dtype)) for a in select(cols, col_f)]
-    d_pairs0 = [
-        pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
-    ]
-    d_consts0 = _accumulators(select(consts, const_f))
+    if running is None:
+        d_rows0 = [padded(a, R, a.dtype) for a in select(rows, row_f)]
+        d_cols0 = [padded(a, C, accumulation_dtype(a.dtype)) for a in select(cols, col_f)]
+        d_pairs0 = [
+            pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
+        ]
+        d_consts0 = _accumulators(select(consts, const_f))
+    else:
+        d_rows0, d_cols0, d_pairs0, d_consts0 = running
     # One tile of every problem in the batch at once.
     tile_in_axes = lambda level: (0, 0, spec.pair_axes(level), None)  # noqa: E731
 
@@ -476,16 +491,21 @@ def _tiled_core_bwd(spec, res, ct):
             (_accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
             (col_ids, col_valid),
         )
-        # A row block's cotangent is complete here: stored once, in its own dtype.
-        d_rows = [
-            lax.dynamic_update_slice_in_dim(acc, g.astype(acc.dtype), r0, axis=nb)
-            for acc, g in zip(d_rows, d_row)
-        ]
+        if running is None:
+            # A row block's cotangent is complete here: stored once, in its own dtype.
+            d_rows = [
+                lax.dynamic_update_slice_in_dim(acc, g.astype(acc.dtype), r0, axis=nb)
+                for acc, g in zip(d_rows, d_row)
+            ]
+        else:  # one column block of a ring: add to the other blocks' share
+            d_rows = [_add_block(acc, g, (r0,), nb) for acc, g in zip(d_rows, d_row)]
         return (d_rows, d_cols, d_pairs, d_consts), None
 
     (d_rows, d_cols, d_pairs, d_consts), _ = lax.scan(
         row_body, (d_rows0, d_cols0, d_pairs0, d_consts0), (row_ids, row_valid)
     )
+    if running is not None:
+        return d_rows, d_cols, d_pairs, d_consts
 
     def finish(cts, primal_group):
         return [c.astype(p.dtype) for c, p in zip(psum_replicated(cts, primal_group),
@@ -560,6 +580,159 @@ def _score_cotangent(reduce, out, row_data, r_valid, c_valid, c_ids):
 _tiled_core.defvjp(_tiled_core_fwd, _tiled_core_bwd, symbolic_zeros=True)
 
 
+# ---------------------------------------------------------------------------------------
+# Rings: the columns split over a mesh axis too, each block passed around the devices.
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """Inside ``shard_map``: the mesh axis (or axes) the columns are split over, and its
+    number of devices. Every device holds ``m / size`` columns; block by block they
+    travel to the next device (``ppermute``) while the current one is reduced."""
+
+    axes: Any
+    size: int
+
+
+def _ring_spec(spec: _TileSpec) -> _TileSpec:
+    """``spec`` for one column block of a ring: its consts gain the block's first global
+    column, added to the column ids ``tile_fn`` and ``live`` see (a causal mask compares
+    global positions); the loops still slice with block-local ids."""
+    tile_fn, live = spec.tile_fn, spec.live
+
+    def shifted(rows, cols, pairs, consts, row_ids, col_ids):
+        user, offset = consts
+        return tile_fn(rows, cols, pairs, user, row_ids, col_ids + offset)
+
+    def shifted_live(row_ids, col_ids, consts):
+        user, offset = consts
+        return live(row_ids, col_ids + offset, user)
+
+    user = jax.tree.unflatten(spec.trees[3], [0] * spec.trees[3].num_leaves)
+    return dataclasses.replace(
+        spec,
+        tile_fn=shifted,
+        live=None if live is None else shifted_live,
+        trees=spec.trees[:3] + (jax.tree.structure((user, 0)),),
+    )
+
+
+def _rotate(tree: Any, ring: Ring) -> Any:
+    """Every device's ``tree`` sent to the next device of the ring."""
+    perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    return jax.tree.map(lambda a: lax.ppermute(a, ring.axes, perm), tree)
+
+
+def _block_offset(ring: Ring, m_local: int, step) -> jax.Array:
+    """The first global column of the block a device holds at ``step``: it started on
+    the device ``step`` places before this one."""
+    me = lax.axis_index(ring.axes)
+    return (((me - step) % ring.size) * m_local).astype(jnp.int32)
+
+
+def _combine(reduce: str, a, b):
+    """The statistics of two column blocks' reductions, merged (associative)."""
+    if reduce == "sum":
+        return a + b
+    if reduce == "logsumexp":
+        return jnp.logaddexp(a, b)
+    if reduce == "max":
+        (va, ia), (vb, ib) = a, b
+        # jnp.max/argmax over the union: the larger value, the first index on ties, and
+        # the first NaN wins (blocks arrive in ring order, not column order).
+        better = (vb > va) | ((vb == va) & (ib < ia)) | (
+            jnp.isnan(vb) & (~jnp.isnan(va) | (ib < ia)))
+        return jnp.where(better, vb, va), jnp.where(better, ib, ia)
+    (oa, la), (ob, lb) = a, b
+    lse = jnp.logaddexp(la, lb)
+    shift = _safe_max(lse)
+    wa, wb = (_expand(jnp.exp(w - shift), oa.ndim) for w in (la, lb))
+    return oa * wa.astype(oa.dtype) + ob * wb.astype(ob.dtype), lse
+
+
+def _ring_statistics(spec: _TileSpec, ring: Ring, rows, cols, pairs, consts):
+    """``(tile type, statistics over every device's columns)``."""
+    m_local = cols[0].shape[len(spec.batch)]
+
+    def block(blk, step):
+        offset = _block_offset(ring, m_local, step)
+        first, stats = _statistics(spec, rows, blk, pairs, [*consts, offset])
+        if spec.reduce == "max":
+            stats = (stats[0], stats[1] + offset)
+        return first, stats
+
+    in_flight = _rotate(cols, ring)  # the next block travels while this one is reduced
+    first, stats = block(cols, 0)
+
+    def step(carry, i):
+        blk, stats = carry
+        in_flight = _rotate(blk, ring)  # (the last step's send is not used)
+        return (in_flight, _combine(spec.reduce, stats, block(blk, i)[1])), None
+
+    (_, stats), _ = lax.scan(step, (in_flight, stats), jnp.arange(1, ring.size))
+    return first, stats
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring_core(spec: _TileSpec, ring: Ring, rows, cols, pairs, consts):
+    return _finish(spec.reduce, *_ring_statistics(spec, ring, rows, cols, pairs, consts))[0]
+
+
+def _ring_core_fwd(spec, ring, *primals):
+    values, flags = zip(*(unwrap(p) for p in primals))
+    out, residual = _finish(spec.reduce, *_ring_statistics(spec, ring, *values))
+    return out, (values, residual, Static(flags))
+
+
+def _ring_core_bwd(spec, ring, res, ct):
+    """The tiled backward of each block against the global statistics, the block and
+    its cotangent travelling on together: after ``size`` steps every block is home with
+    the cotangent summed over every device's rows (ring attention's backward). The
+    tile loops add straight into the carried accumulators (no per-block copies)."""
+    values, residual, flags = res
+    row_f, col_f, pair_f, const_f = flags.value
+    rows, cols, pairs, consts = values
+    nb = len(spec.batch)
+    m_local = cols[0].shape[nb]
+    R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
+    block_flags = (row_f, col_f, pair_f, const_f + (False,))
+
+    def padded(a, chunks):
+        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1:]
+        return jnp.zeros(shape, accumulation_dtype(a.dtype))
+
+    def step(carry, i):
+        blk, d_blk, d_rows, d_consts = carry
+        in_flight = _rotate(blk, ring)
+        offset = _block_offset(ring, m_local, i)
+        # The global argmax as an index into this block (out of range: another block's).
+        res_b = residual - offset if spec.reduce == "max" else residual
+        d_rows, d_blk, _, d_consts = _backward(
+            spec, (rows, blk, pairs, [*consts, offset]), res_b, block_flags, ct,
+            running=(d_rows, d_blk, [], [*d_consts, ]),
+        )
+        return (in_flight, _rotate(d_blk, ring), d_rows, d_consts), None  # d_blk follows
+
+    init = (
+        list(cols),
+        [padded(a, C) for a in select(cols, col_f)],
+        [padded(a, R) for a in select(rows, row_f)],
+        _accumulators(select(consts, const_f)),
+    )
+    (_, d_blk, d_rows, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
+
+    def finish(cts, group, f, chunks=None):
+        if chunks is not None:
+            cts = [lax.slice_in_dim(c, 0, chunks.length, axis=nb) for c in cts]
+        return cotangents(f, [c.astype(p.dtype) for c, p in zip(cts, select(group, f))])
+
+    return (finish(d_rows, rows, row_f, R), finish(d_blk, cols, col_f, C),
+            cotangents(pair_f, []), finish(d_consts, consts, const_f))
+
+
+_ring_core.defvjp(_ring_core_fwd, _ring_core_bwd, symbolic_zeros=True)
+
+
 def _item_length(tree: Any, batch: tuple, arg: str) -> int:
     """The common length of the axis after the ``batch`` dims of every leaf of ``tree``."""
     nb = len(batch)
@@ -586,6 +759,7 @@ def tiled_reduce(
     upcast: bool = False,
     vary_consts: bool = True,
     live: Callable | None = None,
+    ring: Ring | None = None,
 ) -> Any:
     """The engine: reduce tile scores over columns, for every row, tile by tile.
 
@@ -624,6 +798,15 @@ def tiled_reduce(
     forward and backward). It must depend on the indices and ``consts`` only: a causal
     mask halves the work this way.
 
+    ``ring`` (inside ``shard_map`` only): ``cols`` is this device's block of columns
+    split over ``ring.axes``; the blocks travel around the devices (``ppermute``), each
+    reduced against the local rows while the next is in flight, and in the backward
+    each block's cotangent travels with it back to its owner. Memory per device: the
+    local rows, one block of columns (two while one is in flight) and one tile. The
+    results are over every device's columns (argmax: global indices); ``tiles`` are
+    resolved for one block, and ``tile_fn``/``live`` see global column ids. ``pairs``
+    are not supported with a ring.
+
     Example::
 
         >>> from memwise.tiling import tiling
@@ -661,4 +844,9 @@ def tiled_reduce(
         upcast, vary_consts, live,
     )
     leaves = [[jnp.asarray(a) for a in lv] for lv, _ in flat]
-    return _tiled_core(spec, *leaves)
+    if ring is None:
+        return _tiled_core(spec, *leaves)
+    if leaves[2]:
+        raise ValueError("pairs (masks, biases) are not supported with a ring; replicate "
+                         "the columns instead")
+    return _ring_core(_ring_spec(spec), ring, *leaves)

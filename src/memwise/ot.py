@@ -55,6 +55,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.scipy.sparse.linalg import cg
 
 from memwise.pairwise import pairwise_reduce
+from memwise.sharding import devices, first_items, has_explicit_axes, row_sharding
 from memwise.tiling import Tiling, item_bytes, tiling
 
 __all__ = ["SinkhornResult", "sinkhorn", "sinkhorn_divergence"]
@@ -201,6 +202,41 @@ _first_order_only.defjvp(_forward_mode_error)
 # Chunked passes.
 
 
+class _Placed(NamedTuple):
+    """Where every pass of one call runs: its tiles, and the mesh axis both clouds are
+    split over (None: one program). Decided once, so that the passes over one cloud
+    alone (the divergence's self terms) run split like the passes over both."""
+
+    tiles: Tiling
+    mesh: Any = None
+    axes: Any = None
+
+
+def _placed(where: _Placed) -> dict:
+    """``pairwise_reduce`` keyword arguments for a pass placed at ``where``."""
+    return dict(chunk_size=where.tiles, mesh=where.mesh, axis_name=where.axes)
+
+
+def _placement(x: Array, y: Array, tiles: Tiling) -> _Placed:
+    """Both clouds split over the mesh axis either one is split over (declared, or a
+    mesh with Auto axes), when both divide evenly; else one program. Explicit mesh axes
+    are not supported yet (a ``ValueError``)."""
+    split = row_sharding(x, None, None, "x") or row_sharding(y, None, None, "y")
+    if split is None:
+        return _Placed(tiles)
+    mesh, axes = split
+    if has_explicit_axes(mesh):
+        # Every pass closes over epsilon and the potentials, typed on the Explicit mesh,
+        # which shard_map cannot capture.
+        raise ValueError(
+            "mw.ot does not run split over a mesh with Explicit axes yet: make the mesh "
+            "with Auto axes (jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))) "
+            "and place x and y on it with jax.device_put(x, NamedSharding(mesh, P(axis)))")
+    if x.shape[0] % devices(mesh, axes) or y.shape[0] % devices(mesh, axes):
+        return _Placed(tiles)
+    return _Placed(tiles, mesh, axes)
+
+
 def _softmin(cost: CostFn, consts: tuple, x: Array, y: Array, log_weights: Array,
              eps: Array, chunk_size: Any, *, axis: int = 1) -> Array:
     """``-eps log sum_j exp(log_weights_j - C(x_i, y_j) / eps)`` for every ``i``.
@@ -209,7 +245,7 @@ def _softmin(cost: CostFn, consts: tuple, x: Array, y: Array, log_weights: Array
     """
     return -eps * pairwise_reduce(lambda xi, yj: -cost(xi, yj, *consts) / eps, x, y,
                                   reduce="logsumexp", weights=log_weights,
-                                  chunk_size=chunk_size, axis=axis)
+                                  axis=axis, **_placed(chunk_size))
 
 
 def _safe_log(weights: Array) -> Array:
@@ -227,7 +263,7 @@ def _default_epsilon(cost, consts, x, y, chunk_size) -> Array:
     points in one place) any epsilon gives the exact answer, ``C``; OTT's 0 gives NaN.
     """
     def mean_over_pairs(fn):
-        total = pairwise_reduce(fn, x, y, reduce="sum", chunk_size=chunk_size)
+        total = pairwise_reduce(fn, x, y, reduce="sum", **_placed(chunk_size))
         return jnp.sum(total) / float(x.shape[0] * y.shape[0])
 
     mean = mean_over_pairs(lambda xi, yj: cost(xi, yj, *consts))
@@ -249,7 +285,7 @@ def _kernel_apply(cost, consts, x, y, eps, chunk_size, left, right, vector, *, a
         return jnp.exp(jnp.minimum(exponent, 80.0))
 
     return pairwise_reduce(entry, (x, left), (y, right), reduce="sum", weights=vector,
-                           chunk_size=chunk_size, axis=axis)
+                           axis=axis, **_placed(chunk_size))
 
 
 def _start_epsilon(cost, consts, x, y, chunk_size, scaling) -> Array | None:
@@ -257,7 +293,7 @@ def _start_epsilon(cost, consts, x, y, chunk_size, scaling) -> Array | None:
     if scaling is None:
         return None
     return jnp.max(pairwise_reduce(lambda xi, yj: cost(xi, yj, *consts), x, y,
-                                   reduce="max", chunk_size=chunk_size))
+                                   reduce="max", **_placed(chunk_size)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -480,7 +516,7 @@ class _Problem(NamedTuple):
     b: Array
     cost: Callable
     consts: tuple
-    chunk: Tiling
+    chunk: _Placed
     eps: Array
     dtype: Any  # of the results: the points' dtype (the solve runs in at least float32)
     mass_rtol: float  # relative mismatch of sum(a), sum(b) that is only rounding
@@ -490,6 +526,7 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
              epsilon_scaling) -> _Problem:
     _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
     x, y = _check_points("x", x), _check_points("y", y)
+    where = (x, y)  # before the casts: the inputs' own sharding decides the placement
     if x.shape[1] != y.shape[1]:
         raise ValueError(
             f"x and y must have the same dimension: x is {x.shape}, y is {y.shape}")
@@ -514,10 +551,11 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
     cost_fn, consts = _resolve_cost(cost, x, y)
     # One tiling (one "auto" knob for memwise.fit) serves every pass of the call: the
     # solves, the backward and the divergence's self terms (their sizes clipped).
-    chunk = tiling(
+    chunk = _placement(*where, tiling(
         x.shape[0], y.shape[0], chunk_size,
-        pair_bytes=lambda: item_bytes(lambda xi, yj: cost_fn(xi, yj, *consts), x[0], y[0]),
-    )
+        pair_bytes=lambda: item_bytes(lambda xi, yj: cost_fn(xi, yj, *consts),
+                                      first_items(x), first_items(y)),
+    ))
     if epsilon is None:
         stopped = jax.lax.stop_gradient((consts, x, y))
         eps = jax.lax.stop_gradient(

@@ -23,13 +23,17 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise.engine import sum_dtype, tiled_reduce
+from memwise.engine import Ring, sum_dtype, tiled_reduce
 from memwise.sharding import (
     check_divisible,
     convert,
+    declared_split,
+    devices,
     first_items,
+    has_explicit_axes,
     row_sharding,
     sharded_call,
+    use_ring,
     varying_over,
 )
 from memwise.tiling import ChunkSize, Tiling, item_bytes, leading_length, tiling
@@ -50,6 +54,7 @@ def pairwise_reduce(
     axis: int = 1,
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | tuple[str, ...] | None = None,
+    ring: bool | None = None,
 ) -> jax.Array:
     """``reduce_j fn(x_i, y_j) [* or + weights_j]`` without ever holding an n x m array.
 
@@ -88,13 +93,22 @@ def pairwise_reduce(
         default the forward tile with half the rows).
       axis: 1 to reduce over ``y`` (one result per x), 0 to reduce over ``x``.
       mesh, axis_name: run on many devices with the points of ``x`` split over mesh axis
-        ``axis_name`` and ``y`` replicated (``shard_map``): each device tiles its own
-        rows, forward and backward, and the gradient of ``y`` is all-reduced once. With
-        ``axis=0`` (reducing over the split points) the per-device partial results are
-        combined with ``psum`` (sum, logsumexp) or ``all_gather`` (max/min and their
-        arg-extremes, as global indices). Detected
-        without these arguments when ``x`` (else ``y``) is a concrete array with a
-        ``NamedSharding`` over its first axis; under ``jit`` pass them explicitly.
+        ``axis_name`` (``shard_map``): each device tiles its own rows, forward and
+        backward. Without these arguments the split follows the data, eagerly and under
+        ``jit``: a ``NamedSharding`` of ``x`` (else ``y``) over its first axis, a type
+        split over Explicit mesh axes, or, on a mesh with Auto axes (the arrays' own, or
+        one set with ``jax.set_mesh``), the points split over all of its devices when
+        they divide evenly. When only ``y``'s points are split, each device reduces its
+        own columns and the partial results are combined (``psum``; ``all_gather`` for
+        max/min and their arg-extremes, as global indices).
+      ring: with ``x``'s points split, whether ``y`` is split over the same devices too
+        and passed around them (``ppermute``, each block reduced while the next is in
+        flight; in the backward each block's gradient travels with it back to its
+        owner), so that every device holds about 1/D of both operands. ``None`` (the
+        default): a ring when m divides evenly over the devices, unless ``y`` is
+        declared whole on every device (a replicated ``NamedSharding``). ``False``:
+        ``y`` replicated, its gradient all-reduced once (fewer, larger transfers: the
+        better choice for a small ``y``). ``True``: a ring, or a ``ValueError``.
 
     Returns:
       Array of shape ``(n,) + out`` (``(m,) + out`` for ``axis=0``).
@@ -117,8 +131,13 @@ def pairwise_reduce(
     if weights is not None:
         weights = jnp.asarray(weights)
     # Which side is split over devices: x's rows (mesh= always means x), else y's.
+    # Which sides are split over devices: mesh= always means x; else each side's own.
     x_shard = row_sharding(x, mesh, axis_name, "x")
-    y_shard = None if x_shard is not None or mesh is not None else row_sharding(y, None, None, "y")
+    if mesh is None:
+        y_shard = row_sharding(y, None, None, "y")
+    else:  # y's points split over the same axis: say so, for axis=0 to keep them split
+        declared = declared_split(y)
+        y_shard = x_shard if declared is not None and declared[1] == x_shard[1] else None
     if axis in (0, -2):
         x_shard, y_shard = y_shard, x_shard
         x, y = y, x  # reduce over the points of x: the engine always reduces columns
@@ -165,29 +184,43 @@ def pairwise_reduce(
 
     row_shard, col_shard = x_shard, y_shard
     if row_shard is None and col_shard is None:
+        if ring:
+            raise ValueError(
+                "ring=True needs the points split over devices: pass mesh= (and "
+                "axis_name=), shard x, or call under jax.set_mesh")
         out = _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim)
         return _index_only(out, reduce)
+    ringed = None
     if row_shard is not None:
+        # The kept points split: the reduced ones on a ring, or replicated.
         mesh, axes = row_shard
         check_divisible(n, mesh, axes, kept)
+        if use_ring(ring, y, m, mesh, axes, reduced):
+            ringed = Ring(axes, devices(mesh, axes))
     else:
         mesh, axes = col_shard
         check_divisible(m, mesh, axes, reduced)
-    # Closure constants become explicit replicated operands of the shard_map.
-    converted, consts = jax.closure_convert(fn, first_items(x), first_items(y))
-
-    def local(x_l, y_l, w_l, consts):
-        f = lambda a, b: converted(a, b, *consts)  # noqa: E731
-        out = _pairwise_local(f, x_l, y_l, w_l, reduce, chunk_size, out_ndim)
+        # Split the kept points too, and pass the reduced ones around a ring; not on
+        # Explicit axes, where the kept points' type says they are whole (and so must
+        # the result be).
+        if not has_explicit_axes(mesh) and use_ring(ring, x, n, mesh, axes, kept):
+            row_shard, ringed = col_shard, Ring(axes, devices(mesh, axes))
+    # fn is traced inside the shard_map: a jaxpr traced outside would carry the
+    # caller's mesh context into the per-device program. The arrays it closes over
+    # enter as replicated values; their gradients are all-reduced once by the
+    # shard_map's transpose.
+    def local(x_l, y_l, w_l):
+        out = _pairwise_local(fn, x_l, y_l, w_l, reduce, chunk_size, out_ndim, ringed)
         if row_shard is not None:
             return _index_only(out, reduce)
         return _combine_over_devices(out, reduce, axes, leading_length(y_l, reduced))
 
     if row_shard is not None:
-        in_specs, out_specs = (P(axes), P(), P(), P()), P(axes)
+        y_spec = P(axes) if ringed else P()
+        in_specs, out_specs = (P(axes), y_spec, y_spec), P(axes)
     else:
-        in_specs, out_specs = (P(), P(axes), P(axes), P()), P()
-    return sharded_call(local, mesh, in_specs, out_specs, x, y, weights, list(consts))
+        in_specs, out_specs = (P(), P(axes), P(axes)), P()
+    return sharded_call(local, mesh, in_specs, out_specs, x, y, weights)
 
 
 def _combine_over_devices(local: Any, reduce: str, axes: Any, m_local: int):
@@ -236,10 +269,11 @@ def _no_identity(reduce: str, reduced: str):
     )
 
 
-def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim):
-    """pairwise_reduce on one device (or per device inside shard_map); the
-    arg-extremes return ``(extreme value, index)``."""
-    if reduce in ("argmax", "argmin") and varying_over(x, y):
+def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
+    """pairwise_reduce on one device (or per device inside shard_map, ``y`` and the
+    weights this device's block of a ``ring``); the arg-extremes return ``(extreme
+    value, index)``."""
+    if reduce in ("argmax", "argmin") and ring is None and varying_over(x, y):
         raise NotImplementedError(
             f"reduce={reduce!r} with the reduced points split over devices is not supported; "
             "shard the kept points instead (axis=1: rows of x)"
@@ -271,6 +305,7 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim):
     )
     out = tiled_reduce(
         tile_fn, x, cols, reduce=engine, tiles=tiles, consts=consts, vary_consts=vary_consts,
+        ring=ring,
     )
     if engine != "max":
         return out

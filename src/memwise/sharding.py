@@ -33,6 +33,12 @@ from memwise._jax_private import varying_axes
 
 __all__ = [
     "row_sharding",
+    "declared_split",
+    "auto_split",
+    "declared_replicated",
+    "devices",
+    "has_explicit_axes",
+    "use_ring",
     "sharded_call",
     "check_divisible",
     "varying_over",
@@ -116,10 +122,12 @@ def _axis_names(axes: Any) -> tuple:
 def row_sharding(tree: Any, mesh: Any, axis_name: Any, arg: str, *, dim: int = 0):
     """``(mesh, axes)`` when axis ``dim`` of ``tree`` is to be split over a mesh, else None.
 
-    Explicit ``mesh=``/``axis_name=`` win; otherwise the sharding is read from the first
-    leaf when it is a concrete array with a ``NamedSharding``. A traced value whose type
-    is split over an explicit mesh axis raises (pass ``mesh=``). Inside ``shard_map``
-    (manual axes) nothing is detected: the caller already works per device.
+    In order: explicit ``mesh=``/``axis_name=``; the split the data declares
+    (:func:`declared_split`: a concrete array's ``NamedSharding``, or, under ``jit``, a
+    type sharded over Explicit mesh axes); else, when the data lives on a mesh with Auto
+    axes (its type's mesh, or the mesh set with ``jax.set_mesh``), a split over all of
+    them (:func:`auto_split`). Inside ``shard_map`` (manual axes) nothing is detected:
+    the caller already works per device.
     """
     if mesh is not None:
         if axis_name is None:
@@ -135,60 +143,163 @@ def row_sharding(tree: Any, mesh: Any, axis_name: Any, arg: str, *, dim: int = 0
         return mesh, axis_name
     if axis_name is not None:
         raise ValueError("axis_name needs mesh=: pass the jax.sharding.Mesh it belongs to")
+    return declared_split(tree, dim) or auto_split(tree, dim)
+
+
+def _first_leaf(tree: Any):
     leaves = jax.tree.leaves(tree)
     if not leaves or varying_over(leaves):
         return None
-    leaf = leaves[0]
+    return leaves[0]
+
+
+def declared_split(tree: Any, dim: int = 0):
+    """``(mesh, axes)`` that axis ``dim`` of ``tree``'s first leaf is declared split over.
+
+    A concrete array says it with its ``NamedSharding``; under ``jit`` a value's type
+    says it when the mesh axis is Explicit (``jax.typeof(x).sharding``). Axes of size 1
+    split nothing: None.
+    """
+    leaf = _first_leaf(tree)
+    if leaf is None:
+        return None
     dim = dim % max(np.ndim(leaf), 1)
-    found = None
+    sharding = None
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+        sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or len(spec) <= dim or spec[dim] is None:
+        return None
+    mesh, axes = sharding.mesh, spec[dim]
+    if devices(mesh, axes) == 1:
+        return None
+    return mesh, axes
+
+
+def declared_replicated(tree: Any, dim: int = 0) -> bool:
+    """True when ``tree``'s first leaf says it is whole on every device of a mesh: a
+    concrete array whose ``NamedSharding`` does not split axis ``dim``, or a traced one
+    whose type has Explicit mesh axes and does not split it (Auto axes say nothing)."""
+    leaf = _first_leaf(tree)
+    if leaf is None:
+        return False
+    dim = dim % max(np.ndim(leaf), 1)
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
             spec = sharding.spec
-            if len(spec) > dim and spec[dim] is not None:
-                found = (sharding.mesh, spec[dim])
-    if found is None:
-        typed = getattr(jax.typeof(leaf), "sharding", None)
-        spec = getattr(typed, "spec", None)
-        if spec is not None and len(spec) > dim and spec[dim] is not None:
-            raise ValueError(
-                f"axis {dim} of {arg} is sharded over explicit mesh axis {spec[dim]!r}; "
-                f"pass mesh=<that jax.sharding.Mesh> and axis_name={spec[dim]!r} so "
-                "memwise can run one tiled loop per device"
-            )
+            return sharding.mesh.size > 1 and (len(spec) <= dim or spec[dim] is None)
+        return False
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None or not mesh.axis_names:
+        return False
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    return explicit and (len(spec) <= dim or spec[dim] is None)
+
+
+def auto_split(tree: Any, dim: int = 0):
+    """``(mesh, axes)``: axis ``dim`` of ``tree`` split over every Auto axis of the mesh
+    its first leaf lives on (under ``jit``, the type's mesh; else the mesh set with
+    ``jax.set_mesh``), when its length divides evenly; else None.
+
+    Auto axes do not say how an array is laid out, only where: splitting the points
+    over all of the mesh's devices is what makes every device share the work (data
+    already split that way moves nothing). A length that does not divide runs on one
+    program, as without a mesh; pass ``mesh=`` to be told instead.
+    """
+    leaf = _first_leaf(tree)
+    if leaf is None or np.ndim(leaf) == 0:
         return None
-    mesh, axes = found
-    if int(np.prod([mesh.shape[n] for n in _axis_names(axes)])) == 1:
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if mesh is None or not mesh.axis_names:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or not mesh.axis_names:
         return None
-    return found
+    auto = tuple(
+        name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+        if kind == jax.sharding.AxisType.Auto and mesh.shape[name] > 1
+    )
+    if not auto:
+        return None
+    axes = auto[0] if len(auto) == 1 else auto
+    n_devices = devices(mesh, axes)
+    if np.shape(leaf)[dim % np.ndim(leaf)] % n_devices:
+        return None
+    return mesh, axes
+
+
+def has_explicit_axes(mesh: Any) -> bool:
+    """True when any axis of ``mesh`` is Explicit (shardings are part of the types)."""
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def devices(mesh: Any, axes: Any) -> int:
+    """The number of devices along mesh axis (or axes) ``axes``."""
+    return int(np.prod([mesh.shape[name] for name in _axis_names(axes)]))
 
 
 def sharded_call(local: Callable, mesh: Any, in_specs: tuple, out_specs: Any, *args):
     """``shard_map`` of ``local`` (jitted: eager shard_map lacks custom_vjp symbolic zeros).
 
-    check_vma=False: the user's fn was traced (closure-converted) outside the shard_map,
-    so its jaxpr cannot carry varying-axis annotations; shard_map's transpose then
-    all-reduces the cotangents of the replicated operands once, after the tiled backward.
-    On explicit-axes meshes the operands are first resharded to the specs.
+    ``mesh`` may be a ``Mesh`` or, under ``jit``, the ``AbstractMesh`` of the data's type.
+    check_vma=False: the per-device function does its own varying-axis typing (the
+    engine's loop carries) and shard_map's transpose all-reduces the cotangents of the
+    replicated operands once, after the tiled backward. On Explicit axes the operands
+    are first resharded to the specs (inside the jit, so that an abstract mesh will do).
     """
-    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        def to(spec, tree):
-            target = jax.sharding.NamedSharding(mesh, spec) if isinstance(
-                mesh, jax.sharding.Mesh) else spec
-            return jax.tree.map(lambda a: jax.sharding.reshard(a, target), tree)
-
-        args = tuple(to(spec, a) for spec, a in zip(in_specs, args))
     mapped = jax.shard_map(
         local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
-    return jax.jit(mapped)(*args)
+    explicit = has_explicit_axes(mesh)
+
+    def call(*args):
+        if explicit:
+            args = tuple(
+                jax.tree.map(
+                    lambda a, spec=spec: jax.sharding.reshard(
+                        a, jax.sharding.NamedSharding(mesh, spec)), arg)
+                for spec, arg in zip(in_specs, args)
+            )
+        return mapped(*args)
+
+    try:
+        return jax.jit(call)(*args)
+    except NotImplementedError as e:
+        if "Closing over inputs to shard_map" not in str(e):
+            raise
+        raise ValueError(
+            "the function closes over an array whose type is sharded over Explicit mesh "
+            "axes, which JAX's shard_map cannot capture: pass that array as data (part "
+            "of the points, weights or consts) or use a mesh with Auto axes "
+            "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,)))"
+        ) from None
+
+
+def use_ring(ring: Any, tree: Any, n: int, mesh: Any, axes: Any, arg: str) -> bool:
+    """Whether the second operand ``tree`` (``n`` points) is split over ``axes`` as well
+    and passed around the devices (a ring), rather than held whole on every device.
+
+    ``ring=None`` (the default): a ring when ``n`` divides evenly over the devices,
+    unless ``tree`` is declared whole on every device (:func:`declared_replicated`).
+    ``True`` insists (``n`` must divide), ``False`` replicates.
+    """
+    if ring is None:
+        return not declared_replicated(tree) and n % devices(mesh, axes) == 0
+    if not isinstance(ring, bool):
+        raise TypeError(f"ring must be True, False or None (automatic), got {ring!r}")
+    if ring:
+        check_divisible(n, mesh, axes, arg)
+    return ring
 
 
 def check_divisible(n: int, mesh: Any, axes: Any, arg: str) -> None:
     """Raise unless ``n`` rows split evenly over the devices of mesh axis ``axes``."""
-    devices = int(np.prod([mesh.shape[name] for name in _axis_names(axes)]))
-    if n % devices:
+    n_devices = devices(mesh, axes)
+    if n % n_devices:
         raise ValueError(
-            f"{arg} has {n} rows, not divisible by the {devices} devices of mesh axis "
-            f"{axes!r}; pad {arg} (e.g. with zero weights) to a multiple of {devices}"
+            f"{arg} has {n} rows, not divisible by the {n_devices} devices of mesh axis "
+            f"{axes!r}; pad {arg} (e.g. with zero weights) to a multiple of {n_devices}"
         )

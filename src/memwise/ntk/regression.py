@@ -34,9 +34,12 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from memwise.chunked import chunked_map, chunked_sum, over_row_chunks
+from memwise.chunked import chunked_map, chunked_sum, over_row_chunks, sum_over_chunks
 from memwise.engine import accumulation_dtype
+from memwise.sharding import check_divisible, devices, row_sharding, sharded_call
 from memwise.tiling import Chunking, ChunkSize, Tiling, item_bytes, tiling
 from memwise.ntk.kernels import KernelFn
 
@@ -328,22 +331,37 @@ def kip_loss(
     kernel = _PairKernel(kernel_fn, get)
     tiles = kernel.tiles(x_target, x_support, chunk_size)
     row_tiles, cols = tiles.rows, tiles.cols
-    rows = row_tiles.size
     p_support = kernel.prepare(x_support, cols)
     alpha, out_dtype = _solve(kernel, p_support, y_support, ridge, cols)
     out_dtype = jnp.result_type(out_dtype, y_target.dtype)
 
-    # Chunk indices, not the targets, are the loop's items (see over_row_chunks).
-    n_target = x_target.shape[0]
+    def squared_error(x_target, y_target, row_tiles):
+        # Chunk indices, not the targets, are the loop's items (see over_row_chunks).
+        n_target = x_target.shape[0]
 
-    def chunk_error(index):
-        start = index * rows
-        xt = row_tiles.block(x_target, start)
-        yt = row_tiles.block(y_target, start)
-        valid = (start + jnp.arange(rows)) < n_target
-        pred = _predict_block(kernel, xt, p_support, alpha, cols)
-        error = jnp.sum((pred - yt.astype(pred.dtype)) ** 2, axis=1)
-        return jnp.sum(jnp.where(valid, error, 0.0))
+        def chunk_error(index):
+            start = index * row_tiles.size
+            xt = row_tiles.block(x_target, start)
+            yt = row_tiles.block(y_target, start)
+            valid = (start + jnp.arange(row_tiles.size)) < n_target
+            pred = _predict_block(kernel, xt, p_support, alpha, cols)
+            error = jnp.sum((pred - yt.astype(pred.dtype)) ** 2, axis=1)
+            return jnp.sum(jnp.where(valid, error, 0.0))
 
-    total = chunked_sum(chunk_error, jnp.arange(row_tiles.n_chunks), chunk_size=1)
+        return sum_over_chunks(chunk_error, row_tiles.n_chunks)
+
+    split = row_sharding(x_target, None, None, "x_target")
+    if split is None:
+        total = squared_error(x_target, y_target, row_tiles)
+    else:
+        # The targets split over devices: each device sums its own, then one psum.
+        mesh, axes = split
+        check_divisible(x_target.shape[0], mesh, axes, "x_target")
+        n_local = x_target.shape[0] // devices(mesh, axes)
+        local_rows = Chunking(n_local, min(row_tiles.size, n_local))
+
+        def local(xt, yt):
+            return lax.psum(squared_error(xt, yt, local_rows), axes)
+
+        total = sharded_call(local, mesh, (P(axes), P(axes)), P(), x_target, y_target)
     return (0.5 * total / y_target.size).astype(out_dtype)

@@ -1,0 +1,117 @@
+"""Tests for memwise.launch: one program as 2 processes on 127.0.0.1 (jax.distributed,
+gloo CPU collectives, 2 devices each), against the same program in one process."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+MULTI_HOST_PROGRAM = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import memwise as mw
+    from memwise import ot
+
+    me = jax.process_index()
+    assert jax.process_count() == 2 and len(jax.devices()) == 4, jax.devices()
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.random.normal(jax.random.PRNGKey(0), (32, 3))
+    y = jax.random.normal(jax.random.PRNGKey(1), (24, 3)) + 1.0
+    q = jax.random.normal(jax.random.PRNGKey(2), (2, 32, 4))
+
+
+    def global_array(a, dim=0):
+        # Each process feeds only its own half of the rows, as on a cluster.
+        half = a.shape[dim] // 2
+        mine = jax.lax.slice_in_dim(a, me * half, (me + 1) * half, axis=dim)
+        spec = P(*([None] * dim), "d")
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.asarray(mine))
+
+
+    def gather(a):
+        return np.asarray(jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))(a))
+
+
+    def check(name, f, args, global_args):
+        # The same function, sharded over both processes vs in this process alone.
+        value, grads = jax.jit(jax.value_and_grad(f, tuple(range(len(args)))))(*global_args)
+        ref_value, ref_grads = jax.jit(jax.value_and_grad(f, tuple(range(len(args)))))(*args)
+        np.testing.assert_allclose(gather(value), ref_value, rtol=1e-5, err_msg=name)
+        for g, r in zip(grads, ref_grads):
+            np.testing.assert_allclose(gather(g), r, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+    A = jnp.asarray(0.5)
+    check("pairwise_reduce",
+          lambda x, y: jnp.sum(jnp.sin(mw.pairwise_reduce(
+              lambda a, b: -A * jnp.sum((a - b) ** 2), x, y, reduce="logsumexp",
+              chunk_size=(3, 4)))),
+          (x, y), (global_array(x), global_array(y)))
+    check("attention (ring, causal)",
+          lambda q, k: jnp.sum(jnp.sin(mw.attention(q, k, k, causal=True, chunk_size=(4, 4)))),
+          (q, q), (global_array(q, 1), global_array(q, 1)))
+    check("sinkhorn_divergence",
+          lambda x, y: ot.sinkhorn_divergence(x, y, epsilon=0.5, chunk_size=4, threshold=1e-6),
+          (x, y), (global_array(x), global_array(y)))
+    w = jnp.full(3, 0.1)
+    lf = lambda w, b: jnp.mean(jnp.tanh(b @ w) ** 2)
+    loss, grad = jax.jit(lambda w, b: mw.accumulate_grad(lf, w, b, microbatches=2))(w, global_array(x))
+    ref_loss, ref_grad = jax.value_and_grad(lf)(w, x)
+    np.testing.assert_allclose(gather(loss), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(gather(grad), ref_grad, rtol=1e-5, atol=1e-7)
+    print("OK", me)
+    """
+)
+
+
+def launch(tmp_path, program, *args, timeout=300):
+    script = tmp_path / "program.py"
+    script.write_text(program)
+    return subprocess.run(
+        [sys.executable, "-m", "memwise.launch", *args, str(script)],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+    # Each process feeds its own rows (make_array_from_process_local_data); no mesh=
+    # anywhere: pairwise_reduce and attention (rings), sinkhorn_divergence and
+    # accumulate_grad, values and gradients equal to one process's to 1e-5.
+    proc = launch(tmp_path, MULTI_HOST_PROGRAM, "-n", "2", "--cpu-devices", "2",
+                  "--timeout", "240")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    assert sorted(proc.stdout.split("\n"))[-2:] == ["OK 0", "OK 1"], proc.stdout
+
+
+def test_a_failing_process_stops_the_others(tmp_path):
+    # Process 1 fails at once; process 0 would wait forever: the launcher stops it and
+    # returns the failure's status, well before its own timeout.
+    program = textwrap.dedent(
+        """
+        import sys, time, jax
+        if jax.process_index() == 1:
+            sys.exit(3)
+        time.sleep(600)
+        """
+    )
+    proc = launch(tmp_path, program, "-n", "2", "--cpu-devices", "1", "--timeout", "120",
+                  timeout=150)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+
+
+def test_timeout_stops_every_process(tmp_path):
+    program = "import time\ntime.sleep(600)\n"
+    proc = launch(tmp_path, program, "-n", "2", "--cpu-devices", "1", "--timeout", "20",
+                  timeout=120)
+    assert proc.returncode == 124
+    assert "timed out" in proc.stderr
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "memwise.launch", "-n", "2",
+                           str(tmp_path / "missing.py")], capture_output=True, text=True)
+    assert proc.returncode != 0 and "no such script" in proc.stderr
+    assert "Traceback" not in proc.stderr
