@@ -16,6 +16,7 @@ the executor takes; the tests check that they agree step by step and count by co
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,9 @@ _B = (35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84, 0.0)
 _E = (71 / 57600, 0.0, -71 / 16695, 71 / 1920, -17253 / 339200, 22 / 525, -1 / 40)
 
 CHECKPOINTS = 16
+# Rounds of interleaved timing per table (the harness's minimum is 5): this benchmark runs
+# on a shared machine, and its small cases take a millisecond.
+REPEATS = 15
 
 
 def vector_field(t, y, theta):
@@ -145,7 +149,7 @@ def _ode_table(t1, tol, quick):
     title = (f"adaptive Dormand-Prince gradient, t1={t1:g}, tol={tol:g}: {trips:,} steps, "
              f"c={c}")
     baseline = next(v.name for v in variants if v.name.startswith("equinox"))
-    return harness.run_table(title, variants, baseline=baseline, quick=quick)
+    return harness.run_table(title, variants, baseline=baseline, repeats=REPEATS, quick=quick)
 
 
 def _synthetic_table(c, lengths, quick):
@@ -174,9 +178,18 @@ def _synthetic_table(c, lengths, quick):
                 f"{name}, t={t:,}", gradient(make), (w, t),
                 extra={"evaluations": counts[name], "offline optimum": optimum,
                        "/ optimum": round(counts[name] / optimum, 4)}))
-    return harness.run_table(
+    table = harness.run_table(
         f"synthetic loop (tanh(W h), hidden {hidden}), c={c}, max_steps=None: counted "
-        "evaluations", variants, baseline=variants[0].name, quick=quick)
+        "evaluations; last column: time / Equinox's at the same t", variants,
+        baseline=variants[0].name, repeats=REPEATS, quick=quick)
+    rows = {row["variant"]: row for row in table["rows"]}
+    for t in lengths:
+        equinox = rows[f"equinox, t={t:,}"]["time_s"]
+        for name in ("equinox", "memwise"):
+            row = rows[f"{name}, t={t:,}"]
+            row["time / equinox at t"] = (round(row["time_s"] / equinox, 3)
+                                          if row["time_s"] and equinox else None)
+    return table
 
 
 def _schedule_table(n_max):
@@ -206,6 +219,7 @@ def _schedule_table(n_max):
 
 
 def main(quick: bool = False) -> None:
+    load_before = os.getloadavg()[0]
     tables = [_schedule_table(1_000 if quick else 10_000)]
     harness.print_table(tables[0])
     cases = ((20.0, 1e-5), (200.0, 1e-7)) if quick else (
@@ -220,7 +234,14 @@ def main(quick: bool = False) -> None:
         table = _synthetic_table(c, lengths, quick)
         harness.print_table(table)
         tables.append(table)
-    harness.save("while_loop", tables, notes=__doc__.split("\n\n")[0], quick=quick)
+    summary = __doc__.split("\n\n")[0]
+    notes = (f"{summary}\n\nOther work was running on this "
+             f"{os.cpu_count()}-core machine while it was timed (other test suites and "
+             f"benchmarks; load average {load_before:.1f} when the run started, "
+             f"{os.getloadavg()[0]:.1f} when it ended): each time is the median of "
+             f"{1 if quick else REPEATS} interleaved rounds, and only ratios within one "
+             "table mean anything.")
+    harness.save("while_loop", tables, notes=notes, quick=quick)
 
 
 if __name__ == "__main__":

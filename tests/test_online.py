@@ -24,7 +24,7 @@ def test_segment_costs_match_the_schedule():
     want = [schedule._segment_advances(int(n), int(s)) for n, s in zip(lengths.ravel(),
                                                                         slots.ravel())]
     np.testing.assert_array_equal(np.asarray(got), want)
-    # past the summed terms: the loop adds the rest (slots 3 from 165 steps, 70 from 1e9)
+    # past the 8 summed terms the loop adds the rest (3 slots: from 166 steps, 4: from 496)
     long = np.array([164, 165, 166, 5000, 40_000, 3, 10**6])
     few = np.array([3, 3, 3, 4, 3, 70, 70])
     got = jax.jit(lambda n: _online.segment_advances(n, few))(long)

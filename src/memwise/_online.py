@@ -27,7 +27,7 @@ For a small body these loops cost per iteration and per kernel more than per flo
 (measured on CPU: an iteration of an XLA loop, or a kernel in its body, costs more than
 a 32x32 matrix-vector step), so the bookkeeping runs where it is needed only: revolve's
 split is searched once per push, not once per step; segment costs are summed without a
-loop (``segment_advances``) and the evictions ranked by one matrix product.
+loop (``segment_advances``) and the evictions ranked in one scalar loop.
 
 The two rules share :mod:`memwise._binomial`'s pieces: the taped step (``_TapedStep``), the
 perturbed-carry fixed point, slot reads and writes, and the forward-mode and
@@ -112,8 +112,8 @@ def run(loop: OnlineLoop, consts: list, cond_consts: list, carry: list) -> list:
 # terms are nonzero for u < t exactly, and beta(s + 1, t - 1) = sum_{u < t} beta(s, u).
 # With the slot counts static, the first _SUMMED_TERMS terms of every cost are one fused
 # elementwise expression over constants, with no loop and no division; a loop adds more
-# only while some segment is longer than beta(s, _SUMMED_TERMS) (s >= 3: 165 steps and
-# up). The forward pass computes 3(c-1) of them at every eviction, and on CPU each
+# only while some segment is longer than beta(s, _SUMMED_TERMS) (3 slots: past 165 steps,
+# 4: past 495). The forward pass computes 3c-4 of them at every eviction, and on CPU each
 # kernel an XLA loop body launches costs more than these flops.
 _SUMMED_TERMS = 8
 
@@ -206,42 +206,35 @@ def _initial_placement(c: int):
     }
 
 
-@functools.lru_cache(maxsize=None)
-def _eviction_terms(c: int) -> tuple[np.ndarray, np.ndarray]:
-    """Static slot counts of the 3c-4 segment costs (each closed segment with its own
-    slots and with one more, each pair merged) and the (c-2, 3c-4) matrix of +-1 that
-    sums them into the cost of evicting k = 1..c-2: an O(c^2) constant (47 KB at
-    c = 64), independent of the trip count."""
-    n = c - 1                                           # closed segments 0..c-2
-    j, k = np.arange(n), np.arange(1, n)
-    slots = np.concatenate([c - j, c - j + 1, c - k + 1])
-    combine = np.zeros((n - 1, 3 * n - 1), np.float32)
-    for row, kk in enumerate(k):
-        combine[row, 2 * n + kk - 1] += 1               # segments kk-1 and kk merged
-        combine[row, [kk - 1, kk]] -= 1                 # ... instead of apart
-        combine[row, n + kk + 1: 2 * n] += 1            # later segments: one slot more
-        combine[row, kk + 1: n] -= 1
-    return slots, combine
-
-
 def _closed_evictions(positions, c: int):
     """(cost, k) of the cheapest eviction k in 1..c-2 once the slots are full.
 
-    Evicting k merges closed segments k-1 and k (now reversed with c-k+1 slots) and
-    gives each later closed segment one more slot: every segment cost at once, then
-    every k's cost as one product with a constant matrix (exact: the costs are
-    integers, float32 holds their sums exactly in its range).
+    ``OnlineCheckpointer._closed_evictions``: evicting k merges closed segments k-1 and
+    k (now reversed with c-k+1 slots) and gives each later closed segment one more slot.
+    Every segment cost at once, then one scalar loop over k (from c-2 down, carrying
+    the later segments' gains; ties: the smallest k), which XLA compiles into a single
+    kernel, in O(c) memory.
     """
     if c < 3:
         return jnp.float32(jnp.inf), jnp.int32(0)
-    slots, combine = _eviction_terms(c)
+    n = c - 1                                           # closed segments 0..c-2
+    j, k = np.arange(n), np.arange(1, n)
     lengths = (positions[1:] - positions[:-1]).astype(jnp.float32)
-    costs = segment_advances(
-        jnp.concatenate([lengths, lengths, lengths[:-1] + lengths[1:]]), slots)
-    cost = jnp.dot(combine, costs, precision=lax.Precision.HIGHEST)
-    best = jnp.min(cost)
-    index = jnp.min(jnp.where(cost == best, np.arange(1, c - 1, dtype=np.int32), c))
-    return best, index                                          # ties: the smallest k
+    # own slots (c - j), one more (c - j + 1), segments k-1 and k merged (c - k + 1)
+    costs = segment_advances(jnp.concatenate([lengths, lengths, lengths[:-1] + lengths[1:]]),
+                             np.concatenate([c - j, c - j + 1, c - k + 1]))
+
+    def rank(i, state):
+        later, best, index = state
+        k = (n - 1 - i).astype(jnp.int32)
+        cost = costs[2 * n + k - 1] - costs[k - 1] - costs[k] + later
+        better = cost <= best
+        return (later + costs[n + k] - costs[k], jnp.where(better, cost, best),
+                jnp.where(better, k, index))
+
+    _, best, index = lax.fori_loop(0, n - 1, rank,
+                                   (jnp.float32(0), jnp.float32(jnp.inf), jnp.int32(0)))
+    return best, index
 
 
 def _place(i, placement, c: int):
