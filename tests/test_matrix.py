@@ -301,6 +301,15 @@ BAD_INPUTS = {
     "attention shapes": (lambda: mw.attention(_K, _K[:, :, :3], _K), ValueError, "feature dim"),
     "attention float mask": (lambda: mw.attention(_K, _K, _K, mask=jnp.zeros((5, 5))), TypeError, "mask"),
     "attention int q": (lambda: mw.attention(_K.astype(int), _K, _K), TypeError, "q, k, v"),
+    "attention string causal": (lambda: mw.attention(_K, _K, _K, causal="yes"), TypeError,
+                                "causal"),
+    "attention traced causal": (lambda: jax.jit(lambda c: mw.attention(_K, _K, _K, causal=c))(
+        True), TypeError, "causal"),
+    "divergence return_results": (lambda: mw.ot.sinkhorn_divergence(
+        _K[0], _K[0], return_results="yes"), TypeError, "return_results"),
+    "accumulate_grad int params": (lambda: mw.accumulate_grad(
+        lambda p, b: jnp.mean(b @ p["w"]) * p["i"], {"w": jnp.ones(5), "i": jnp.int32(3)},
+        jnp.ones((4, 5)), microbatches=2), TypeError, "params['i']"),
     "scan f": (lambda: mw.scan(None, 0.0, _X), TypeError, "f"),
     "scan checkpoints": (lambda: mw.scan(_STEP, jnp.zeros(2), _X, checkpoints=0), ValueError, "checkpoints"),
     "scan schedule": (lambda: mw.scan(_STEP, jnp.zeros(2), _X, schedule="fast"), ValueError, "schedule"),

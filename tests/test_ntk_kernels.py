@@ -407,3 +407,15 @@ def test_pooling_in_bfloat16_accumulates_in_float32(more_reference):
         expected = _jit(_myrtle(), "ntk")(*(jnp.asarray(a, jnp.float64) for a in (x1, x2)))
     assert got.dtype == jnp.bfloat16
     _assert_close(got, expected, "bfloat16")
+
+
+@pytest.mark.parametrize("layers,shape", [
+    ((k.Conv((3,), padding="VALID"), k.Flatten(), k.Dense()), (2, 2, 1)),
+    ((k.Conv((1,)), k.AvgPool((3,)), k.Flatten(), k.Dense()), (2, 2, 1)),
+    ((k.Conv((3, 3), padding="VALID"), k.Relu(), k.GlobalAvgPool(),
+      k.Dense()), (2, 2, 5, 1)),
+])
+def test_valid_window_larger_than_the_image_is_an_error_not_nan(layers, shape):
+    # No output pixel would be left: the mean over none was a silent NaN kernel.
+    with pytest.raises(ValueError, match="larger than"):
+        k.serial(*layers)(jnp.ones(shape))

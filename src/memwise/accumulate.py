@@ -133,6 +133,12 @@ def accumulate_grad(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable loss_fn(params, batch), got {loss_fn!r}")
     n = _batch_size(batch)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}: "
+                "every leaf of params is differentiated, so each must be a float array; "
+                "keep integer state (step counters) out of params, e.g. in a closure")
     split = None if axis_name is not None else row_sharding(batch, None, None, "batch")
     if split is not None:
         # Data parallel: every device accumulates over its own examples, then one pmean.

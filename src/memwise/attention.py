@@ -176,6 +176,9 @@ def attention(
         >>> mw.attention(q, k, v, causal=True, chunk_size=(32, 64)).shape
         (2, 4, 100, 16)
     """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a Python bool (it decides which tiles run), got "
+                        f"{causal!r}; under jit pass it as a static argument")
     q, k, v = (jnp.asarray(a) for a in (q, k, v))
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise ValueError(

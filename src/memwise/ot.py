@@ -813,6 +813,8 @@ def sinkhorn_divergence(
         >>> loss, grad_x = jax.value_and_grad(
         ...     lambda x: mw.ot.sinkhorn_divergence(x, y, epsilon=0.1))(x)
     """
+    if not isinstance(return_results, (bool, np.bool_)):
+        raise TypeError(f"return_results must be True or False, got {return_results!r}")
     p = _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
                  epsilon_scaling)
     options = {"max_iterations": max_iterations, "threshold": threshold,

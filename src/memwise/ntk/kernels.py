@@ -153,6 +153,17 @@ def _check_pixel_axes(name: str, window: tuple[int, ...], layout: _Layout) -> No
         )
 
 
+def _check_fits(name: str, window: tuple[int, ...], pixels: tuple[int, ...],
+                padding: str) -> None:
+    """A VALID window larger than the image leaves no pixel (a NaN mean): say so."""
+    if padding == "VALID" and any(w > p for w, p in zip(window, pixels)):
+        raise ValueError(
+            f"{name} window {window} with padding='VALID' is larger than the {pixels} "
+            "pixels reaching it, which leaves no output pixel; use a smaller window, "
+            "padding='SAME', or larger images"
+        )
+
+
 def _window_mean(
     cov: jax.Array,
     layout: _Layout,
@@ -170,6 +181,7 @@ def _window_mean(
     dtype = cov.dtype
     cov = cov.astype(accumulation_dtype(dtype))  # low-precision sums lose the kernel's digits
     pixels = cov.shape[layout.batch_ndim : layout.batch_ndim + layout.spatial_ndim]
+    _check_fits("Conv", filter_shape, pixels, padding)
     pads = lax.padtype_to_pads(pixels, filter_shape, strides, padding)
     if not layout.full:
         batch = (1,) * layout.batch_ndim
@@ -276,6 +288,7 @@ class AvgPool(Layer):
         batch = (1,) * layout.batch_ndim
         window = batch + self.window_shape * 2
         strides = batch + self.strides * 2
+        _check_fits("AvgPool", self.window_shape, layout.pixels(state.nngp), self.padding)
         pads = lax.padtype_to_pads(layout.pixels(state.nngp), self.window_shape, self.strides,
                                    self.padding)
         padding = [(0, 0)] * layout.batch_ndim + list(pads) * 2
