@@ -55,6 +55,15 @@ from memwise.sharding import typed_zeros, vary
 __all__ = ["Loop", "run"]
 
 
+
+def replayed_cotangents(mask, cts, *, error: str) -> list:
+    """A replaying backward rule's cotangent list (``None`` where ``mask`` is off).
+
+    The backward pass replays in a while_loop, which has no reverse rule: reverse mode
+    of these cotangents (grad of grad) raises the loop's own ``error`` instead.
+    """
+    return cotangents(mask, [forbid_reverse_mode(ct, error) for ct in cts])
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Loop:
     """The static parts of a checkpointed loop (compared by identity, never by value).
@@ -162,12 +171,7 @@ def _run_bwd(loop, residuals, output_cotangents):
         0, n, reverse_step, (ct_carry, ct_consts, ct_xs, buffers)
     )
 
-    def out(mask, cts):
-        # The backward pass replays in a while_loop, which has no reverse rule: reverse
-        # mode of these cotangents (grad of grad) raises the loop's own error instead.
-        return cotangents(mask, [forbid_reverse_mode(ct, loop.second_order_error)
-                                 for ct in cts])
-
+    out = functools.partial(replayed_cotangents, error=loop.second_order_error)
     init_mask = [m and p for m, p in zip(carry_mask, carry_perturbed)]
     return (
         out(taped.const_mask, ct_consts),

@@ -56,9 +56,10 @@ from memwise._binomial import (
     _store,
     _take,
     _TapedStep,
+    replayed_cotangents,
 )
-from memwise._jax_private import forbid_forward_mode, forbid_reverse_mode, varying_axes
-from memwise._vjp import Static, cotangents, is_differentiable, is_zero, select, unwrap
+from memwise._jax_private import forbid_forward_mode, varying_axes
+from memwise._vjp import Static, is_differentiable, is_zero, select, unwrap
 from memwise.sharding import typed_zeros, vary
 
 __all__ = ["OnlineLoop", "run", "segment_advances", "revolve_split"]
@@ -394,10 +395,7 @@ def _run_bwd(loop, residuals, ct_carry):
         (trips - 1, ct_carry, ct_consts, buffers, positions, count),
     )
 
-    def out(mask, cts):
-        return cotangents(mask, [forbid_reverse_mode(ct, loop.second_order_error)
-                                 for ct in cts])
-
+    out = functools.partial(replayed_cotangents, error=loop.second_order_error)
     init_mask = [m and p for m, p in zip(carry_mask, carry_perturbed)]
     return (
         out(taped.const_mask, ct_consts),

@@ -709,7 +709,7 @@ def _ring_core_bwd(spec, ring, res, ct):
         res_b = residual - offset if spec.reduce == "max" else residual
         d_rows, d_blk, _, d_consts = _backward(
             spec, (rows, blk, pairs, [*consts, offset]), res_b, block_flags, ct,
-            running=(d_rows, d_blk, [], [*d_consts, ]),
+            running=(d_rows, d_blk, [], d_consts),
         )
         return (in_flight, _rotate(d_blk, ring), d_rows, d_consts), None  # d_blk follows
 
