@@ -10,31 +10,46 @@ does nothing.
 
 from __future__ import annotations
 
+import harness
 import jax
 import jax.numpy as jnp
-
-import harness
-import memwise as mw
 import pairwise
+
+import memwise as mw
 
 
 def _lstm_table(quick: bool) -> dict:
     from memwise.scenarios import lstm
 
-    size = dict(batch=10, seq_length=1000 if quick else 10_000, hidden=128, input_dim=32,
-                output_dim=4, seq2seq=True)
-    x, y = lstm.data(size["batch"], size["seq_length"], size["input_dim"],
-                     size["output_dim"], size["seq2seq"])
+    size = dict(
+        batch=10,
+        seq_length=1000 if quick else 10_000,
+        hidden=128,
+        input_dim=32,
+        output_dim=4,
+        seq2seq=True,
+    )
+    x, y = lstm.data(
+        size["batch"], size["seq_length"], size["input_dim"], size["output_dim"], size["seq2seq"]
+    )
     shape = dict(hidden=size["hidden"], output_dim=size["output_dim"], seq2seq=True)
-    nets = {"nn.scan": lstm.model("scan", **shape),
-            "nn.scan(nn.remat)": lstm.model("remat", **shape),
-            "memwise.flax.scan (default c)": lstm.model("memwise", **shape),
-            "memwise.flax.scan (c=16)": lstm.model("memwise", checkpoints=16, **shape)}
+    nets = {
+        "nn.scan": lstm.model("scan", **shape),
+        "nn.scan(nn.remat)": lstm.model("remat", **shape),
+        "memwise.flax.scan (default c)": lstm.model("memwise", **shape),
+        "memwise.flax.scan (c=16)": lstm.model("memwise", checkpoints=16, **shape),
+    }
     params = nets["nn.scan"].init(jax.random.PRNGKey(0), x[:, :2])["params"]
-    variants = [harness.Variant(name, jax.value_and_grad(lstm.loss_fn(net)), (params, x, y))
-                for name, net in nets.items()]
-    return harness.run_table(f"LSTM seq2seq, T={size['seq_length']}, batch 10, hidden 128",
-                             variants, baseline="nn.scan", quick=quick)
+    variants = [
+        harness.Variant(name, jax.value_and_grad(lstm.loss_fn(net)), (params, x, y))
+        for name, net in nets.items()
+    ]
+    return harness.run_table(
+        f"LSTM seq2seq, T={size['seq_length']}, batch 10, hidden 128",
+        variants,
+        baseline="nn.scan",
+        quick=quick,
+    )
 
 
 def _attention_table(quick: bool) -> dict:
@@ -44,15 +59,21 @@ def _attention_table(quick: bool) -> dict:
     grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2))  # noqa: E731
     variants = [
         harness.Variant("dense: value_and_grad", grad(pairwise.attn_dense), (q, k, v)),
-        harness.Variant("jax.nn.dot_product_attention: value_and_grad",
-                        grad(pairwise.attn_jax_nn), (q, k, v)),
+        harness.Variant(
+            "jax.nn.dot_product_attention: value_and_grad", grad(pairwise.attn_jax_nn), (q, k, v)
+        ),
         harness.Variant("memwise: forward", pairwise.attn_memwise, (q, k, v)),
         harness.Variant("memwise: value_and_grad", grad(pairwise.attn_memwise), (q, k, v)),
-        harness.Variant("memwise causal: value_and_grad", grad(pairwise.attn_memwise_causal),
-                        (q, k, v)),
+        harness.Variant(
+            "memwise causal: value_and_grad", grad(pairwise.attn_memwise_causal), (q, k, v)
+        ),
     ]
-    return harness.run_table(f"attention, 8 heads, L={length}, d=64, float32", variants,
-                             baseline="dense: value_and_grad", quick=quick)
+    return harness.run_table(
+        f"attention, 8 heads, L={length}, d=64, float32",
+        variants,
+        baseline="dense: value_and_grad",
+        quick=quick,
+    )
 
 
 def _lse_table(quick: bool) -> dict:
@@ -65,8 +86,12 @@ def _lse_table(quick: bool) -> dict:
         harness.Variant("memwise: forward", pairwise.lse_memwise, (x, y)),
         harness.Variant("memwise: value_and_grad", grad(pairwise.lse_memwise), (x, y)),
     ]
-    return harness.run_table(f"log-sum-exp of a squared-Euclidean cost, n=m={n}", variants,
-                             baseline="memwise: forward", quick=quick)
+    return harness.run_table(
+        f"log-sum-exp of a squared-Euclidean cost, n=m={n}",
+        variants,
+        baseline="memwise: forward",
+        quick=quick,
+    )
 
 
 def _sinkhorn_table(quick: bool) -> dict:

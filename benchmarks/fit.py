@@ -21,10 +21,10 @@ from __future__ import annotations
 import itertools
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 
-import harness
 import memwise as mw
 from memwise import knobs
 from memwise.measure import compile_measured, format_bytes
@@ -33,16 +33,30 @@ from memwise.measure import compile_measured, format_bytes
 def lstm_problem(quick: bool):
     from memwise.scenarios import lstm
 
-    size = dict(batch=10, seq_length=500 if quick else 2000, hidden=64, input_dim=16,
-                output_dim=4, seq2seq=False)
-    net = lstm.model("memwise", hidden=size["hidden"], output_dim=size["output_dim"],
-                     seq2seq=size["seq2seq"], checkpoints="auto")
-    x, y = lstm.data(size["batch"], size["seq_length"], size["input_dim"],
-                     size["output_dim"], size["seq2seq"])
+    size = dict(
+        batch=10,
+        seq_length=500 if quick else 2000,
+        hidden=64,
+        input_dim=16,
+        output_dim=4,
+        seq2seq=False,
+    )
+    net = lstm.model(
+        "memwise",
+        hidden=size["hidden"],
+        output_dim=size["output_dim"],
+        seq2seq=size["seq2seq"],
+        checkpoints="auto",
+    )
+    x, y = lstm.data(
+        size["batch"], size["seq_length"], size["input_dim"], size["output_dim"], size["seq2seq"]
+    )
     params = net.init(jax.random.PRNGKey(0), x[:, :2])["params"]
     loss = lstm.loss_fn(net)
-    title = (f"lstm: Flax LSTM, T={size['seq_length']}, batch {size['batch']}, hidden "
-             f"{size['hidden']}, memwise.flax.scan(checkpoints='auto')")
+    title = (
+        f"lstm: Flax LSTM, T={size['seq_length']}, batch {size['batch']}, hidden "
+        f"{size['hidden']}, memwise.flax.scan(checkpoints='auto')"
+    )
     return title, loss, (params, x, y)
 
 
@@ -55,16 +69,21 @@ def pointcloud_problem(quick: bool):
     def loss(x, y):
         return mw.ot.sinkhorn_divergence(x, y, chunk_size="auto")
 
-    title = (f"pointcloud: Sinkhorn divergence, OTT-JAX issue 417 discs, n=m={n}, "
-             "chunk_size='auto'")
+    title = f"pointcloud: Sinkhorn divergence, OTT-JAX issue 417 discs, n=m={n}, chunk_size='auto'"
     return title, loss, (x, y)
 
 
 def kip_problem(quick: bool):
     from memwise.ntk import kernels
 
-    kernel_fn = kernels.serial(kernels.Conv((3, 3)), kernels.Relu(), kernels.Conv((3, 3)),
-                               kernels.Relu(), kernels.Flatten(), kernels.Dense())
+    kernel_fn = kernels.serial(
+        kernels.Conv((3, 3)),
+        kernels.Relu(),
+        kernels.Conv((3, 3)),
+        kernels.Relu(),
+        kernels.Flatten(),
+        kernels.Dense(),
+    )
     n_support, n_target, side = 10, (200 if quick else 1000), 14
     key = jax.random.PRNGKey(0)
     ks, kt, kl = jax.random.split(key, 3)
@@ -74,11 +93,14 @@ def kip_problem(quick: bool):
     y_target = jax.nn.one_hot(jax.random.randint(kl, (n_target,), 0, 10), 10)
 
     def loss(x_support, y_support, x_target, y_target):
-        return mw.ntk.kip_loss(kernel_fn, x_support, y_support, x_target, y_target,
-                               ridge=1e-3, chunk_size="auto")
+        return mw.ntk.kip_loss(
+            kernel_fn, x_support, y_support, x_target, y_target, ridge=1e-3, chunk_size="auto"
+        )
 
-    title = (f"kip: 2-layer conv NTK, {n_support} support, {n_target} targets "
-             f"{side}x{side}, chunk_size='auto'")
+    title = (
+        f"kip: 2-layer conv NTK, {n_support} support, {n_target} targets "
+        f"{side}x{side}, chunk_size='auto'"
+    )
     return title, loss, (x_support, y_support, x_target, y_target)
 
 
@@ -113,8 +135,11 @@ def _problem_table(name: str, quick: bool) -> dict:
     peaks = sorted({p for _, _, p in hand})
     low, high = peaks[0], hand[0][2]  # leanest reachable, fastest setting's peak
     n_budgets = 3 if quick else 5
-    budgets = sorted({int(low * (high / low) ** (i / (n_budgets - 1))) + 1
-                      for i in range(n_budgets)}) if high > low else [high]
+    budgets = (
+        sorted({int(low * (high / low) ** (i / (n_budgets - 1))) + 1 for i in range(n_budgets)})
+        if high > low
+        else [high]
+    )
 
     fitted_rows = []
     for budget, tune in itertools.product(budgets, (False, True)):
@@ -128,29 +153,47 @@ def _problem_table(name: str, quick: bool) -> dict:
             continue
         planning_s = time.perf_counter() - start
         _, memory = compile_measured(jax.grad(fitted), *args)
-        fitted_rows.append({
-            "budget": budget, "tune": tune, "planning_s": planning_s,
-            "compilations": plan.compilations, "tuning": (
-                f"{plan.tuning_compilations} + {plan.timing_runs} runs" if tune else "-"),
-            "peak": memory.peak_bytes, "plan": ", ".join(f"{e.value}" for e in plan.entries),
-            "program": jax.grad(fitted),
-        })
+        fitted_rows.append(
+            {
+                "budget": budget,
+                "tune": tune,
+                "planning_s": planning_s,
+                "compilations": plan.compilations,
+                "tuning": (
+                    f"{plan.tuning_compilations} + {plan.timing_runs} runs" if tune else "-"
+                ),
+                "peak": memory.peak_bytes,
+                "plan": ", ".join(f"{e.value}" for e in plan.entries),
+                "program": jax.grad(fitted),
+            }
+        )
 
-    variants = [harness.Variant(label, program, args, extra={"kind": "hand-picked"})
-                for label, program, _ in hand]
+    variants = [
+        harness.Variant(label, program, args, extra={"kind": "hand-picked"})
+        for label, program, _ in hand
+    ]
     for row in fitted_rows:
         if "program" in row:
             row["label"] = f"fit{' tune' if row['tune'] else ''} {format_bytes(row['budget'])}"
-            variants.append(harness.Variant(
-                row["label"], row["program"], args,
-                extra={"kind": "fit, tune=True" if row["tune"] else "fit",
-                       "budget": format_bytes(row["budget"]),
-                       "plan": row["plan"], "planning s": round(row["planning_s"], 1),
-                       "compilations": row["compilations"],
-                       "tuning compilations + timing runs": row["tuning"],
-                       "budget met": "yes" if row["peak"] <= row["budget"] else "NO"}))
-    table = harness.run_table(title, variants, baseline=variants[0].name, quick=quick,
-                              repeats=3 if quick else 5)
+            variants.append(
+                harness.Variant(
+                    row["label"],
+                    row["program"],
+                    args,
+                    extra={
+                        "kind": "fit, tune=True" if row["tune"] else "fit",
+                        "budget": format_bytes(row["budget"]),
+                        "plan": row["plan"],
+                        "planning s": round(row["planning_s"], 1),
+                        "compilations": row["compilations"],
+                        "tuning compilations + timing runs": row["tuning"],
+                        "budget met": "yes" if row["peak"] <= row["budget"] else "NO",
+                    },
+                )
+            )
+    table = harness.run_table(
+        title, variants, baseline=variants[0].name, quick=quick, repeats=3 if quick else 5
+    )
     by_name = {r["variant"]: r for r in table["rows"]}
     for row in fitted_rows:
         if "program" not in row:

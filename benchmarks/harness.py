@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import resource
 import statistics
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +27,9 @@ import jax
 
 from memwise.measure import compile_measured, format_bytes
 
-RESULTS = Path(os.environ.get("MEMWISE_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+RESULTS = Path(
+    os.environ.get("MEMWISE_BENCH_RESULTS") or Path(__file__).resolve().parent / "results"
+)
 # Compiled memory only, no timing: a fast check that a refactor left every figure as it was.
 MEMORY_ONLY = bool(os.environ.get("MEMWISE_BENCH_MEMORY_ONLY"))
 
@@ -144,8 +146,11 @@ def _now() -> float:
 def machine() -> dict:
     import numpy
 
-    versions = {"python": platform.python_version(), "jax": jax.__version__,
-                "numpy": numpy.__version__}
+    versions = {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "numpy": numpy.__version__,
+    }
     for name in ("jaxlib", "flax", "equinox", "ott"):
         try:
             module = __import__(name)
@@ -182,8 +187,16 @@ def print_table(table: dict) -> None:
     print(markdown_table(table))
 
 
-_SKIP = {"variant", "temp_bytes", "peak_bytes", "argument_bytes", "output_bytes",
-         "compile_s", "time_s", "time_ratio"}
+_SKIP = {
+    "variant",
+    "temp_bytes",
+    "peak_bytes",
+    "argument_bytes",
+    "output_bytes",
+    "compile_s",
+    "time_s",
+    "time_ratio",
+}
 
 
 def _cell(value: Any) -> str:
@@ -202,8 +215,12 @@ def markdown_table(table: dict) -> str:
     for row in table["rows"]:
         extra_keys += [k for k in row if k not in _SKIP and k not in extra_keys]
     header = ["variant", "temp", "peak", "time / " + table["baseline"], "compile s", *extra_keys]
-    lines = [f"**{table['title']}**", "", "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
+    lines = [
+        f"**{table['title']}**",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for row in table["rows"]:
         cells = [
             row["variant"],

@@ -18,10 +18,10 @@ pixel-by-pixel covariance, (28*28)^2 floats.
 
 from __future__ import annotations
 
+import harness
 import jax
 import jax.numpy as jnp
 
-import harness
 from memwise.ntk import kip_loss
 from memwise.scenarios import kip
 
@@ -34,8 +34,12 @@ MIB = 2**20
 
 def _shapes(n_target: int):
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    return (s(SUPPORT, SIDE, SIDE, 1), s(SUPPORT, CLASSES), s(n_target, SIDE, SIDE, 1),
-            s(n_target, CLASSES))
+    return (
+        s(SUPPORT, SIDE, SIDE, 1),
+        s(SUPPORT, CLASSES),
+        s(n_target, SIDE, SIDE, 1),
+        s(n_target, CLASSES),
+    )
 
 
 def _tiled(chunk_size, kernel_name="conv"):
@@ -56,54 +60,83 @@ def main(quick: bool = False) -> None:
     variants = []
     for n in dense_targets:
         extra = {"targets": n, "neural-tangents temp MiB": NEURAL_TANGENTS_MIB.get(n)}
-        variants.append(harness.Variant(f"dense, {n:,} targets", _DENSE, _shapes(n), extra, run=False))
+        variants.append(
+            harness.Variant(f"dense, {n:,} targets", _DENSE, _shapes(n), extra, run=False)
+        )
     for n in targets:
         extra = {"targets": n, "neural-tangents temp MiB": NEURAL_TANGENTS_MIB.get(n)}
         variants.append(
-            harness.Variant(f"mw.ntk.kip_loss (500, 10), {n:,} targets", _tiled((500, 10)),
-                            _shapes(n), extra, run=False)
+            harness.Variant(
+                f"mw.ntk.kip_loss (500, 10), {n:,} targets",
+                _tiled((500, 10)),
+                _shapes(n),
+                extra,
+                run=False,
+            )
         )
     by_targets = harness.run_table(
         "KIP gradient vs number of targets (compiled only; 100 support images 28x28x1)",
-        variants, baseline=variants[0].name, quick=quick, time=False,
+        variants,
+        baseline=variants[0].name,
+        quick=quick,
+        time=False,
     )
     harness.print_table(by_targets)
 
     tiles = [(500, 5), (500, 10), (500, 25), (500, 100)] if not quick else [(500, 10), (500, 100)]
     tile_variants = [
-        harness.Variant(f"tiles {t}", _tiled(t), _shapes(6000), {"support per tile": t[1]}, run=False)
+        harness.Variant(
+            f"tiles {t}", _tiled(t), _shapes(6000), {"support per tile": t[1]}, run=False
+        )
         for t in tiles
     ]
     by_tile = harness.run_table(
         "KIP gradient at 6,000 targets vs the support tile (500 targets per tile; "
         "(500, 100) = chunking the targets only)",
-        tile_variants, baseline=tile_variants[-1].name, quick=quick, time=False,
+        tile_variants,
+        baseline=tile_variants[-1].name,
+        quick=quick,
+        time=False,
     )
     harness.print_table(by_tile)
 
     data = kip.data(SUPPORT, 500, SIDE)
     timed = harness.run_table(
         "KIP value and gradient at 500 targets, run (100 support images 28x28x1)",
-        [harness.Variant("dense", _DENSE, data),
-         harness.Variant("mw.ntk.kip_loss (500, 10)", _tiled((500, 10)), data),
-         harness.Variant("mw.ntk.kip_loss (500, 25)", _tiled((500, 25)), data)],
-        baseline="dense", quick=quick, repeats=3 if quick else 5,
+        [
+            harness.Variant("dense", _DENSE, data),
+            harness.Variant("mw.ntk.kip_loss (500, 10)", _tiled((500, 10)), data),
+            harness.Variant("mw.ntk.kip_loss (500, 25)", _tiled((500, 25)), data),
+        ],
+        baseline="dense",
+        quick=quick,
+        repeats=3 if quick else 5,
     )
     harness.print_table(timed)
     pooled_targets = [6000] if quick else [6000, 60_000]
     pooled_variants = [
-        harness.Variant(f"{name} kernel, auto tiles, {n:,} targets", _tiled("auto", name),
-                        _shapes(n), {"targets": n}, run=False)
-        for name in ("myrtle", "resnet") for n in pooled_targets
+        harness.Variant(
+            f"{name} kernel, auto tiles, {n:,} targets",
+            _tiled("auto", name),
+            _shapes(n),
+            {"targets": n},
+            run=False,
+        )
+        for name in ("myrtle", "resnet")
+        for n in pooled_targets
     ]
     pooled = harness.run_table(
         "KIP gradient with pooling kernels vs number of targets (compiled only; 100 support "
         "images 28x28x1; Myrtle-style and small residual kernels)",
-        pooled_variants, baseline=pooled_variants[0].name, quick=quick, time=False,
+        pooled_variants,
+        baseline=pooled_variants[0].name,
+        quick=quick,
+        time=False,
     )
     harness.print_table(pooled)
-    harness.save("kip", [by_targets, by_tile, timed, pooled], notes=__doc__.split("\n\n")[0],
-                 quick=quick)
+    harness.save(
+        "kip", [by_targets, by_tile, timed, pooled], notes=__doc__.split("\n\n")[0], quick=quick
+    )
 
 
 if __name__ == "__main__":

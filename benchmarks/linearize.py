@@ -13,10 +13,10 @@ the parameter count for the closure, not for ``mw.linearize``.
 
 from __future__ import annotations
 
+import harness
 import jax
 import numpy as np
 
-import harness
 from memwise.linearize import linearize
 from memwise.scenarios import linearize as scenario
 

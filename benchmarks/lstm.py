@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 
+import harness
 import jax
 import jax.numpy as jnp
 
-import harness
 from memwise import schedule
 from memwise.scan import resolve_checkpoints
 from memwise.scenarios import lstm
@@ -84,7 +84,10 @@ def _remat_scan_loss(shape, seq_length, counter=None):
         @nn.compact
         def __call__(self, x):
             stack = nn.remat_scan(
-                Step, lengths=lengths, variable_broadcast="params", variable_axes={},
+                Step,
+                lengths=lengths,
+                variable_broadcast="params",
+                variable_axes={},
                 split_rngs={"params": False},
             )
             carry0 = _zero_carry(x.shape[0], shape["hidden"])
@@ -126,27 +129,42 @@ def _variants(size, quick):
         net, _ = _remat_scan_loss(shape, n)
         rs_params = net.init(jax.random.PRNGKey(0), x)["params"]
         specs.append(
-            ("nn.remat_scan", lambda cnt: _remat_scan_loss(shape, n, cnt)[1],
-             (rs_params, x, y), {})
+            ("nn.remat_scan", lambda cnt: _remat_scan_loss(shape, n, cnt)[1], (rs_params, x, y), {})
         )
     specs += [
-        ("equinox checkpointed (default c)", lambda cnt: _equinox_loss(shape, None, cnt),
-         args, {"checkpoints": "eqx default"}),
-        ("equinox checkpointed c=16", lambda cnt: _equinox_loss(shape, 16, cnt), args,
-         {"checkpoints": 16}),
-        (f"memwise default (c={c_default})",
-         lambda cnt: _flax_loss("memwise", shape, None, cnt), args,
-         {"checkpoints": c_default, "optimum": schedule.evaluations(n, c_default)}),
-        ("memwise c=16", lambda cnt: _flax_loss("memwise", shape, 16, cnt), args,
-         {"checkpoints": 16, "optimum": schedule.evaluations(n, 16)}),
+        (
+            "equinox checkpointed (default c)",
+            lambda cnt: _equinox_loss(shape, None, cnt),
+            args,
+            {"checkpoints": "eqx default"},
+        ),
+        (
+            "equinox checkpointed c=16",
+            lambda cnt: _equinox_loss(shape, 16, cnt),
+            args,
+            {"checkpoints": 16},
+        ),
+        (
+            f"memwise default (c={c_default})",
+            lambda cnt: _flax_loss("memwise", shape, None, cnt),
+            args,
+            {"checkpoints": c_default, "optimum": schedule.evaluations(n, c_default)},
+        ),
+        (
+            "memwise c=16",
+            lambda cnt: _flax_loss("memwise", shape, 16, cnt),
+            args,
+            {"checkpoints": 16, "optimum": schedule.evaluations(n, 16)},
+        ),
     ]
     variants = []
     for name, build, variant_args, extra in harness.progress(specs, desc="count"):
         calls, counter = _counter()
         _run_once(build(counter), variant_args)
         variants.append(
-            harness.Variant(name, build(None), variant_args,
-                            extra={"evaluations": len(calls), **extra})
+            harness.Variant(
+                name, build(None), variant_args, extra={"evaluations": len(calls), **extra}
+            )
         )
     return variants
 
@@ -174,7 +192,10 @@ def _compile_table(quick):
     variants = [v for n in lengths for v in variants_at(n)]
     return harness.run_table(
         "compile time (trace + compile) of the gradient vs T (seq2seq=False, compile only)",
-        variants, baseline=variants[0].name, quick=quick, time=False,
+        variants,
+        baseline=variants[0].name,
+        quick=quick,
+        time=False,
     )
 
 

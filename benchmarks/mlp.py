@@ -7,10 +7,10 @@ checkpoint count and at 4 checkpoints, measured in one run.
 
 from __future__ import annotations
 
+import harness
 import jax
 import jax.numpy as jnp
 
-import harness
 from memwise.scenarios import mlp
 
 
@@ -35,11 +35,15 @@ def main(quick: bool = False) -> None:
         harness.Variant("lax.scan", _lax_scan(remat=False), args),
         harness.Variant("lax.scan(jax.checkpoint(layer))", _lax_scan(remat=True), args),
         harness.Variant("mw.scan (default checkpoints)", scenario.memwise, args),
-        harness.Variant("mw.scan (4 checkpoints)",
-                        jax.value_and_grad(lambda w, x: mlp.loss_scan(w, x, checkpoints=4)), args),
+        harness.Variant(
+            "mw.scan (4 checkpoints)",
+            jax.value_and_grad(lambda w, x: mlp.loss_scan(w, x, checkpoints=4)),
+            args,
+        ),
     ]
-    table = harness.run_table(scenario.description, variants,
-                              baseline="layer loop + jax.grad", quick=quick)
+    table = harness.run_table(
+        scenario.description, variants, baseline="layer loop + jax.grad", quick=quick
+    )
     harness.print_table(table)
     harness.save("mlp", [table], notes=mlp.__doc__.split("\n\n")[0], quick=quick)
 

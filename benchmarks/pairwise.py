@@ -13,10 +13,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import harness
 import jax
 import jax.numpy as jnp
 
-import harness
 import memwise as mw
 from memwise.measure import format_bytes
 
@@ -33,8 +33,9 @@ def lse_dense(x, y):
 
 
 def lse_lax_map(x, y):
-    rows = jax.lax.map(lambda xi: jax.nn.logsumexp(-jax.vmap(cost, (None, 0))(xi, y)), x,
-                       batch_size=BATCH)
+    rows = jax.lax.map(
+        lambda xi: jax.nn.logsumexp(-jax.vmap(cost, (None, 0))(xi, y)), x, batch_size=BATCH
+    )
     return jnp.sum(rows)
 
 
@@ -52,8 +53,9 @@ def lse_ott_scan(x, y):
 
 
 def lse_memwise(x, y):
-    return jnp.sum(mw.pairwise_reduce(lambda a, b: -cost(a, b), x, y, reduce="logsumexp",
-                                      chunk_size="auto"))
+    return jnp.sum(
+        mw.pairwise_reduce(lambda a, b: -cost(a, b), x, y, reduce="logsumexp", chunk_size="auto")
+    )
 
 
 # Every attention variant ends in the same loss, sum(out ** 2): with sum(out) XLA folds
@@ -117,7 +119,9 @@ def run_rss_growth(name: str, grad: bool) -> str:
     program into one YNNPACK fusion whose scratch memory_analysis does not report)."""
     proc = subprocess.run(
         [sys.executable, __file__, "--rss-child", name, "grad" if grad else "forward"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return format_bytes(int(proc.stdout.split()[-1]))
 
@@ -136,16 +140,21 @@ def main(quick: bool = False) -> None:
         [
             harness.Variant("dense JAX: forward", lse_dense, (x, y)),
             harness.Variant("dense JAX: value_and_grad", grad(lse_dense), (x, y)),
-            harness.Variant(f"lax.map(batch_size={BATCH}): value_and_grad", grad(lse_lax_map),
-                            (x, y), run=slow),
-            harness.Variant(f"OTT-style chunked scan ({BATCH} rows, no remat): value_and_grad",
-                            grad(lse_ott_scan), (x, y), run=slow),
+            harness.Variant(
+                f"lax.map(batch_size={BATCH}): value_and_grad", grad(lse_lax_map), (x, y), run=slow
+            ),
+            harness.Variant(
+                f"OTT-style chunked scan ({BATCH} rows, no remat): value_and_grad",
+                grad(lse_ott_scan),
+                (x, y),
+                run=slow,
+            ),
             harness.Variant("memwise: forward", lse_memwise, (x, y)),
             harness.Variant("memwise: value_and_grad", grad(lse_memwise), (x, y)),
-            harness.Variant("memwise n = m = 100,000: forward", lse_memwise, (big, big),
-                            run=False),
-            harness.Variant("memwise n = m = 100,000: value_and_grad", grad(lse_memwise),
-                            (big, big), run=False),
+            harness.Variant("memwise n = m = 100,000: forward", lse_memwise, (big, big), run=False),
+            harness.Variant(
+                "memwise n = m = 100,000: value_and_grad", grad(lse_memwise), (big, big), run=False
+            ),
         ],
         baseline="memwise: forward",
         quick=quick,
@@ -159,11 +168,15 @@ def main(quick: bool = False) -> None:
         run = slow or not name.startswith("jax.nn")
         for grad_ in (False, True):
             rss = run_rss_growth(name, grad_) if run else None
-            variants.append(harness.Variant(
-                f"{name}: {'value_and_grad' if grad_ else 'forward'}",
-                _attention_program(name, grad_), qkv, run=run,
-                extra={"run peak RSS growth": rss},
-            ))
+            variants.append(
+                harness.Variant(
+                    f"{name}: {'value_and_grad' if grad_ else 'forward'}",
+                    _attention_program(name, grad_),
+                    qkv,
+                    run=run,
+                    extra={"run peak RSS growth": rss},
+                )
+            )
     attn = harness.run_table(
         f"softmax attention, L = {LENGTH:,}, d = {DIM}, 1 head (float32)",
         variants,

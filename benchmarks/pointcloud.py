@@ -24,10 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
-
-import harness
 from harness import Variant, peak_rss_bytes, run_table, save
 
 from memwise import ot
@@ -83,20 +82,24 @@ def ensure_ott_venv() -> Path:
         return python
     subprocess.run([sys.executable, "-m", "venv", str(OTT_VENV)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", *OTT_PINS], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e",
-                    str(ROOT)], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)], check=True
+    )
     return python
 
 
 def ott_online(n: int, eps: float, threshold: float, run: bool) -> dict:
     python = ensure_ott_venv()
-    proc = subprocess.run([str(python), "-c", _OTT_ONLINE, str(n), str(eps), str(threshold),
-                           "1" if run else "0"], capture_output=True, text=True,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [str(python), "-c", _OTT_ONLINE, str(n), str(eps), str(threshold), "1" if run else "0"],
+        capture_output=True,
+        text=True,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     if proc.returncode or not lines:
         raise RuntimeError(f"OTT online run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT"):])
+    return json.loads(lines[-1][len("RESULT") :])
 
 
 def report_case(n: int) -> dict:
@@ -105,8 +108,13 @@ def report_case(n: int) -> dict:
 
     def loss(x, y):
         value, (xy, xx, yy) = ot.sinkhorn_divergence(x, y, return_results=True)
-        return value, (xy.n_iterations, xx.n_iterations, yy.n_iterations, xy.epsilon,
-                       xy.converged & xx.converged & yy.converged)
+        return value, (
+            xy.n_iterations,
+            xx.n_iterations,
+            yy.n_iterations,
+            xy.epsilon,
+            xy.converged & xx.converged & yy.converged,
+        )
 
     start = time.perf_counter()
     memory = compiled_memory(lambda x, y: loss(x, y)[0], x, y, grad=True)
@@ -150,24 +158,34 @@ def comparison(n: int, eps: float, threshold: float, run_ott_online: bool) -> di
     y = pointcloud.disc(2.0, n, jax.random.key(2))
 
     def mw_cost(scaling):
-        return lambda x, y: ot.sinkhorn(x, y, epsilon=eps, threshold=threshold,
-                                        epsilon_scaling=scaling).reg_ot_cost
+        return lambda x, y: (
+            ot.sinkhorn(x, y, epsilon=eps, threshold=threshold, epsilon_scaling=scaling).reg_ot_cost
+        )
 
     grad = lambda f: jax.grad(f)  # noqa: E731 - the harness jits what it is given
     variants = [
         Variant("memwise", grad(mw_cost(None)), (x, y)),
         Variant("memwise eps-scaling 0.5", grad(mw_cost(0.5)), (x, y)),
-        Variant("ott dense (jax %s)" % jax.__version__,
-                grad(lambda x, y: _ott_dense_cost(x, y, eps, threshold)), (x, y), run=False),
-        Variant("dense jax", grad(lambda x, y: _dense_jax_cost(x, y, eps, threshold)),
-                (x, y), run=False),
+        Variant(
+            f"ott dense (jax {jax.__version__})",
+            grad(lambda x, y: _ott_dense_cost(x, y, eps, threshold)),
+            (x, y),
+            run=False,
+        ),
+        Variant(
+            "dense jax", grad(lambda x, y: _dense_jax_cost(x, y, eps, threshold)), (x, y), run=False
+        ),
     ]
-    table = run_table(f"gradient of reg_ot_cost, n=m={n:,}", variants, baseline="memwise",
-                      time=False)
+    table = run_table(
+        f"gradient of reg_ot_cost, n=m={n:,}", variants, baseline="memwise", time=False
+    )
     # One timed solve (+ gradient) per memwise variant: each takes tens of seconds here.
     for scaling, row in ((None, table["rows"][0]), (0.5, table["rows"][1])):
-        solve = jax.jit(lambda x, y: ot.sinkhorn(x, y, epsilon=eps, threshold=threshold,
-                                                 epsilon_scaling=scaling))
+        solve = jax.jit(
+            lambda x, y: ot.sinkhorn(
+                x, y, epsilon=eps, threshold=threshold, epsilon_scaling=scaling
+            )
+        )
         jax.block_until_ready(solve(x[:64], y[:64]))
         start = time.perf_counter()
         out = jax.block_until_ready(solve(x, y))
@@ -179,15 +197,23 @@ def comparison(n: int, eps: float, threshold: float, run_ott_online: bool) -> di
     forward = compiled_memory(mw_cost(None), x, y)
     table["rows"][0]["forward_temp_bytes"] = forward.temp_bytes
     online = ott_online(n, eps, threshold, run_ott_online)
-    row = {"variant": f"ott online batch 1000 (jax {online['jax']})",
-           "temp_bytes": online["grad_temp_bytes"], "peak_bytes": online["grad_peak_bytes"],
-           "forward_temp_bytes": online["forward_temp_bytes"], "time_s": None,
-           "compile_s": online["compile_s"],
-           "time_ratio": None}
+    row = {
+        "variant": f"ott online batch 1000 (jax {online['jax']})",
+        "temp_bytes": online["grad_temp_bytes"],
+        "peak_bytes": online["grad_peak_bytes"],
+        "forward_temp_bytes": online["forward_temp_bytes"],
+        "time_s": None,
+        "compile_s": online["compile_s"],
+        "time_ratio": None,
+    }
     if "solve_s" in online:
-        row.update(solve_s=online["solve_s"], iterations=online["iterations"],
-                   s_per_iteration=online["solve_s"] / online["iterations"],
-                   converged=online["converged"], reg_ot_cost=online["reg_ot_cost"])
+        row.update(
+            solve_s=online["solve_s"],
+            iterations=online["iterations"],
+            s_per_iteration=online["solve_s"] / online["iterations"],
+            converged=online["converged"],
+            reg_ot_cost=online["reg_ot_cost"],
+        )
         for r in table["rows"][:2]:
             r["solve_speedup_vs_ott_online"] = online["solve_s"] / r["solve_s"]
     table["rows"].append(row)
@@ -201,16 +227,24 @@ def main(quick: bool = False) -> None:
     print(json.dumps(report, indent=1))
     report_table = {
         "title": f"OTT-JAX issue 417 end to end with memwise (n={report_n:,}, grad in x)",
-        "baseline": "memwise", "rows": [{"variant": "memwise", **report}]}
+        "baseline": "memwise",
+        "rows": [{"variant": "memwise", **report}],
+    }
     table = comparison(compare_n, eps=0.1, threshold=1e-3, run_ott_online=True)
     harness.print_table(table)
-    save("pointcloud", [report_table, table], quick=quick, notes=(
-        "OTT-JAX issue 417 case: peak RSS of the benchmark process after its run (compile "
-        "included). "
-        "Comparison: compiled temp of the gradient of one Sinkhorn solve's reg_ot_cost; "
-        "solve_s is one timed solve after compilation (not interleaved: each takes tens "
-        "of seconds on this shared 2-core machine). OTT online runs in a venv pinned to "
-        "jax 0.7.2 / ott-jax 0.6.0 since its online mode fails on current jax."))
+    save(
+        "pointcloud",
+        [report_table, table],
+        quick=quick,
+        notes=(
+            "OTT-JAX issue 417 case: peak RSS of the benchmark process after its run (compile "
+            "included). "
+            "Comparison: compiled temp of the gradient of one Sinkhorn solve's reg_ot_cost; "
+            "solve_s is one timed solve after compilation (not interleaved: each takes tens "
+            "of seconds on this shared 2-core machine). OTT online runs in a venv pinned to "
+            "jax 0.7.2 / ott-jax 0.6.0 since its online mode fails on current jax."
+        ),
+    )
 
 
 if __name__ == "__main__":

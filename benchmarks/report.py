@@ -13,6 +13,7 @@ at it. Memory only: no timing.
 from __future__ import annotations
 
 import harness
+
 import memwise as mw
 from memwise.measure import format_bytes
 
@@ -24,15 +25,29 @@ def _timelines(quick: bool):
 
     from memwise.scenarios import lstm
 
-    size = dict(batch=10, seq_length=1000 if quick else 10_000, hidden=128, input_dim=32,
-                output_dim=4, seq2seq=False)
-    x, y = lstm.data(size["batch"], size["seq_length"], size["input_dim"],
-                     size["output_dim"], size["seq2seq"])
+    size = dict(
+        batch=10,
+        seq_length=1000 if quick else 10_000,
+        hidden=128,
+        input_dim=32,
+        output_dim=4,
+        seq2seq=False,
+    )
+    x, y = lstm.data(
+        size["batch"], size["seq_length"], size["input_dim"], size["output_dim"], size["seq2seq"]
+    )
     out = []
-    for kind, label in (("scan", "nn.scan (lax.scan)"),
-                        ("memwise", "memwise.flax.scan, checkpoints=16")):
-        net = lstm.model(kind, hidden=size["hidden"], output_dim=size["output_dim"],
-                         seq2seq=False, checkpoints=16 if kind == "memwise" else None)
+    for kind, label in (
+        ("scan", "nn.scan (lax.scan)"),
+        ("memwise", "memwise.flax.scan, checkpoints=16"),
+    ):
+        net = lstm.model(
+            kind,
+            hidden=size["hidden"],
+            output_dim=size["output_dim"],
+            seq2seq=False,
+            checkpoints=16 if kind == "memwise" else None,
+        )
         params = net.init(jax.random.PRNGKey(0), x[:, :2])["params"]
         report = mw.memory_report(lstm.loss_fn(net), params, x, y, grad=True)
         out.append((label, report, report.timeline()))
@@ -56,14 +71,22 @@ def _figure(size: dict, timelines, path) -> None:
         peak = tl.peak_step
         largest = tl.at_peak()[0]
         ax.plot([peak], [mib[peak]], "o", color="tab:red")
-        ax.annotate(f"peak {format_bytes(tl.peak_bytes)}; largest alive: "
-                    f"{largest.dtype}{list(largest.shape)} ({largest.op})",
-                    (peak, mib[peak]), textcoords="offset points", xytext=(-10, 8),
-                    ha="right" if peak > len(mib) / 2 else "left", color="tab:red", fontsize=8)
+        ax.annotate(
+            f"peak {format_bytes(tl.peak_bytes)}; largest alive: "
+            f"{largest.dtype}{list(largest.shape)} ({largest.op})",
+            (peak, mib[peak]),
+            textcoords="offset points",
+            xytext=(-10, 8),
+            ha="right" if peak > len(mib) / 2 else "left",
+            color="tab:red",
+            fontsize=8,
+        )
         ax.set_ylim(0, top)
         ax.set_ylabel("live MiB")
-        ax.set_title(f"{label}: gradient, T={size['seq_length']:,} (loop bodies shaded, "
-                     "one iteration each)", fontsize=10)
+        ax.set_title(
+            f"{label}: gradient, T={size['seq_length']:,} (loop bodies shaded, one iteration each)",
+            fontsize=10,
+        )
     axes[-1].set_xlabel("step of the compiled schedule")
     fig.tight_layout()
     fig.savefig(path)
@@ -75,23 +98,36 @@ def main(quick: bool = False) -> None:
     rows = []
     for label, report, tl in timelines:
         largest = tl.at_peak()[0]
-        rows.append({
-            "variant": label, "temp_bytes": report.temp_bytes,
-            "peak_bytes": report.peak_bytes, "argument_bytes": report.argument_bytes,
-            "output_bytes": report.output_bytes, "compile_s": 0.0, "time_s": None,
-            "time_ratio": None, "timeline peak": format_bytes(tl.peak_bytes),
-            "schedule steps": len(tl.steps),
-            "largest buffer at the peak": f"{format_bytes(largest.nbytes)} "
-                                          f"{largest.dtype}{list(largest.shape)} ({largest.op})",
-        })
-    table = {"title": f"LSTM gradient, T={size['seq_length']:,}, batch {size['batch']}, "
-                      f"hidden {size['hidden']}: memory timeline",
-             "baseline": rows[0]["variant"], "repeats": 0, "rows": rows}
+        rows.append(
+            {
+                "variant": label,
+                "temp_bytes": report.temp_bytes,
+                "peak_bytes": report.peak_bytes,
+                "argument_bytes": report.argument_bytes,
+                "output_bytes": report.output_bytes,
+                "compile_s": 0.0,
+                "time_s": None,
+                "time_ratio": None,
+                "timeline peak": format_bytes(tl.peak_bytes),
+                "schedule steps": len(tl.steps),
+                "largest buffer at the peak": f"{format_bytes(largest.nbytes)} "
+                f"{largest.dtype}{list(largest.shape)} ({largest.op})",
+            }
+        )
+    table = {
+        "title": f"LSTM gradient, T={size['seq_length']:,}, batch {size['batch']}, "
+        f"hidden {size['hidden']}: memory timeline",
+        "baseline": rows[0]["variant"],
+        "repeats": 0,
+        "rows": rows,
+    }
     harness.print_table(table)
     harness.RESULTS.mkdir(parents=True, exist_ok=True)
     _figure(size, timelines, harness.RESULTS / FIGURE)
-    notes = (__doc__.split("\n\n")[1].replace("\n", " ")
-             + f"\n\n![memory timeline](benchmarks/results/{FIGURE})")
+    notes = (
+        __doc__.split("\n\n")[1].replace("\n", " ")
+        + f"\n\n![memory timeline](benchmarks/results/{FIGURE})"
+    )
     harness.save("report", [table], notes=notes, quick=quick)
 
 

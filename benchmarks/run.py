@@ -1,6 +1,6 @@
 """Runs benchmark scripts and regenerates BENCHMARKS.md from benchmarks/results/*.json.
 
-    python benchmarks/run.py [NAMES ...] [--quick] [--markdown-only]
+python benchmarks/run.py [NAMES ...] [--quick] [--markdown-only]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def markdown() -> str:
         "the module restructuring and the reliability fixes; times not re-measured). mlp, lstm",
         "and linearize: every figure byte-identical. pairwise: the memwise rows are now lower",
         "than the tables below say (float32 accumulators sliced by index, and attention's",
-        "`\"auto\"` tile from the one bytes-per-item rule): log-sum-exp gradient temp at 20,000",
+        '`"auto"` tile from the one bytes-per-item rule): log-sum-exp gradient temp at 20,000',
         "1.02 -> 0.87 MiB, at 100,000 4.08 -> 3.06 MiB; attention L=16,384 forward temp",
         "20.7 -> 18.4 MiB, gradient 24.8 -> 18.5 MiB (causal alike). kip was re-run since",
         "(its tables below are current). pointcloud: byte-identical after the restructuring;",
@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {scripts()})")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one timing round")
-    parser.add_argument("--markdown-only", action="store_true",
-                        help="only regenerate BENCHMARKS.md from saved results")
+    parser.add_argument(
+        "--markdown-only",
+        action="store_true",
+        help="only regenerate BENCHMARKS.md from saved results",
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.names) - set(scripts()))
     if unknown:

@@ -45,8 +45,9 @@ def _child(n_devices: int, quick: bool) -> None:
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
 
     def lse(x, y, **kw):
-        return jnp.sum(mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y,
-                                          reduce="logsumexp", **kw))
+        return jnp.sum(
+            mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y, reduce="logsumexp", **kw)
+        )
 
     def divergence(x, y):
         return ot.sinkhorn_divergence(x, y, epsilon=0.1, max_iterations=100)
@@ -68,46 +69,71 @@ def _child(n_devices: int, quick: bool) -> None:
         start = harness._now()
         exe, memory = compile_measured(fn, *args, grad=True, argnums=argnums)
         hlo = exe.as_text()
-        rows.append({
-            "program": name, "devices": n_devices,
-            "argument_bytes": memory.argument_bytes, "temp_bytes": memory.temp_bytes,
-            "peak_bytes": memory.peak_bytes, "output_bytes": memory.output_bytes,
-            "compile_s": harness._now() - start,
-            **{c: hlo.count(f" {c}(") + hlo.count(f" {c}-start(") for c in COLLECTIVES},
-        })
+        rows.append(
+            {
+                "program": name,
+                "devices": n_devices,
+                "argument_bytes": memory.argument_bytes,
+                "temp_bytes": memory.temp_bytes,
+                "peak_bytes": memory.peak_bytes,
+                "output_bytes": memory.output_bytes,
+                "compile_s": harness._now() - start,
+                **{c: hlo.count(f" {c}(") + hlo.count(f" {c}-start(") for c in COLLECTIVES},
+            }
+        )
     timing = None
     if n_devices == 4:
         # Ring vs a replicated second operand, on sizes that run in seconds here.
         small = placed((20_000 // scale, 2), P("d"))
         small_qkv = placed((1, 8192 // scale, DIM), P(None, "d"))
         concrete = lambda s: jax.device_put(  # noqa: E731
-            jax.random.normal(jax.random.PRNGKey(0), s.shape, s.dtype), s.sharding)
+            jax.random.normal(jax.random.PRNGKey(0), s.shape, s.dtype), s.sharding
+        )
         xs, qs = concrete(small), concrete(small_qkv)
         grad = lambda f, k: jax.value_and_grad(f, k)  # noqa: E731
         timing = [
             harness.run_table(
                 f"pairwise logsumexp value_and_grad, n = m = {small.shape[0]:,}, D = 4",
-                [harness.Variant("ring", grad(lse, (0, 1)), (xs, xs)),
-                 harness.Variant("replicated y (ring=False)",
-                                 grad(lambda x, y: lse(x, y, ring=False), (0, 1)), (xs, xs))],
-                baseline="ring", quick=quick),
+                [
+                    harness.Variant("ring", grad(lse, (0, 1)), (xs, xs)),
+                    harness.Variant(
+                        "replicated y (ring=False)",
+                        grad(lambda x, y: lse(x, y, ring=False), (0, 1)),
+                        (xs, xs),
+                    ),
+                ],
+                baseline="ring",
+                quick=quick,
+            ),
             harness.run_table(
                 f"causal attention value_and_grad, L = {small_qkv.shape[1]:,}, D = 4",
-                [harness.Variant("ring", grad(attention, (0, 1, 2)), (qs, qs, qs)),
-                 harness.Variant("replicated k, v (ring=False)",
-                                 grad(lambda q, k, v: attention(q, k, v, ring=False),
-                                      (0, 1, 2)), (qs, qs, qs))],
-                baseline="ring", quick=quick),
+                [
+                    harness.Variant("ring", grad(attention, (0, 1, 2)), (qs, qs, qs)),
+                    harness.Variant(
+                        "replicated k, v (ring=False)",
+                        grad(lambda q, k, v: attention(q, k, v, ring=False), (0, 1, 2)),
+                        (qs, qs, qs),
+                    ),
+                ],
+                baseline="ring",
+                quick=quick,
+            ),
         ]
     print(json.dumps({"rows": rows, "timing": timing}))
 
 
 def _run_child(n_devices: int, quick: bool) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}")
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}",
+    )
     proc = subprocess.run(
         [sys.executable, __file__, "--child", str(n_devices)] + (["--quick"] if quick else []),
-        env=env, capture_output=True, text=True, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -122,24 +148,35 @@ def main(quick: bool = False) -> None:
         for d in DEVICES:
             r = next(r for r in results[d]["rows"] if r["program"] == program)
             per_device = r["argument_bytes"] + r["temp_bytes"]
-            rows.append({
-                "variant": f"D = {d}", "temp_bytes": r["temp_bytes"],
-                "peak_bytes": r["peak_bytes"], "argument_bytes": r["argument_bytes"],
-                "output_bytes": r["output_bytes"], "compile_s": r["compile_s"],
-                "time_s": None, "time_ratio": None,
-                "arguments + temp": harness.format_bytes(per_device),
-                "x D / D=1's": round(per_device * d / base, 2),
-                **{c: r[c] for c in COLLECTIVES},
-            })
-        table = {"title": f"{program}, value_and_grad, per device, ring mode",
-                 "baseline": "D = 1", "repeats": 0, "rows": rows}
+            rows.append(
+                {
+                    "variant": f"D = {d}",
+                    "temp_bytes": r["temp_bytes"],
+                    "peak_bytes": r["peak_bytes"],
+                    "argument_bytes": r["argument_bytes"],
+                    "output_bytes": r["output_bytes"],
+                    "compile_s": r["compile_s"],
+                    "time_s": None,
+                    "time_ratio": None,
+                    "arguments + temp": harness.format_bytes(per_device),
+                    "x D / D=1's": round(per_device * d / base, 2),
+                    **{c: r[c] for c in COLLECTIVES},
+                }
+            )
+        table = {
+            "title": f"{program}, value_and_grad, per device, ring mode",
+            "baseline": "D = 1",
+            "repeats": 0,
+            "rows": rows,
+        }
         harness.print_table(table)
         tables.append(table)
     for table in results[4]["timing"]:
         harness.print_table(table)
         tables.append(table)
     harness.save(
-        "sharding", tables,
+        "sharding",
+        tables,
         notes=(
             "Virtual CPU devices of one 2-core machine: memory and collective counts are "
             "what XLA compiles for D devices; the D = 4 times share 2 cores, so they "

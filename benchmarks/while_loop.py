@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 import os
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
 from memwise import schedule
 from memwise.scan import while_loop as memwise_while_loop
 
@@ -50,8 +50,9 @@ def vector_field(t, y, theta):
     """Lotka-Volterra with a periodic forcing: nonlinear, parameters in every term."""
     a, b, c, d = theta[0], theta[1], theta[2], theta[3]
     prey, predator = y[0], y[1]
-    return jnp.stack([a * prey - b * prey * predator + 0.1 * jnp.sin(t),
-                      -c * predator + d * prey * predator])
+    return jnp.stack(
+        [a * prey - b * prey * predator + 0.1 * jnp.sin(t), -c * predator + d * prey * predator]
+    )
 
 
 def solve(loop, theta, y0, t1, tol, counter=None):
@@ -72,23 +73,24 @@ def solve(loop, theta, y0, t1, tol, counter=None):
         norm = jnp.sqrt(jnp.mean((error / scale) ** 2))
         accept = norm <= 1.0
         factor = jnp.clip(0.9 * jnp.where(norm > 0, norm, 1e-10) ** (-0.2), 0.2, 10.0)
-        return (jnp.where(accept, t + dt, t), jnp.where(accept, y_new, y), dt * factor,
-                steps + 1)
+        return (jnp.where(accept, t + dt, t), jnp.where(accept, y_new, y), dt * factor, steps + 1)
 
     init = (jnp.zeros((), y0.dtype), y0, jnp.asarray(0.01, y0.dtype), jnp.int32(0))
     return loop(lambda s: s[0] < t1 * (1 - 1e-12), body, init)
 
 
 def _memwise(max_steps, c):
-    return lambda cond, body, init: memwise_while_loop(cond, body, init, max_steps=max_steps,
-                                                       checkpoints=c)
+    return lambda cond, body, init: memwise_while_loop(
+        cond, body, init, max_steps=max_steps, checkpoints=c
+    )
 
 
 def _equinox(max_steps, c):
     import equinox.internal as eqxi
 
-    return lambda cond, body, init: eqxi.while_loop(cond, body, init, max_steps=max_steps,
-                                                    kind="checkpointed", checkpoints=c)
+    return lambda cond, body, init: eqxi.while_loop(
+        cond, body, init, max_steps=max_steps, kind="checkpointed", checkpoints=c
+    )
 
 
 def _gradient(loop, t1, tol, counter=None):
@@ -103,10 +105,16 @@ def _diffrax_gradient(t1, tol, max_steps, c):
 
     def loss(theta, y0):
         sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(lambda t, y, theta: vector_field(t, y, theta)), diffrax.Dopri5(),
-            0.0, t1, 0.01, y0, args=theta,
+            diffrax.ODETerm(lambda t, y, theta: vector_field(t, y, theta)),
+            diffrax.Dopri5(),
+            0.0,
+            t1,
+            0.01,
+            y0,
+            args=theta,
             stepsize_controller=diffrax.PIDController(rtol=tol, atol=tol),
-            adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=c), max_steps=max_steps,
+            adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=c),
+            max_steps=max_steps,
         )
         return jnp.sum(sol.ys[-1])
 
@@ -134,20 +142,28 @@ def _ode_table(t1, tol, quick):
             if name == "equinox" and max_steps is None and not quick:
                 continue  # same program as any bound for Equinox's online loop
             evaluations = _count(lambda k: _gradient(make(max_steps, c), t1, tol, k), args)
-            variants.append(harness.Variant(
-                f"{name} c={c}, max_steps={label}", _gradient(make(max_steps, c), t1, tol),
-                args, extra={"trips": trips, "evaluations": evaluations,
-                             "offline optimum": optimum}))
+            variants.append(
+                harness.Variant(
+                    f"{name} c={c}, max_steps={label}",
+                    _gradient(make(max_steps, c), t1, tol),
+                    args,
+                    extra={"trips": trips, "evaluations": evaluations, "offline optimum": optimum},
+                )
+            )
     try:
         import diffrax  # noqa: F401
     except ImportError:
         pass
     else:
-        variants.append(harness.Variant(
-            f"diffrax RecursiveCheckpointAdjoint(checkpoints={c}), max_steps=16**4",
-            _diffrax_gradient(t1, tol, 16**4, c), args, extra={"trips": "own controller"}))
-    title = (f"adaptive Dormand-Prince gradient, t1={t1:g}, tol={tol:g}: {trips:,} steps, "
-             f"c={c}")
+        variants.append(
+            harness.Variant(
+                f"diffrax RecursiveCheckpointAdjoint(checkpoints={c}), max_steps=16**4",
+                _diffrax_gradient(t1, tol, 16**4, c),
+                args,
+                extra={"trips": "own controller"},
+            )
+        )
+    title = f"adaptive Dormand-Prince gradient, t1={t1:g}, tol={tol:g}: {trips:,} steps, c={c}"
     baseline = next(v.name for v in variants if v.name.startswith("equinox"))
     return harness.run_table(title, variants, baseline=baseline, repeats=REPEATS, quick=quick)
 
@@ -171,24 +187,39 @@ def _synthetic_table(c, lengths, quick):
     variants = []
     for t in lengths:
         optimum = schedule.evaluations(t, c)
-        counts = {name: _count(lambda k: gradient(make, k), (w, t))
-                  for name, make in (("equinox", _equinox), ("memwise", _memwise))}
+        counts = {
+            name: _count(lambda k: gradient(make, k), (w, t))
+            for name, make in (("equinox", _equinox), ("memwise", _memwise))
+        }
         for name, make in (("equinox", _equinox), ("memwise", _memwise)):
-            variants.append(harness.Variant(
-                f"{name}, t={t:,}", gradient(make), (w, t),
-                extra={"evaluations": counts[name], "offline optimum": optimum,
-                       "/ optimum": round(counts[name] / optimum, 4)}))
+            variants.append(
+                harness.Variant(
+                    f"{name}, t={t:,}",
+                    gradient(make),
+                    (w, t),
+                    extra={
+                        "evaluations": counts[name],
+                        "offline optimum": optimum,
+                        "/ optimum": round(counts[name] / optimum, 4),
+                    },
+                )
+            )
     table = harness.run_table(
         f"synthetic loop (tanh(W h), hidden {hidden}), c={c}, max_steps=None: counted "
-        "evaluations; last column: time / Equinox's at the same t", variants,
-        baseline=variants[0].name, repeats=REPEATS, quick=quick)
+        "evaluations; last column: time / Equinox's at the same t",
+        variants,
+        baseline=variants[0].name,
+        repeats=REPEATS,
+        quick=quick,
+    )
     rows = {row["variant"]: row for row in table["rows"]}
     for t in lengths:
         equinox = rows[f"equinox, t={t:,}"]["time_s"]
         for name in ("equinox", "memwise"):
             row = rows[f"{name}, t={t:,}"]
-            row["time / equinox at t"] = (round(row["time_s"] / equinox, 3)
-                                          if row["time_s"] and equinox else None)
+            row["time / equinox at t"] = (
+                round(row["time_s"] / equinox, 3) if row["time_s"] and equinox else None
+            )
     return table
 
 
@@ -207,40 +238,59 @@ def _schedule_table(n_max):
             if exact_below is None and ratio > 1:
                 exact_below = t
             online.offer(t)
-        rows.append({"variant": f"online, c={c}", "temp_bytes": 0, "peak_bytes": 0,
-                     "argument_bytes": 0, "output_bytes": 0, "compile_s": 0.0,
-                     "time_s": None, "time_ratio": None,
-                     "worst / optimum": round(worst, 4), "at t": worst_t,
-                     "worst for t <= (c+1)(c+2)(c+3)/6": round(worst_three, 4),
-                     "optimal for t <": exact_below or n_max + 1})
-    return {"title": f"online schedule / offline optimum, every t up to {n_max:,} (pure "
-                     "Python; no memory or time)", "baseline": rows[0]["variant"],
-            "repeats": 0, "rows": rows}
+        rows.append(
+            {
+                "variant": f"online, c={c}",
+                "temp_bytes": 0,
+                "peak_bytes": 0,
+                "argument_bytes": 0,
+                "output_bytes": 0,
+                "compile_s": 0.0,
+                "time_s": None,
+                "time_ratio": None,
+                "worst / optimum": round(worst, 4),
+                "at t": worst_t,
+                "worst for t <= (c+1)(c+2)(c+3)/6": round(worst_three, 4),
+                "optimal for t <": exact_below or n_max + 1,
+            }
+        )
+    return {
+        "title": f"online schedule / offline optimum, every t up to {n_max:,} (pure "
+        "Python; no memory or time)",
+        "baseline": rows[0]["variant"],
+        "repeats": 0,
+        "rows": rows,
+    }
 
 
 def main(quick: bool = False) -> None:
     load_before = os.getloadavg()[0]
     tables = [_schedule_table(1_000 if quick else 10_000)]
     harness.print_table(tables[0])
-    cases = ((20.0, 1e-5), (200.0, 1e-7)) if quick else (
-        (50.0, 1e-5), (150.0, 1e-8), (300.0, 1e-9), (600.0, 1e-10))
+    cases = (
+        ((20.0, 1e-5), (200.0, 1e-7))
+        if quick
+        else ((50.0, 1e-5), (150.0, 1e-8), (300.0, 1e-9), (600.0, 1e-10))
+    )
     with jax.enable_x64(True):
         for t1, tol in cases:
             table = _ode_table(t1, tol, quick)
             harness.print_table(table)
             tables.append(table)
     lengths = (100, 1000) if quick else (100, 500, 2_000, 10_000)
-    for c in ((8,) if quick else (8, 16, 64)):
+    for c in (8,) if quick else (8, 16, 64):
         table = _synthetic_table(c, lengths, quick)
         harness.print_table(table)
         tables.append(table)
     summary = __doc__.split("\n\n")[0]
-    notes = (f"{summary}\n\nOther work was running on this "
-             f"{os.cpu_count()}-core machine while it was timed (other test suites and "
-             f"benchmarks; load average {load_before:.1f} when the run started, "
-             f"{os.getloadavg()[0]:.1f} when it ended): each time is the median of "
-             f"{1 if quick else REPEATS} interleaved rounds, and only ratios within one "
-             "table mean anything.")
+    notes = (
+        f"{summary}\n\nOther work was running on this "
+        f"{os.cpu_count()}-core machine while it was timed (other test suites and "
+        f"benchmarks; load average {load_before:.1f} when the run started, "
+        f"{os.getloadavg()[0]:.1f} when it ended): each time is the median of "
+        f"{1 if quick else REPEATS} interleaved rounds, and only ratios within one "
+        "table mean anything."
+    )
     harness.save("while_loop", tables, notes=notes, quick=quick)
 
 

@@ -4,8 +4,9 @@ largest entry, against a float64 reference computed on the same rounded inputs."
 import numpy as np
 
 
-def assert_close(got, expected, tolerance: float, what: str = "", *,
-                 scale_floor: float = 0.0) -> None:
+def assert_close(
+    got, expected, tolerance: float, what: str = "", *, scale_floor: float = 0.0
+) -> None:
     """``scale_floor``: the scale is at least this (an absolute tolerance for small results)."""
     got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
     assert got.shape == expected.shape, (what, got.shape, expected.shape)

@@ -34,4 +34,3 @@ def run_on_devices(code: str, *, n_devices: int = N_DEVICES, timeout: float = 30
             f"subprocess with {n_devices} devices failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
         )
     return proc.stdout
-

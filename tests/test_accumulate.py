@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_close
 
 import memwise as mw
 from memwise import knobs
 from memwise.measure import compiled_memory
-from _close import assert_close
 
 
 def _loss(params, batch):
@@ -29,9 +29,9 @@ def _problem(n=48, d=8, width=32, seed=0):
 @pytest.mark.parametrize("microbatches", [1, 4, 48])
 def test_equals_full_batch_gradient(microbatches):
     params, batch = _problem()
-    loss, grads = jax.jit(
-        lambda p, b: mw.accumulate_grad(_loss, p, b, microbatches=microbatches)
-    )(params, batch)
+    loss, grads = jax.jit(lambda p, b: mw.accumulate_grad(_loss, p, b, microbatches=microbatches))(
+        params, batch
+    )
     expected_loss, expected = jax.value_and_grad(_loss)(params, batch)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected)):
@@ -44,7 +44,9 @@ def test_has_aux_is_stacked_per_micro_batch():
     def loss_with_aux(p, b):
         return _loss(p, b), {"mean_target": jnp.mean(b[1])}
 
-    (loss, aux), grads = mw.accumulate_grad(loss_with_aux, params, batch, microbatches=6, has_aux=True)
+    (loss, aux), grads = mw.accumulate_grad(
+        loss_with_aux, params, batch, microbatches=6, has_aux=True
+    )
     assert aux["mean_target"].shape == (6,)
     np.testing.assert_allclose(aux["mean_target"], batch[1].reshape(6, 8).mean(1), rtol=1e-5)
     np.testing.assert_allclose(loss, _loss(params, batch), rtol=1e-5)
@@ -52,7 +54,10 @@ def test_has_aux_is_stacked_per_micro_batch():
 
 def test_memory_is_one_micro_batch():
     params, _ = _problem(d=64, width=512)
-    batch = (jax.ShapeDtypeStruct((1024, 64), jnp.float32), jax.ShapeDtypeStruct((1024,), jnp.float32))
+    batch = (
+        jax.ShapeDtypeStruct((1024, 64), jnp.float32),
+        jax.ShapeDtypeStruct((1024,), jnp.float32),
+    )
 
     def temp(m):
         return compiled_memory(
@@ -83,6 +88,7 @@ def test_auto_is_a_knob():
     params, batch = _problem(n=12)
     loss, _ = mw.accumulate_grad(_loss, params, batch, microbatches="auto")  # default 1
     np.testing.assert_allclose(loss, _loss(params, batch), rtol=1e-5)
+
     def make_fn():  # a fresh function each time: eval_shape caches traces
         return lambda p, b: mw.accumulate_grad(
             lambda p, b: (_loss(p, b), jnp.mean(b[1])), p, b, microbatches="auto", has_aux=True
@@ -137,13 +143,15 @@ def test_dtypes(dtype):
     problem = _problem(n=256)
     params, batch = jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), problem)
     with jax.enable_x64(dtype == "float64"):
-        loss, grads = jax.jit(
-            lambda p, b: mw.accumulate_grad(_loss, p, b, microbatches=256)
-        )(params, batch)
+        loss, grads = jax.jit(lambda p, b: mw.accumulate_grad(_loss, p, b, microbatches=256))(
+            params, batch
+        )
     with jax.enable_x64(True):
         wide = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), (params, batch))
         expected_loss, expected = jax.value_and_grad(_loss)(*wide)
-    got, expected = (jax.tree_util.tree_leaves(t) for t in ((loss, grads), (expected_loss, expected)))
+    got, expected = (
+        jax.tree_util.tree_leaves(t) for t in ((loss, grads), (expected_loss, expected))
+    )
     for a, b in zip(got, expected):
         assert a.dtype == jnp.dtype(dtype)
         _assert_close(a, b, dtype)

@@ -6,14 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _hypothesis import examples
+from _multidevice import run_on_devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memwise as mw
 from memwise.measure import compiled_memory
-
-from _multidevice import run_on_devices
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,9 +36,15 @@ def dense_attention(q, k, v, mask=None, bias=None, causal=False):
 
 @settings(max_examples=examples(2))
 @given(
-    lq=st.integers(1, 9), lk=st.integers(1, 9), rows=st.integers(1, 4), cols=st.integers(1, 4),
-    causal=st.booleans(), use_mask=st.booleans(), use_bias=st.booleans(),
-    dtype=st.sampled_from([jnp.float32, jnp.float64]), seed=st.integers(0, 999),
+    lq=st.integers(1, 9),
+    lk=st.integers(1, 9),
+    rows=st.integers(1, 4),
+    cols=st.integers(1, 4),
+    causal=st.booleans(),
+    use_mask=st.booleans(),
+    use_bias=st.booleans(),
+    dtype=st.sampled_from([jnp.float32, jnp.float64]),
+    seed=st.integers(0, 999),
 )
 def test_matches_dense(lq, lk, rows, cols, causal, use_mask, use_bias, dtype, seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
@@ -73,8 +77,9 @@ def test_matches_jax_dot_product_attention():
     # jax.nn.dot_product_attention takes (batch, length, heads, dim)
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
     ref = t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=True))
-    np.testing.assert_allclose(mw.attention(q, k, v, causal=True, chunk_size=(8, 16)), ref,
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        mw.attention(q, k, v, causal=True, chunk_size=(8, 16)), ref, rtol=2e-5, atol=2e-5
+    )
 
 
 def test_gradient_memory_bounded():
@@ -110,8 +115,16 @@ def test_causal_skips_tiles_above_the_diagonal():
     q = jax.random.normal(keys[0], (2, 13, 4))
     k = jax.random.normal(keys[1], (2, 17, 4))
     v = jax.random.normal(keys[2], (2, 17, 3))
-    f = lambda q, k, v: jnp.sum(mw.attention(q, k, v, causal=True,  # noqa: E731
-                                             chunk_size=(4, 5)) ** 2)
+    f = lambda q, k, v: jnp.sum(
+        mw.attention(
+            q,
+            k,
+            v,
+            causal=True,  # noqa: E731
+            chunk_size=(4, 5),
+        )
+        ** 2
+    )
     g = lambda q, k, v: jnp.sum(dense_attention(q, k, v, causal=True) ** 2)  # noqa: E731
     vg = jax.jit(jax.value_and_grad(f, (0, 1, 2)))
     (val, grads), (val_d, grads_d) = vg(q, k, v), jax.value_and_grad(g, (0, 1, 2))(q, k, v)
@@ -204,19 +217,25 @@ def test_float_mask_is_rejected():
     with pytest.raises(TypeError, match="mask="):
         mw.attention(q, q, q, bias=jnp.ones((5, 5), bool))
     # the additive mask works as a bias
-    np.testing.assert_allclose(mw.attention(q, q, q, bias=additive, chunk_size=2),
-                               mw.attention(q, q, q, causal=True, chunk_size=2), rtol=1e-12)
+    np.testing.assert_allclose(
+        mw.attention(q, q, q, bias=additive, chunk_size=2),
+        mw.attention(q, q, q, causal=True, chunk_size=2),
+        rtol=1e-12,
+    )
 
 
 B, H, LQ, LK = 2, 3, 7, 9
 
 
-@pytest.mark.parametrize("mask_shape, bias_shape", [
-    ((B, 1, 1, LK), (LQ, LK)),          # key padding; one bias for every head
-    ((LQ, LK), (B, 1, LQ, LK)),         # shared mask; a bias per batch element
-    ((1, H, LQ, 1), (1, H, 1, LK)),     # per-head query mask; per-head key bias
-    ((B, H, LQ, LK), (H, 1, 1)),        # full mask; a scalar bias per head
-])
+@pytest.mark.parametrize(
+    "mask_shape, bias_shape",
+    [
+        ((B, 1, 1, LK), (LQ, LK)),  # key padding; one bias for every head
+        ((LQ, LK), (B, 1, LQ, LK)),  # shared mask; a bias per batch element
+        ((1, H, LQ, 1), (1, H, 1, LK)),  # per-head query mask; per-head key bias
+        ((B, H, LQ, LK), (H, 1, 1)),  # full mask; a scalar bias per head
+    ],
+)
 def test_mask_and_bias_broadcast_shapes_match_dense(mask_shape, bias_shape):
     keys = jax.random.split(jax.random.PRNGKey(11), 5)
     q = jax.random.normal(keys[0], (B, H, LQ, 4))
@@ -228,8 +247,14 @@ def test_mask_and_bias_broadcast_shapes_match_dense(mask_shape, bias_shape):
     def loss(f):
         return lambda q, k, v, bias: jnp.sum(jnp.sin(f(q, k, v, bias)))
 
-    ours = lambda q, k, v, bias: mw.attention(q, k, v, mask=mask, bias=bias,  # noqa: E731
-                                               chunk_size=(3, 4))
+    ours = lambda q, k, v, bias: mw.attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,  # noqa: E731
+        chunk_size=(3, 4),
+    )
     dense = lambda q, k, v, bias: dense_attention(q, k, v, mask, bias)  # noqa: E731
     both = lambda f: jax.jit(jax.value_and_grad(loss(f), (0, 1, 2, 3)))  # noqa: E731
     (val, grads), (val_d, grads_d) = both(ours)(q, k, v, bias), both(dense)(q, k, v, bias)
@@ -271,8 +296,10 @@ def test_shared_masks_and_biases_add_at_most_their_own_size():
 
 
 def _errors(out, grads, ref, ref_grads):
-    return [float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)))
-            for a, b in zip((out, *grads), (ref, *ref_grads))]
+    return [
+        float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)))
+        for a, b in zip((out, *grads), (ref, *ref_grads))
+    ]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -287,8 +314,9 @@ def test_low_precision_error_no_worse_than_jax_nn(dtype, causal):
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  (jax.nn takes (B, L, H, d))
     fns = {
         "memwise": lambda q, k, v: mw.attention(q, k, v, causal=causal, chunk_size=(32, 32)),
-        "jax.nn": lambda q, k, v: t(jax.nn.dot_product_attention(t(q), t(k), t(v),
-                                                                 is_causal=causal)),
+        "jax.nn": lambda q, k, v: t(
+            jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=causal)
+        ),
     }
     ct64 = ct.astype(jnp.float64)
 
@@ -300,8 +328,9 @@ def test_low_precision_error_no_worse_than_jax_nn(dtype, causal):
         lambda q, k, v: dense_attention(q, k, v, causal=causal),
         *(a.astype(jnp.float64) for a in (q, k, v)),
     )
-    errors = {name: _errors(*value_and_grads(f, q, k, v), ref, ref_grads)
-              for name, f in fns.items()}
+    errors = {
+        name: _errors(*value_and_grads(f, q, k, v), ref, ref_grads) for name, f in fns.items()
+    }
     # output, dq, dk, dv: before, memwise's were 2.5x (output) to 6x (gradients) jax.nn's
     for ours, theirs in zip(errors["memwise"], errors["jax.nn"]):
         assert ours <= 1.2 * theirs, errors
@@ -312,12 +341,12 @@ def test_empty_queries_or_keys_return_the_dense_result():
     for lq, lk in [(0, 5), (5, 0), (0, 0)]:
         qe, ke = jnp.ones((2, lq, 4)), jnp.ones((2, lk, 4))
         ve = jnp.ones((2, lk, 3))
-        out = mw.attention(qe, ke, ve, mask=jnp.ones((lq, lk), bool),
-                           bias=jnp.zeros((lq, lk)), chunk_size=4)
+        out = mw.attention(
+            qe, ke, ve, mask=jnp.ones((lq, lk), bool), bias=jnp.zeros((lq, lk)), chunk_size=4
+        )
         assert out.shape == (2, lq, 3)
         np.testing.assert_array_equal(out, 0.0)  # a query that sees no key: zeros
-        grads = jax.grad(lambda q, k, v: jnp.sum(mw.attention(q, k, v) ** 2), (0, 1, 2))(
-            qe, ke, ve)
+        grads = jax.grad(lambda q, k, v: jnp.sum(mw.attention(q, k, v) ** 2), (0, 1, 2))(qe, ke, ve)
         assert [g.shape for g in grads] == [qe.shape, ke.shape, ve.shape]
         assert all(not jnp.any(g) for g in grads)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -329,8 +358,9 @@ def test_traced_scale_gets_a_gradient():
     q, k, v = (jax.random.normal(kk, (2, 6, 4)) for kk in keys)
 
     def ours(q, k, v, temperature):
-        return jnp.sum(jnp.sin(mw.attention(q, k, v, scale=1.0 / temperature, causal=True,
-                                            chunk_size=(4, 3))))
+        return jnp.sum(
+            jnp.sin(mw.attention(q, k, v, scale=1.0 / temperature, causal=True, chunk_size=(4, 3)))
+        )
 
     def dense(q, k, v, temperature):
         s = jnp.einsum("...qd,...kd->...qk", q, k) / temperature
@@ -338,10 +368,13 @@ def test_traced_scale_gets_a_gradient():
         return jnp.sum(jnp.sin(jax.nn.softmax(s, -1) @ v))
 
     temperature = jnp.asarray(0.7)
-    np.testing.assert_allclose(jax.jit(ours)(q, k, v, temperature), dense(q, k, v, temperature),
-                               rtol=1e-10)
-    for a, b in zip(jax.jit(jax.grad(ours, (0, 1, 2, 3)))(q, k, v, temperature),
-                    jax.grad(dense, (0, 1, 2, 3))(q, k, v, temperature)):
+    np.testing.assert_allclose(
+        jax.jit(ours)(q, k, v, temperature), dense(q, k, v, temperature), rtol=1e-10
+    )
+    for a, b in zip(
+        jax.jit(jax.grad(ours, (0, 1, 2, 3)))(q, k, v, temperature),
+        jax.grad(dense, (0, 1, 2, 3))(q, k, v, temperature),
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
     with pytest.raises(TypeError, match="scale must be a real scalar"):
         mw.attention(q, k, v, scale=jnp.ones(2))
@@ -356,6 +389,7 @@ def test_under_checkpoint():
     def loss(q, k, v):
         return jnp.sum(mw.attention(q, k, v, causal=True, chunk_size=4) ** 2)
 
-    for a, b in zip(jax.grad(jax.checkpoint(loss), (0, 1, 2))(q, k, v),
-                    jax.grad(loss, (0, 1, 2))(q, k, v)):
+    for a, b in zip(
+        jax.grad(jax.checkpoint(loss), (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v)
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-12)

@@ -2,7 +2,6 @@
 errors, low-precision totals, empty inputs, chunk_size errors, and memory flat in the
 number of items (compiled, never run)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +21,8 @@ def _float64_in_this_module():
     with jax.enable_x64(True):
         yield
 
-MiB = 2**20
 
+MiB = 2**20
 
 
 def _close(a, b, dtype):
@@ -36,8 +35,9 @@ def _close(a, b, dtype):
 
 
 @settings(max_examples=examples(2))
-@given(n=st.integers(1, 12), chunk=st.integers(1, 6),
-       dtype=st.sampled_from([jnp.float32, jnp.float64]))
+@given(
+    n=st.integers(1, 12), chunk=st.integers(1, 6), dtype=st.sampled_from([jnp.float32, jnp.float64])
+)
 def test_chunked_map_and_sum_match_dense(n, chunk, dtype):
     xs = {"a": jnp.linspace(-1, 1, n * 3, dtype=dtype).reshape(n, 3), "i": jnp.arange(n)}
     W = jnp.eye(3, dtype=dtype) * 0.5 + 0.1
@@ -71,8 +71,7 @@ def test_chunked_map_and_sum_match_dense(n, chunk, dtype):
 
 def test_forward_mode_raises_type_error():
     with pytest.raises(TypeError):
-        jax.jvp(lambda x: mw.chunked_sum(jnp.sin, x, chunk_size=2), (jnp.ones(3),),
-                (jnp.ones(3),))
+        jax.jvp(lambda x: mw.chunked_sum(jnp.sin, x, chunk_size=2), (jnp.ones(3),), (jnp.ones(3),))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -100,13 +99,15 @@ def test_empty_xs_give_the_dense_result():
     dense = jax.vmap(f)(empty)
     assert jax.tree.map(jnp.shape, ys) == jax.tree.map(jnp.shape, dense)
     total = mw.chunked_sum(f, empty, chunk_size=4)
-    for a, b in zip(jax.tree.leaves(total), jax.tree.leaves(jax.tree.map(
-            lambda a: jnp.sum(a, 0), dense))):
+    for a, b in zip(
+        jax.tree.leaves(total), jax.tree.leaves(jax.tree.map(lambda a: jnp.sum(a, 0), dense))
+    ):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
     w = jnp.ones(3)
-    grads = jax.grad(lambda w, xs: jnp.sum(mw.chunked_sum(lambda x: w * x, xs, chunk_size=2)),
-                     (0, 1))(w, empty)
+    grads = jax.grad(
+        lambda w, xs: jnp.sum(mw.chunked_sum(lambda x: w * x, xs, chunk_size=2)), (0, 1)
+    )(w, empty)
     np.testing.assert_array_equal(grads[0], jnp.zeros(3))
     assert grads[1].shape == (0, 3)
     with pytest.raises(ValueError, match="f failed on one item"):
@@ -115,9 +116,13 @@ def test_empty_xs_give_the_dense_result():
 
 @pytest.mark.parametrize("bad", [(2, 3), 1.5, True, 0, -1, "fast"])
 def test_chunk_size_errors_offer_what_1d_accepts(bad):
-    with pytest.raises((TypeError, ValueError), match="chunk_size must be a positive int or 'auto'"):
+    with pytest.raises(
+        (TypeError, ValueError), match="chunk_size must be a positive int or 'auto'"
+    ):
         mw.chunked_map(jnp.sin, jnp.ones(4), chunk_size=bad)
-    with pytest.raises((TypeError, ValueError), match="chunk_size must be a positive int or 'auto'"):
+    with pytest.raises(
+        (TypeError, ValueError), match="chunk_size must be a positive int or 'auto'"
+    ):
         mw.chunked_sum(jnp.sin, jnp.ones(4), chunk_size=bad)
 
 
@@ -129,8 +134,9 @@ def test_chunked_sum_gradient_memory_flat_in_n():
     W = jax.ShapeDtypeStruct((64, 64), jnp.float32)
 
     def loss(W, xs):
-        return jnp.sum(mw.chunked_sum(lambda x: jnp.tanh(W @ jnp.tanh(W @ x)), xs,
-                                      chunk_size=256) ** 2)
+        return jnp.sum(
+            mw.chunked_sum(lambda x: jnp.tanh(W @ jnp.tanh(W @ x)), xs, chunk_size=256) ** 2
+        )
 
     temps = [
         compiled_memory(loss, W, jax.ShapeDtypeStruct((n, 64), jnp.float32), grad=True).temp_bytes
@@ -149,8 +155,9 @@ def test_image_shaped_xs_are_not_copied():
         return mw.chunked_sum(lambda x: jnp.sum(jnp.tanh(x.reshape(-1) @ w)), xs, chunk_size=500)
 
     temps = [
-        compiled_memory(loss, w, jax.ShapeDtypeStruct((n, 28, 28, 1), jnp.float32),
-                        grad=True).temp_bytes
+        compiled_memory(
+            loss, w, jax.ShapeDtypeStruct((n, 28, 28, 1), jnp.float32), grad=True
+        ).temp_bytes
         for n in (6_000, 60_000)
     ]
     assert temps[1] - temps[0] < 64 * 1024, temps

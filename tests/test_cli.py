@@ -63,7 +63,9 @@ def test_report_from_file(user_file, capsys):
 
 def test_report_json_and_plot(user_file, capsys, tmp_path):
     plot = tmp_path / "r.png"
-    assert cli.main(["report", f"{user_file}:factory", "--grad", "--json", "--plot", str(plot)]) == 0
+    assert (
+        cli.main(["report", f"{user_file}:factory", "--grad", "--json", "--plot", str(plot)]) == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["grad"] is True and data["peak_bytes"] > 0
     assert plot.exists()
@@ -77,27 +79,36 @@ def test_report_module_factory_with_kwargs(user_file, capsys, monkeypatch):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["no_colon"], "MODULE:FACTORY"),
-     (["{file}:missing"], "has no function 'missing'"),
-     (["{file}:not_a_tuple"], "must return"),
-     (["/nope/x.py:f"], "no such file"),
-     (["no_such_module_xyz:factory"], "cannot import 'no_such_module_xyz'.*run memwise from"),
-     (["{imports_missing}:factory"], "no module named 'no_such_dependency_xyz'.*install it"),
-     (["{file}:factory", "--budget", "abc"], "--budget: cannot read budget 'abc'.*'8GiB'"),
-     (["{file}:factory", "--budget", "-1"], "--budget: budget must be .* got '-1'"),
-     (["{file}:factory", "--budget", "0"], "--budget: budget must be"),
-     (["{file}:nonscalar", "--grad"], "one scalar array.*drop --grad"),
-     (["{file}:not_callable"], "fn must be callable"),
-     (["{file}:factory", "--plot", "/no/such/folder/r.png"], "cannot write --plot.*does not exist"),
-     (["{file}:factory", "--plot", "{folder}"], "cannot write --plot.*is a folder"),
-     (["{file}:factory", "--plot", "{folder}/r.xyz"],
-      r"cannot write --plot .*r\.xyz': matplotlib has no \.xyz format; .*\.png, \.ps")],
+    [
+        (["no_colon"], "MODULE:FACTORY"),
+        (["{file}:missing"], "has no function 'missing'"),
+        (["{file}:not_a_tuple"], "must return"),
+        (["/nope/x.py:f"], "no such file"),
+        (["no_such_module_xyz:factory"], "cannot import 'no_such_module_xyz'.*run memwise from"),
+        (["{imports_missing}:factory"], "no module named 'no_such_dependency_xyz'.*install it"),
+        (["{file}:factory", "--budget", "abc"], "--budget: cannot read budget 'abc'.*'8GiB'"),
+        (["{file}:factory", "--budget", "-1"], "--budget: budget must be .* got '-1'"),
+        (["{file}:factory", "--budget", "0"], "--budget: budget must be"),
+        (["{file}:nonscalar", "--grad"], "one scalar array.*drop --grad"),
+        (["{file}:not_callable"], "fn must be callable"),
+        (
+            ["{file}:factory", "--plot", "/no/such/folder/r.png"],
+            "cannot write --plot.*does not exist",
+        ),
+        (["{file}:factory", "--plot", "{folder}"], "cannot write --plot.*is a folder"),
+        (
+            ["{file}:factory", "--plot", "{folder}/r.xyz"],
+            r"cannot write --plot .*r\.xyz': matplotlib has no \.xyz format; .*\.png, \.ps",
+        ),
+    ],
 )
 def test_report_usage_errors_are_one_line_with_status_2(user_file, argv, message, capsys):
     imports_missing = user_file.parent / "imports_missing.py"
     imports_missing.write_text("import no_such_dependency_xyz\n")
-    argv = [a.format(file=user_file, imports_missing=imports_missing, folder=user_file.parent)
-            for a in argv]
+    argv = [
+        a.format(file=user_file, imports_missing=imports_missing, folder=user_file.parent)
+        for a in argv
+    ]
     assert cli.main(["report", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err
@@ -107,10 +118,18 @@ def test_report_usage_errors_are_one_line_with_status_2(user_file, argv, message
 
 def test_usage_errors_from_a_shell(tmp_path):
     # The real process: one line on stderr, exit status 2, no traceback.
-    for argv in (["report", "no_such_module_xyz:factory"],
-                 ["report", "no_such_module_xyz:factory", "--budget", "1e9xyz"]):
-        result = subprocess.run([sys.executable, "-m", "memwise", *argv], capture_output=True,
-                                text=True, timeout=120, cwd=tmp_path, check=False)
+    for argv in (
+        ["report", "no_such_module_xyz:factory"],
+        ["report", "no_such_module_xyz:factory", "--budget", "1e9xyz"],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "memwise", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            check=False,
+        )
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
@@ -163,9 +182,16 @@ def test_demo_size_report_and_its_older_name_seed(size, monkeypatch):
 
 
 def test_python_dash_m_and_console_script(user_file):
-    for command in ([sys.executable, "-m", "memwise"], [str(Path(sys.executable).parent / "memwise")]):
-        result = subprocess.run([*command, "report", f"{user_file}:factory"],
-                                capture_output=True, text=True, timeout=120)
+    for command in (
+        [sys.executable, "-m", "memwise"],
+        [str(Path(sys.executable).parent / "memwise")],
+    ):
+        result = subprocess.run(
+            [*command, "report", f"{user_file}:factory"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr
         assert "memory report" in result.stdout
 
@@ -197,8 +223,20 @@ def test_report_timeline_text_json_and_plot(user_file, capsys, tmp_path):
     assert "memory timeline: gradient of loss" in out and "buffers alive at the peak" in out
     assert f"{user_file}:5" in out.split("memory timeline")[1]  # the tanh line, again
     plot = tmp_path / "timeline.svg"
-    assert cli.main(["report", f"{user_file}:factory", "--grad", "--timeline", "--json",
-                     "--plot", str(plot)]) == 0
+    assert (
+        cli.main(
+            [
+                "report",
+                f"{user_file}:factory",
+                "--grad",
+                "--timeline",
+                "--json",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["timeline"]["peak_bytes"] == max(data["timeline"]["live_bytes"]) > 0
     assert "live memory along the compiled schedule" in plot.read_text()

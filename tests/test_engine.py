@@ -53,9 +53,10 @@ def test_softmax_reduction_is_attention_with_skipped_tiles():
         return cids[0] <= rids[-1]
 
     def loss(q, k, v):
-        out, _ = tiled_reduce(tile_fn, q, {"k": k, "v": v}, reduce="softmax", tiles=tiles,
-                              live=live)
-        return jnp.sum(out ** 2)
+        out, _ = tiled_reduce(
+            tile_fn, q, {"k": k, "v": v}, reduce="softmax", tiles=tiles, live=live
+        )
+        return jnp.sum(out**2)
 
     def dense(q, k, v):
         s = jnp.where(jnp.tril(jnp.ones((10, 10), bool)), q @ k.T, -jnp.inf)
@@ -119,8 +120,9 @@ def test_batched_problems_with_broadcast_pairs_match_dense():
         return -jnp.sum((xb[:, None] - yb[None]) ** 2, -1) + p["a"] * p["b"]
 
     def loss(x, y, a, b):
-        out = tiled_reduce(tile, x, y, reduce="logsumexp", tiles=tiles,
-                           pairs={"a": a, "b": b}, batch=(2, 3))
+        out = tiled_reduce(
+            tile, x, y, reduce="logsumexp", tiles=tiles, pairs={"a": a, "b": b}, batch=(2, 3)
+        )
         return jnp.sum(jnp.sin(out))
 
     def dense(x, y, a, b):
@@ -137,8 +139,9 @@ def test_batched_problems_with_broadcast_pairs_match_dense():
 def test_max_propagates_nan_like_jnp():
     s = jnp.array([[1.0, jnp.nan, 3.0, jnp.nan, 5.0], [1.0, 2.0, 3.0, 4.0, 0.0]])
     tile = lambda rb, cb, *_: s[rb[:, None], cb[None, :]]  # noqa: E731
-    value, arg = tiled_reduce(tile, jnp.arange(2), jnp.arange(5), reduce="max",
-                              tiles=tiling(2, 5, (1, 2)))
+    value, arg = tiled_reduce(
+        tile, jnp.arange(2), jnp.arange(5), reduce="max", tiles=tiling(2, 5, (1, 2))
+    )
     np.testing.assert_array_equal(value, jnp.max(s, 1))  # NaN in row 0
     np.testing.assert_array_equal(arg, jnp.argmax(s, 1))  # the first NaN's index
 
@@ -174,11 +177,26 @@ def test_engine_checks_batch_and_pair_shapes():
     x = jnp.ones((2, 6, 1))
     tiles = tiling(6, 6, 2)
     with pytest.raises(ValueError, match="leading batch dims"):
-        tiled_reduce(_scores, x, jnp.ones((3, 6, 1)), reduce="sum", tiles=tiles, batch=(2,),
-                     consts={"scale": 1.0})
+        tiled_reduce(
+            _scores,
+            x,
+            jnp.ones((3, 6, 1)),
+            reduce="sum",
+            tiles=tiles,
+            batch=(2,),
+            consts={"scale": 1.0},
+        )
     with pytest.raises(ValueError, match="pairs must have leading dims"):
-        tiled_reduce(_scores, x, x, reduce="sum", tiles=tiles, batch=(2,),
-                     pairs=jnp.ones((2, 6, 3)), consts={"scale": 1.0})
+        tiled_reduce(
+            _scores,
+            x,
+            x,
+            reduce="sum",
+            tiles=tiles,
+            batch=(2,),
+            pairs=jnp.ones((2, 6, 3)),
+            consts={"scale": 1.0},
+        )
 
 
 @pytest.mark.slow

@@ -114,8 +114,15 @@ def test_region_policy_is_a_knob():
 
 @pytest.mark.parametrize(
     "budget, error",
-    [(0, ValueError), (-5, ValueError), (1.5, ValueError), ("lots", ValueError),
-     ("5 parsecs", ValueError), (None, TypeError), (True, TypeError)],
+    [
+        (0, ValueError),
+        (-5, ValueError),
+        (1.5, ValueError),
+        ("lots", ValueError),
+        ("5 parsecs", ValueError),
+        (None, TypeError),
+        (True, TypeError),
+    ],
 )
 def test_bad_budgets(budget, error):
     with pytest.raises(error, match="budget"):
@@ -133,8 +140,9 @@ def test_bad_arguments():
 
 def test_scan_checkpoints_auto_meets_budget():
     def loss(w, xs):
-        h, _ = mw.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((64, 64)), xs,
-                       checkpoints="auto")
+        h, _ = mw.scan(
+            lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((64, 64)), xs, checkpoints="auto"
+        )
         return jnp.sum(h**2)
 
     w, xs = jnp.eye(64) * 0.5, jnp.ones((400, 64, 64)) * 0.01
@@ -149,8 +157,11 @@ def test_scan_checkpoints_auto_meets_budget():
 
 def pairwise_loss(w, xs):
     """One chunk_size='auto' tile knob over an n x n pairwise logsumexp."""
-    return jnp.sum(mw.pairwise_reduce(lambda a, b: jnp.tanh(a @ w @ b), xs, xs,
-                                      reduce="logsumexp", chunk_size="auto"))
+    return jnp.sum(
+        mw.pairwise_reduce(
+            lambda a, b: jnp.tanh(a @ w @ b), xs, xs, reduce="logsumexp", chunk_size="auto"
+        )
+    )
 
 
 def test_each_argument_signature_has_its_own_compilation_budget():
@@ -161,8 +172,9 @@ def test_each_argument_signature_has_its_own_compilation_budget():
     max_compilations = 5
 
     def fresh():  # a new function: no compiled plans shared with other fits
-        return mw.fit(lambda w, xs: pairwise_loss(w, xs), budget=budget,
-                      max_compilations=max_compilations)
+        return mw.fit(
+            lambda w, xs: pairwise_loss(w, xs), budget=budget, max_compilations=max_compilations
+        )
 
     alone = fresh()
     small_alone = alone.plan_for(w, small)
@@ -184,14 +196,22 @@ def test_each_argument_signature_has_its_own_compilation_budget():
     assert small_second.compilations == second_compilations
     assert fitted.compilations == first_compilations + second_compilations
     assert fitted.plan is small_second  # the most recent signature's plan
-    np.testing.assert_allclose(jax.grad(fitted)(w, small), jax.grad(pairwise_loss)(w, small),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(fitted)(w, small), jax.grad(pairwise_loss)(w, small), rtol=1e-5
+    )
 
 
 def _fake_memory(peak: int) -> measure.CompiledMemory:
-    return measure.CompiledMemory(argument_bytes=0, output_bytes=0, alias_bytes=0,
-                                  temp_bytes=peak, peak_bytes=peak, code_bytes=0,
-                                  program_bytes=0, constant_bytes=0)
+    return measure.CompiledMemory(
+        argument_bytes=0,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=peak,
+        peak_bytes=peak,
+        code_bytes=0,
+        program_bytes=0,
+        constant_bytes=0,
+    )
 
 
 def test_search_never_compiles_more_than_max_compilations():
@@ -199,10 +219,21 @@ def test_search_never_compiles_more_than_max_compilations():
     # candidate; for every budget and every bound the chosen plan fits, the bound holds,
     # and a plan is found exactly when the leanest plan fits.
     layout = [
-        knobs.Knob("policy", "f.py:1", tuple(fit_module.POLICIES), fit_module._POLICY_COST,
-                   "everything_saveable", "whole f"),
-        knobs.Knob("chunk_size", "f.py:2", (64, 32, 16, 8, 4, 2, 1),
-                   (1.0, 1.01, 1.03, 1.07, 1.15, 1.3, 1.6), 8),
+        knobs.Knob(
+            "policy",
+            "f.py:1",
+            tuple(fit_module.POLICIES),
+            fit_module._POLICY_COST,
+            "everything_saveable",
+            "whole f",
+        ),
+        knobs.Knob(
+            "chunk_size",
+            "f.py:2",
+            (64, 32, 16, 8, 4, 2, 1),
+            (1.0, 1.01, 1.03, 1.07, 1.15, 1.3, 1.6),
+            8,
+        ),
         knobs.Knob("checkpoints", "f.py:3", (100, 50, 10, 5), (1.0, 1.25, 1.5, 2.0), 10),
     ]
 
@@ -222,14 +253,18 @@ def test_search_never_compiles_more_than_max_compilations():
 
 def scan_loss(w, xs):
     """One checkpoints='auto' knob over a scan of len(xs) steps."""
-    h, _ = mw.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros(xs.shape[1]), xs,
-                   checkpoints="auto")
+    h, _ = mw.scan(
+        lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros(xs.shape[1]), xs, checkpoints="auto"
+    )
     return jnp.sum(h**2)
 
 
 @pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint], ids=["jit", "checkpoint"])
-@pytest.mark.parametrize("term, kind", [(pairwise_loss, "chunk_size"), (scan_loss, "checkpoints")],
-                         ids=["pairwise", "scan"])
+@pytest.mark.parametrize(
+    "term, kind",
+    [(pairwise_loss, "chunk_size"), (scan_loss, "checkpoints")],
+    ids=["pairwise", "scan"],
+)
 def test_auto_knob_inside_a_jitted_or_checkpointed_helper(wrap, term, kind):
     # JAX traces such a helper once and caches it; fit must still plan and apply its knob.
     helper = wrap(term)
@@ -258,8 +293,9 @@ def test_two_plans_of_one_jitted_helper_stay_apart():
 
     w, xs = jnp.eye(16) * 0.5, jnp.ones((256, 16)) * 0.1
     roomy = mw.fit(loss, budget="1GiB", policies=False)
-    tight = mw.fit(loss, budget=roomy.plan_for(w, xs).peak_bytes - 1, policies=False,
-                   max_compilations=4)
+    tight = mw.fit(
+        loss, budget=roomy.plan_for(w, xs).peak_bytes - 1, policies=False, max_compilations=4
+    )
     assert tight.plan_for(w, xs).values != roomy.plan_for(w, xs).values
     for fitted in (roomy, tight, roomy, tight):
         assert compiled_memory(fitted, w, xs, grad=True).peak_bytes == fitted.plan.peak_bytes
@@ -296,9 +332,13 @@ def test_static_arguments():
     for n_layers, mode in ((2, "sum"), (3, "mean")):
         np.testing.assert_allclose(
             grad(w, xs, n_layers, mode=mode, act=jnp.sin),
-            jax.grad(static_loss)(w, xs, n_layers, mode=mode, act=jnp.sin), rtol=1e-5)
+            jax.grad(static_loss)(w, xs, n_layers, mode=mode, act=jnp.sin),
+            rtol=1e-5,
+        )
     assert len(fitted._signatures) == 2  # each static value is planned on its own
-    assert fitted.report_for(w, xs, 3, mode="mean", act=jnp.sin).peak_bytes == fitted.plan.peak_bytes
+    assert (
+        fitted.report_for(w, xs, 3, mode="mean", act=jnp.sin).peak_bytes == fitted.plan.peak_bytes
+    )
 
 
 W, XS = jnp.eye(16), jnp.ones((8, 16))
@@ -307,35 +347,87 @@ W, XS = jnp.eye(16), jnp.ones((8, 16))
 @pytest.mark.parametrize(
     "make, args, error, match",
     [
-        (lambda: mw.fit(static_loss, budget="1GiB", static_argnums=(0, 2)), None, ValueError,
-         r"argnums=0 names static"),
-        (lambda: mw.fit(static_loss, budget="1GiB", static_argnums=7), None, ValueError,
-         "static_argnums=7 is out of range"),
-        (lambda: mw.fit(static_loss, budget="1GiB", static_argnames="nope"), None, ValueError,
-         "static_argnames='nope' names no parameter"),
-        (lambda: mw.fit(static_loss, budget="1GiB", static_argnums="2"), None, TypeError,
-         "static_argnums must be an int"),
-        (lambda: mw.fit(static_loss, budget="1GiB"), (W, XS, 3), TypeError,
-         r"argument 'n_layers' as a Python value.*static_argnums=\(2,\)"),
-        (lambda: mw.fit(static_loss, budget="1GiB", static_argnums=2), (W, XS, [3]), TypeError,
-         "static arguments must be hashable"),
-        (lambda: mw.fit(lambda w, xs, mode: pairwise_loss(w, xs), budget="1GiB"),
-         (W, XS, "x"), TypeError, r"argument 2 \('mode'\) is a str.*static_argnums=\(2,\)"),
+        (
+            lambda: mw.fit(static_loss, budget="1GiB", static_argnums=(0, 2)),
+            None,
+            ValueError,
+            r"argnums=0 names static",
+        ),
+        (
+            lambda: mw.fit(static_loss, budget="1GiB", static_argnums=7),
+            None,
+            ValueError,
+            "static_argnums=7 is out of range",
+        ),
+        (
+            lambda: mw.fit(static_loss, budget="1GiB", static_argnames="nope"),
+            None,
+            ValueError,
+            "static_argnames='nope' names no parameter",
+        ),
+        (
+            lambda: mw.fit(static_loss, budget="1GiB", static_argnums="2"),
+            None,
+            TypeError,
+            "static_argnums must be an int",
+        ),
+        (
+            lambda: mw.fit(static_loss, budget="1GiB"),
+            (W, XS, 3),
+            TypeError,
+            r"argument 'n_layers' as a Python value.*static_argnums=\(2,\)",
+        ),
+        (
+            lambda: mw.fit(static_loss, budget="1GiB", static_argnums=2),
+            (W, XS, [3]),
+            TypeError,
+            "static arguments must be hashable",
+        ),
+        (
+            lambda: mw.fit(lambda w, xs, mode: pairwise_loss(w, xs), budget="1GiB"),
+            (W, XS, "x"),
+            TypeError,
+            r"argument 2 \('mode'\) is a str.*static_argnums=\(2,\)",
+        ),
         (lambda: mw.fit(pairwise_loss, budget="1GiB", argnums="w"), None, TypeError, "argnums"),
         (lambda: mw.fit(pairwise_loss, budget="1GiB", argnums=()), None, TypeError, "argnums"),
-        (lambda: mw.fit(pairwise_loss, budget="1GiB", argnums=2), (W, XS), ValueError,
-         r"argnums=2 is out of range"),
-        (lambda: mw.fit(lambda p, xs: jnp.sum(xs), budget="1GiB"), (None, XS), ValueError,
-         r"argnums=0 names argument 0 \('p'\), which holds no arrays"),
+        (
+            lambda: mw.fit(pairwise_loss, budget="1GiB", argnums=2),
+            (W, XS),
+            ValueError,
+            r"argnums=2 is out of range",
+        ),
+        (
+            lambda: mw.fit(lambda p, xs: jnp.sum(xs), budget="1GiB"),
+            (None, XS),
+            ValueError,
+            r"argnums=0 names argument 0 \('p'\), which holds no arrays",
+        ),
         (lambda: mw.fit(pairwise_loss, budget="1GiB", grad="yes"), None, TypeError, "grad must"),
-        (lambda: mw.fit(pairwise_loss, budget="1GiB", policies=None), None, TypeError,
-         "policies must"),
-        (lambda: mw.fit(pairwise_loss, budget="1GiB", max_compilations=True), None, ValueError,
-         "max_compilations"),
-        (lambda: mw.fit(lambda w, xs: pairwise_loss(w, xs) * 1j, budget="1GiB"), (W, XS),
-         TypeError, "grad=True needs a real float output"),
-        (lambda: mw.fit(lambda w, xs: (pairwise_loss(w, xs), None), budget="1GiB"), (W, XS),
-         TypeError, "one scalar array"),
+        (
+            lambda: mw.fit(pairwise_loss, budget="1GiB", policies=None),
+            None,
+            TypeError,
+            "policies must",
+        ),
+        (
+            lambda: mw.fit(pairwise_loss, budget="1GiB", max_compilations=True),
+            None,
+            ValueError,
+            "max_compilations",
+        ),
+        (
+            lambda: mw.fit(lambda w, xs: pairwise_loss(w, xs) * 1j, budget="1GiB"),
+            (W, XS),
+            TypeError,
+            "grad=True needs a real float output",
+        ),
+        (
+            lambda: mw.fit(lambda w, xs: (pairwise_loss(w, xs), None), budget="1GiB"),
+            (W, XS),
+            TypeError,
+            "one scalar array",
+        ),
     ],
 )
 def test_bad_input_table(make, args, error, match):
@@ -352,8 +444,11 @@ def test_none_leaves_are_not_arrays():
 
 
 def _pair_loss(x, y):
-    return jnp.sum(mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y,
-                                      reduce="logsumexp", chunk_size="auto"))
+    return jnp.sum(
+        mw.pairwise_reduce(
+            lambda a, b: -jnp.sum((a - b) ** 2), x, y, reduce="logsumexp", chunk_size="auto"
+        )
+    )
 
 
 def test_verbose_prints_each_compiled_plan(capsys):
@@ -362,8 +457,11 @@ def test_verbose_prints_each_compiled_plan(capsys):
     plan = fitted.plan_for(x, x)
     lines = [line for line in capsys.readouterr().out.splitlines() if "compiled plan" in line]
     assert len(lines) == plan.compilations >= 2
-    assert re.search(r"chunk_size=\(\d+, \d+\) -> peak .* vs budget 1\.0 MiB \((fits|over)\), "
-                     r"predicted time \d+\.\d\dx", lines[0]), lines[0]
+    assert re.search(
+        r"chunk_size=\(\d+, \d+\) -> peak .* vs budget 1\.0 MiB \((fits|over)\), "
+        r"predicted time \d+\.\d\dx",
+        lines[0],
+    ), lines[0]
 
 
 def test_tune_times_the_fastest_predicted_plans_and_keeps_the_fastest_measured():
@@ -380,8 +478,9 @@ def test_tune_times_the_fastest_predicted_plans_and_keeps_the_fastest_measured()
     assert plan.compilations <= 10 and plan.peak_bytes <= parse_budget("1MiB")
     assert "tuned: timed" in plan.to_text()
     assert compiled_memory(fitted, x, x, grad=True).peak_bytes <= parse_budget("1MiB")
-    np.testing.assert_allclose(jax.grad(fitted)(x, x), jax.grad(_pair_loss)(x, x), rtol=1e-4,
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        jax.grad(fitted)(x, x), jax.grad(_pair_loss)(x, x), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_tune_and_verbose_must_be_booleans():

@@ -43,8 +43,11 @@ def test_gradient_memory_flat_in_sequence_length():
 
     def temp(kind, n):
         x, y = lstm.data(batch, n, input_dim, 2, False)
-        net = lstm.model(kind, checkpoints=8, **shape) if kind == "memwise" else \
-            lstm.model(kind, **shape)
+        net = (
+            lstm.model(kind, checkpoints=8, **shape)
+            if kind == "memwise"
+            else lstm.model(kind, **shape)
+        )
         params = net.init(jax.random.PRNGKey(0), x[:, :2])["params"]
         return compiled_memory(lstm.loss_fn(net), params, x, y, grad=True).temp_bytes
 
@@ -69,13 +72,14 @@ def test_broadcast_inputs_and_split_rngs_match_nn_scan():
 
     def build(lift):
         return lift(
-            Step, variable_broadcast="params", split_rngs={"params": False, "dropout": True},
-            in_axes=(1, nn.broadcast), out_axes=1,
+            Step,
+            variable_broadcast="params",
+            split_rngs={"params": False, "dropout": True},
+            in_axes=(1, nn.broadcast),
+            out_axes=1,
         )
 
-    flax_step, our_step = build(nn.scan), build(
-        functools.partial(memwise.flax.scan, checkpoints=2)
-    )
+    flax_step, our_step = build(nn.scan), build(functools.partial(memwise.flax.scan, checkpoints=2))
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 17, 4))
     carry = jnp.zeros((3, 6))
     rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(2)}
@@ -90,8 +94,10 @@ def test_broadcast_inputs_and_split_rngs_match_nn_scan():
 
         return f
 
-    assert_tree_close(jax.value_and_grad(loss(our_step))(variables["params"]),
-                      jax.value_and_grad(loss(flax_step))(variables["params"]))
+    assert_tree_close(
+        jax.value_and_grad(loss(our_step))(variables["params"]),
+        jax.value_and_grad(loss(flax_step))(variables["params"]),
+    )
 
 
 def test_nnx_scan_module_gradients():
@@ -100,8 +106,7 @@ def test_nnx_scan_module_gradients():
     xs = jax.random.normal(jax.random.PRNGKey(1), (30, 2, 3))
 
     def ours(cell):
-        _, ys = memwise.flax.scan_module(lambda m, c, x: m(c, x), cell, carry, xs,
-                                         checkpoints=4)
+        _, ys = memwise.flax.scan_module(lambda m, c, x: m(c, x), cell, carry, xs, checkpoints=4)
         return jnp.sum(ys**2)
 
     def ref(cell):
@@ -127,6 +132,7 @@ def test_nnx_state_mutation_is_rejected():
 
 def test_bad_arguments():
     with pytest.raises(TypeError, match="variable_broadcast"):
+
         class Bad(nn.Module):
             @functools.partial(memwise.flax.scan, variable_broadcast=True)
             def __call__(self, c, x):
@@ -136,8 +142,9 @@ def test_bad_arguments():
 
 
 def test_lstm_scenario_agrees_at_small_size():
-    scenario = lstm.make(batch=2, seq_length=60, hidden=8, input_dim=3, output_dim=2,
-                         seq2seq=True, checkpoints=4)
+    scenario = lstm.make(
+        batch=2, seq_length=60, hidden=8, input_dim=3, output_dim=2, seq2seq=True, checkpoints=4
+    )
     naive = jax.jit(scenario.naive)(*scenario.args)
     ours = jax.jit(scenario.memwise)(*scenario.args)
     assert scenario.agree(naive, ours)

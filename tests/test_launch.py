@@ -71,7 +71,9 @@ def launch(tmp_path, program, *args, timeout=300):
     script.write_text(program)
     return subprocess.run(
         [sys.executable, "-m", "memwise.launch", *args, str(script)],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -80,8 +82,7 @@ def test_two_processes_match_one(tmp_path):
     # Each process feeds its own rows (make_array_from_process_local_data); no mesh=
     # anywhere: pairwise_reduce and attention (rings), sinkhorn_divergence and
     # accumulate_grad, values and gradients equal to one process's to 1e-5.
-    proc = launch(tmp_path, MULTI_HOST_PROGRAM, "-n", "2", "--cpu-devices", "2",
-                  "--timeout", "240")
+    proc = launch(tmp_path, MULTI_HOST_PROGRAM, "-n", "2", "--cpu-devices", "2", "--timeout", "240")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
     lines = proc.stdout.splitlines()
     assert "OK 0" in lines and "OK 1" in lines, proc.stdout
@@ -98,21 +99,26 @@ def test_a_failing_process_stops_the_others(tmp_path):
         time.sleep(600)
         """
     )
-    proc = launch(tmp_path, program, "-n", "2", "--cpu-devices", "1", "--timeout", "120",
-                  timeout=150)
+    proc = launch(
+        tmp_path, program, "-n", "2", "--cpu-devices", "1", "--timeout", "120", timeout=150
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
 
 
 def test_timeout_stops_every_process(tmp_path):
     program = "import time\ntime.sleep(600)\n"
-    proc = launch(tmp_path, program, "-n", "2", "--cpu-devices", "1", "--timeout", "20",
-                  timeout=120)
+    proc = launch(
+        tmp_path, program, "-n", "2", "--cpu-devices", "1", "--timeout", "20", timeout=120
+    )
     assert proc.returncode == 124
     assert "timed out" in proc.stderr
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "memwise.launch", "-n", "2",
-                           str(tmp_path / "missing.py")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "memwise.launch", "-n", "2", str(tmp_path / "missing.py")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "no such script" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_close
 
 import memwise as mw
 from memwise.measure import compiled_memory
-from _close import assert_close
 
 
 def _mlp(params, x):
@@ -78,7 +78,9 @@ def test_gradients_w_r_t_inputs_and_linearization_point(problem):
     np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-5)
     g_point = jax.grad(lambda lin: jnp.sum(lin(new, x) ** 2))(lin)
     g_point_ref = jax.grad(lambda p: jnp.sum(_reference(_mlp, p)(new, x) ** 2))(params)
-    for a, b in zip(jax.tree_util.tree_leaves(g_point.params), jax.tree_util.tree_leaves(g_point_ref)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(g_point.params), jax.tree_util.tree_leaves(g_point_ref)
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -96,7 +98,9 @@ def test_is_a_pytree_of_the_parameters(problem):
 
     step(lin, new, x)
     moved = jax.tree_util.tree_map(lambda a: a + 1.0, lin)  # a new point, same program
-    np.testing.assert_allclose(step(moved, new, x), _reference(_mlp, moved.params)(new, x), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        step(moved, new, x), _reference(_mlp, moved.params)(new, x), rtol=1e-4, atol=1e-5
+    )
     assert len(traces) == 1
 
 
@@ -150,7 +154,9 @@ def test_training_step_memory_is_that_of_training_f():
     x = jax.ShapeDtypeStruct((512, 64), jnp.float32)
     lin = mw.linearize(_deep_mlp, params)
     train_f = compiled_memory(lambda q, x: jnp.sum(_deep_mlp(q, x) ** 2), params, x, grad=True)
-    train_lin = compiled_memory(lambda q, lin, x: jnp.sum(lin(q, x) ** 2), params, lin, x, grad=True)
+    train_lin = compiled_memory(
+        lambda q, lin, x: jnp.sum(lin(q, x) ** 2), params, lin, x, grad=True
+    )
     assert train_lin.temp_bytes <= 1.2 * train_f.temp_bytes, (train_lin, train_f)
 
 
@@ -168,7 +174,9 @@ def test_flax_model_apply_with_keyword_arguments():
     new = _shift(variables)
     lin = mw.linearize(model.apply, variables)
     f = lambda v, x: model.apply(v, x, scale=2.0)
-    np.testing.assert_allclose(lin(new, x, scale=2.0), _reference(f, variables)(new, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        lin(new, x, scale=2.0), _reference(f, variables)(new, x), rtol=1e-5, atol=1e-6
+    )
     grads = jax.jit(jax.grad(lambda v, lin: jnp.sum(lin(v, x, scale=2.0) ** 2)))(new, lin)
     ref = jax.grad(lambda v: jnp.sum(_reference(f, variables)(v, x) ** 2))(new)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
@@ -177,16 +185,24 @@ def test_flax_model_apply_with_keyword_arguments():
 
 def test_equinox_module():
     import equinox as eqx
+
     model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.PRNGKey(0))  # has a function leaf
     x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 4)), jnp.float32)
     apply = lambda m, x: jax.vmap(m)(x)
     lin = mw.linearize(apply, model)
-    new = eqx.apply_updates(model, jax.tree_util.tree_map(lambda a: 0.1 * jnp.ones_like(a), eqx.filter(model, eqx.is_array)))
+    new = eqx.apply_updates(
+        model,
+        jax.tree_util.tree_map(lambda a: 0.1 * jnp.ones_like(a), eqx.filter(model, eqx.is_array)),
+    )
     params, static = eqx.partition(model, eqx.is_array)
     f = lambda p, x: apply(eqx.combine(p, static), x)
     new_params = eqx.filter(new, eqx.is_array)
-    np.testing.assert_allclose(lin(new, x), _reference(f, params)(new_params, x), rtol=1e-5, atol=1e-6)
-    grads = jax.jit(jax.grad(lambda p, lin: jnp.sum(lin(eqx.combine(p, static), x) ** 2)))(new_params, lin)
+    np.testing.assert_allclose(
+        lin(new, x), _reference(f, params)(new_params, x), rtol=1e-5, atol=1e-6
+    )
+    grads = jax.jit(jax.grad(lambda p, lin: jnp.sum(lin(eqx.combine(p, static), x) ** 2)))(
+        new_params, lin
+    )
     ref = jax.grad(lambda p: jnp.sum(_reference(f, params)(p, x) ** 2))(new_params)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -229,7 +245,9 @@ def test_closed_over_values_are_differentiated(problem):
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     only_s = jax.grad(lambda s: loss(s, params, x, mw.linearize))(2.0)  # eager, new = point
-    np.testing.assert_allclose(only_s, jax.grad(lambda s: loss(s, params, x, _reference))(2.0), rtol=1e-5)
+    np.testing.assert_allclose(
+        only_s, jax.grad(lambda s: loss(s, params, x, _reference))(2.0), rtol=1e-5
+    )
 
 
 def test_static_leaves_of_new_params_must_not_change(problem):
@@ -310,12 +328,15 @@ def _nested_jvp_taylor(f, params, degree):
 def test_taylor_expand_matches_nested_jvp(problem, degree):
     params, new, x = problem
     with jax.enable_x64(True):
-        p64, n64, x64 = (jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), t)
-                         for t in (params, new, x))
+        p64, n64, x64 = (
+            jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), t)
+            for t in (params, new, x)
+        )
         tayl = mw.taylor_expand(_mlp, p64, degree)
         got = jax.jit(lambda t, q, x: t(q, x))(tayl, n64, x64)
-        np.testing.assert_allclose(got, _nested_jvp_taylor(_mlp, p64, degree)(n64, x64),
-                                   rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            got, _nested_jvp_taylor(_mlp, p64, degree)(n64, x64), rtol=1e-12, atol=1e-12
+        )
         if degree == 1:
             np.testing.assert_allclose(got, mw.linearize(_mlp, p64)(n64, x64), rtol=1e-12)
         # The error shrinks with the degree (the shift is small).
@@ -332,8 +353,7 @@ def test_taylor_expand_is_exact_on_polynomials():
     params = {"a": jnp.array([0.3, -0.2]), "b": jnp.array(1.5), "c": jnp.array(0.7)}
     new = {"a": jnp.array([-1.1, 2.0]), "b": jnp.array(-0.4), "c": jnp.array(2.5)}
     x = jnp.array([[1.0, 2.0], [-0.5, 0.25]])
-    np.testing.assert_allclose(mw.taylor_expand(cubic, params, 3)(new, x), cubic(new, x),
-                               rtol=1e-5)
+    np.testing.assert_allclose(mw.taylor_expand(cubic, params, 3)(new, x), cubic(new, x), rtol=1e-5)
     assert not np.allclose(mw.taylor_expand(cubic, params, 2)(new, x), cubic(new, x))
 
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import pytest
+from _close import assert_close
 
 import memwise as mw
-from _close import assert_close
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -83,8 +83,9 @@ def _pairwise(reduce):
 
         def f(x, y, w):
             weights = w if reduce in ("sum", "logsumexp") else None
-            return mw.pairwise_reduce(fn, x, y, reduce=reduce, weights=weights,
-                                      chunk_size=(chunk, chunk + 1))
+            return mw.pairwise_reduce(
+                fn, x, y, reduce=reduce, weights=weights, chunk_size=(chunk, chunk + 1)
+            )
 
         def dense(x, y, w):
             s = jax.vmap(jax.vmap(fn, (None, 0)), (0, None))(x, y)
@@ -120,8 +121,13 @@ def _scan(schedule):
             return lambda h, x: (jnp.tanh(w @ h + x), jnp.sum(h))
 
         def f(xs, w):
-            h, ys = mw.scan(step(w), jnp.zeros(3, xs.dtype), xs, schedule=schedule,
-                            checkpoints=chunk if schedule == "binomial" else None)
+            h, ys = mw.scan(
+                step(w),
+                jnp.zeros(3, xs.dtype),
+                xs,
+                schedule=schedule,
+                checkpoints=chunk if schedule == "binomial" else None,
+            )
             return jnp.concatenate([h, ys])
 
         def dense(xs, w):
@@ -141,8 +147,9 @@ def _while_loop(n, chunk, dtype):
         return lambda s: (jnp.tanh(w @ s[0] + 0.1), s[1] + 1)
 
     def f(w, h0):
-        return mw.while_loop(lambda s: s[1] < n, body(w), (h0, 0), max_steps=n + 2,
-                             checkpoints=chunk)[0]
+        return mw.while_loop(
+            lambda s: s[1] < n, body(w), (h0, 0), max_steps=n + 2, checkpoints=chunk
+        )[0]
 
     def dense(w, h0):
         h = h0
@@ -157,12 +164,14 @@ def _divergence(n, chunk, dtype):
     x, y = _inputs(dtype, (n + 3, 2), (n + 4, 2))
 
     def f(x, y):
-        return mw.ot.sinkhorn_divergence(x, y, epsilon=0.5, chunk_size=chunk + 1,
-                                         threshold=1e-6, max_iterations=2000)
+        return mw.ot.sinkhorn_divergence(
+            x, y, epsilon=0.5, chunk_size=chunk + 1, threshold=1e-6, max_iterations=2000
+        )
 
     def dense(x, y):
-        return mw.ot.sinkhorn_divergence(x, y, epsilon=0.5, chunk_size=10_000,
-                                         threshold=1e-9, max_iterations=5000)
+        return mw.ot.sinkhorn_divergence(
+            x, y, epsilon=0.5, chunk_size=10_000, threshold=1e-9, max_iterations=5000
+        )
 
     return f, dense, (x, y)
 
@@ -179,8 +188,9 @@ def _linearize(n, chunk, dtype):
 
     def dense(w, v, x):
         point = {"w": w, "v": v}
-        out, tangent = jax.jvp(lambda p: net(p, x), (point,),
-                               ({"w": w * 0.5, "v": jnp.zeros_like(v)},))
+        out, tangent = jax.jvp(
+            lambda p: net(p, x), (point,), ({"w": w * 0.5, "v": jnp.zeros_like(v)},)
+        )
         return out + tangent
 
     return f, dense, (w, v, x)
@@ -268,8 +278,12 @@ def _run(case_name, shape_name, dtype_name, transform):
 PARAMS = sorted(
     {(c, "ragged", "float32", t) for c in CASES for t in TRANSFORMS}
     | {(c, s, "float32", t) for c in CASES for s in SHAPES for t in ("eager", "grad")}
-    | {(c, "ragged", d, t) for c in CASES for d in ("float64", "bfloat16", "float16")
-       for t in ("jit", "grad")}
+    | {
+        (c, "ragged", d, t)
+        for c in CASES
+        for d in ("float64", "bfloat16", "float16")
+        for t in ("jit", "grad")
+    }
 )
 PARAMS = [pytest.param(*p, id="-".join(p)) for p in PARAMS]
 
@@ -290,55 +304,151 @@ _STEP = lambda h, x: (h + x, None)  # noqa: E731
 
 BAD_INPUTS = {
     "chunked_map f": (lambda: mw.chunked_map(3, _X, chunk_size=2), TypeError, "f"),
-    "chunked_map chunk_size": (lambda: mw.chunked_map(jnp.sin, _X, chunk_size=0), ValueError, "chunk_size"),
-    "chunked_map chunk_size tuple": (lambda: mw.chunked_map(jnp.sin, _X, chunk_size=(2, 2)), TypeError, "chunk_size"),
-    "chunked_sum xs scalar": (lambda: mw.chunked_sum(jnp.sin, jnp.ones(()), chunk_size=2), ValueError, "xs"),
+    "chunked_map chunk_size": (
+        lambda: mw.chunked_map(jnp.sin, _X, chunk_size=0),
+        ValueError,
+        "chunk_size",
+    ),
+    "chunked_map chunk_size tuple": (
+        lambda: mw.chunked_map(jnp.sin, _X, chunk_size=(2, 2)),
+        TypeError,
+        "chunk_size",
+    ),
+    "chunked_sum xs scalar": (
+        lambda: mw.chunked_sum(jnp.sin, jnp.ones(()), chunk_size=2),
+        ValueError,
+        "xs",
+    ),
     "pairwise fn": (lambda: mw.pairwise_reduce(None, _X, _X), TypeError, "fn"),
-    "pairwise reduce": (lambda: mw.pairwise_reduce(_PAIR, _X, _X, reduce="mean"), ValueError, "reduce"),
+    "pairwise reduce": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, reduce="mean"),
+        ValueError,
+        "reduce",
+    ),
     "pairwise axis": (lambda: mw.pairwise_reduce(_PAIR, _X, _X, axis=2), ValueError, "axis"),
-    "pairwise weights": (lambda: mw.pairwise_reduce(_PAIR, _X, _X, weights=jnp.ones(3)), ValueError, "weights"),
-    "pairwise chunk_size": (lambda: mw.pairwise_reduce(_PAIR, _X, _X, chunk_size="big"), ValueError, "chunk_size"),
+    "pairwise weights": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, weights=jnp.ones(3)),
+        ValueError,
+        "weights",
+    ),
+    "pairwise chunk_size": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, chunk_size="big"),
+        ValueError,
+        "chunk_size",
+    ),
     "attention shapes": (lambda: mw.attention(_K, _K[:, :, :3], _K), ValueError, "feature dim"),
-    "attention float mask": (lambda: mw.attention(_K, _K, _K, mask=jnp.zeros((5, 5))), TypeError, "mask"),
+    "attention float mask": (
+        lambda: mw.attention(_K, _K, _K, mask=jnp.zeros((5, 5))),
+        TypeError,
+        "mask",
+    ),
     "attention int q": (lambda: mw.attention(_K.astype(int), _K, _K), TypeError, "q, k, v"),
-    "attention string causal": (lambda: mw.attention(_K, _K, _K, causal="yes"), TypeError,
-                                "causal"),
-    "attention traced causal": (lambda: jax.jit(lambda c: mw.attention(_K, _K, _K, causal=c))(
-        True), TypeError, "causal"),
-    "divergence return_results": (lambda: mw.ot.sinkhorn_divergence(
-        _K[0], _K[0], return_results="yes"), TypeError, "return_results"),
-    "accumulate_grad int params": (lambda: mw.accumulate_grad(
-        lambda p, b: jnp.mean(b @ p["w"]) * p["i"], {"w": jnp.ones(5), "i": jnp.int32(3)},
-        jnp.ones((4, 5)), microbatches=2), TypeError, "params['i']"),
+    "attention string causal": (
+        lambda: mw.attention(_K, _K, _K, causal="yes"),
+        TypeError,
+        "causal",
+    ),
+    "attention traced causal": (
+        lambda: jax.jit(lambda c: mw.attention(_K, _K, _K, causal=c))(True),
+        TypeError,
+        "causal",
+    ),
+    "divergence return_results": (
+        lambda: mw.ot.sinkhorn_divergence(_K[0], _K[0], return_results="yes"),
+        TypeError,
+        "return_results",
+    ),
+    "accumulate_grad int params": (
+        lambda: mw.accumulate_grad(
+            lambda p, b: jnp.mean(b @ p["w"]) * p["i"],
+            {"w": jnp.ones(5), "i": jnp.int32(3)},
+            jnp.ones((4, 5)),
+            microbatches=2,
+        ),
+        TypeError,
+        "params['i']",
+    ),
     "scan f": (lambda: mw.scan(None, 0.0, _X), TypeError, "f"),
-    "scan checkpoints": (lambda: mw.scan(_STEP, jnp.zeros(2), _X, checkpoints=0), ValueError, "checkpoints"),
-    "scan schedule": (lambda: mw.scan(_STEP, jnp.zeros(2), _X, schedule="fast"), ValueError, "schedule"),
-    "scan carry dtype": (lambda: mw.scan(lambda h, x: (h.astype(int), None), jnp.zeros(2), _X),
-                         TypeError, "carry"),
-    "while_loop max_steps": (lambda: mw.while_loop(lambda s: s < 3, lambda s: s + 1, 0.0, max_steps=0),
-                             ValueError, "max_steps"),
-    "while_loop cond": (lambda: mw.while_loop(lambda s: s, lambda s: s + 1, 0.0, max_steps=3),
-                        TypeError, "cond_fun"),
+    "scan checkpoints": (
+        lambda: mw.scan(_STEP, jnp.zeros(2), _X, checkpoints=0),
+        ValueError,
+        "checkpoints",
+    ),
+    "scan schedule": (
+        lambda: mw.scan(_STEP, jnp.zeros(2), _X, schedule="fast"),
+        ValueError,
+        "schedule",
+    ),
+    "scan carry dtype": (
+        lambda: mw.scan(lambda h, x: (h.astype(int), None), jnp.zeros(2), _X),
+        TypeError,
+        "carry",
+    ),
+    "while_loop max_steps": (
+        lambda: mw.while_loop(lambda s: s < 3, lambda s: s + 1, 0.0, max_steps=0),
+        ValueError,
+        "max_steps",
+    ),
+    "while_loop cond": (
+        lambda: mw.while_loop(lambda s: s, lambda s: s + 1, 0.0, max_steps=3),
+        TypeError,
+        "cond_fun",
+    ),
     "ot weights": (lambda: mw.ot.sinkhorn(_X, _X, a=jnp.ones(3)), ValueError, "a"),
-    "ot unbalanced": (lambda: mw.ot.sinkhorn(_X, _X, a=jnp.ones(4), b=3 * jnp.ones(4)), ValueError, "sum(a)"),
+    "ot unbalanced": (
+        lambda: mw.ot.sinkhorn(_X, _X, a=jnp.ones(4), b=3 * jnp.ones(4)),
+        ValueError,
+        "sum(a)",
+    ),
     "ot cost": (lambda: mw.ot.sinkhorn(_X, _X, cost="manhattan"), ValueError, "cost"),
     "linearize f": (lambda: mw.linearize(None, {"w": _X}), TypeError, "f"),
     "linearize params": (lambda: mw.linearize(_PAIR, {"n": jnp.arange(3)}), TypeError, "params"),
-    "linearize new_params": (lambda: mw.linearize(lambda p, x: p["w"] * x, {"w": _X})({"v": _X}, 1.0),
-                             ValueError, "new_params"),
-    "accumulate_grad microbatches": (lambda: mw.accumulate_grad(lambda p, b: jnp.sum(p * b), 1.0, _X,
-                                                                microbatches=3), ValueError, "microbatches"),
-    "kernel_regression ridge": (lambda: mw.ntk.kernel_regression(
-        mw.ntk.kernels.serial(mw.ntk.kernels.Dense()), _X, jnp.ones(4), _X, ridge=-1.0),
-        ValueError, "ridge"),
-    "predict t": (lambda: mw.ntk.predict(mw.ntk.kernels.serial(mw.ntk.kernels.Dense()), _X,
-                                         jnp.ones(4), _X, ridge=1e-3, t=-1.0), ValueError, "t must"),
-    "predict get": (lambda: mw.ntk.predict(mw.ntk.kernels.serial(mw.ntk.kernels.Dense()), _X,
-                                           jnp.ones(4), _X, ridge=1e-3, get="both"), ValueError, "get"),
-    "taylor_expand degree": (lambda: mw.taylor_expand(lambda p, x: p["w"] * x, {"w": _X}, -1),
-                             ValueError, "degree"),
-    "kernels AvgPool strides": (lambda: mw.ntk.kernels.AvgPool((2, 2), strides=(2,)), ValueError,
-                                "strides"),
+    "linearize new_params": (
+        lambda: mw.linearize(lambda p, x: p["w"] * x, {"w": _X})({"v": _X}, 1.0),
+        ValueError,
+        "new_params",
+    ),
+    "accumulate_grad microbatches": (
+        lambda: mw.accumulate_grad(lambda p, b: jnp.sum(p * b), 1.0, _X, microbatches=3),
+        ValueError,
+        "microbatches",
+    ),
+    "kernel_regression ridge": (
+        lambda: mw.ntk.kernel_regression(
+            mw.ntk.kernels.serial(mw.ntk.kernels.Dense()), _X, jnp.ones(4), _X, ridge=-1.0
+        ),
+        ValueError,
+        "ridge",
+    ),
+    "predict t": (
+        lambda: mw.ntk.predict(
+            mw.ntk.kernels.serial(mw.ntk.kernels.Dense()), _X, jnp.ones(4), _X, ridge=1e-3, t=-1.0
+        ),
+        ValueError,
+        "t must",
+    ),
+    "predict get": (
+        lambda: mw.ntk.predict(
+            mw.ntk.kernels.serial(mw.ntk.kernels.Dense()),
+            _X,
+            jnp.ones(4),
+            _X,
+            ridge=1e-3,
+            get="both",
+        ),
+        ValueError,
+        "get",
+    ),
+    "taylor_expand degree": (
+        lambda: mw.taylor_expand(lambda p, x: p["w"] * x, {"w": _X}, -1),
+        ValueError,
+        "degree",
+    ),
+    "kernels AvgPool strides": (
+        lambda: mw.ntk.kernels.AvgPool((2, 2), strides=(2,)),
+        ValueError,
+        "strides",
+    ),
     "memory_report fn": (lambda: mw.memory_report(3, _X), TypeError, "fn"),
     "fit budget": (lambda: mw.fit(jnp.sum, budget="lots"), ValueError, "budget"),
 }

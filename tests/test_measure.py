@@ -46,8 +46,12 @@ def test_compiled_numbers_equal_memory_analysis(grad):
     assert report.output_bytes == stats.output_size_in_bytes
     assert report.alias_bytes == stats.alias_size_in_bytes
     reported = getattr(stats, "peak_memory_in_bytes", 0) or 0
-    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    total = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
     assert report.peak_bytes == max(reported, total)
 
 
@@ -95,7 +99,8 @@ def test_residuals_only_for_requested_argnums():
 
 
 def scan_loss(w, xs):
-    h, _ = mw.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros(8), xs, checkpoints=3)  # scan line
+    step = lambda h, x: (jnp.tanh(h @ w + x), None)
+    h, _ = mw.scan(step, jnp.zeros(8), xs, checkpoints=3)  # scan line
     return jnp.sum(h)
 
 
@@ -130,7 +135,9 @@ def test_constants_are_reported_and_warned():
     assert report.constant_bytes == weights.nbytes
     assert "constants" in report.to_text() and "warning" in report.to_text()
     # passed as an argument, nothing is baked in and the program text is far smaller
-    as_argument = mw.memory_report(lambda x, w: jnp.sum(jnp.tanh(x @ w)), jnp.ones((4, 1024)), weights)
+    as_argument = mw.memory_report(
+        lambda x, w: jnp.sum(jnp.tanh(x @ w)), jnp.ones((4, 1024)), weights
+    )
     assert as_argument.constant_bytes == 0
     assert as_argument.program_bytes * 10 < report.program_bytes
 
@@ -183,8 +190,16 @@ def layers_loss(x, n_layers, *, mode="sum", act=jnp.tanh):
 
 def test_static_arguments_are_passed_as_python_values():
     x = jnp.ones((16, 8))
-    report = mw.memory_report(layers_loss, x, 3, mode="mean", act=jnp.sin, grad=True,
-                              static_argnums=1, static_argnames=("mode", "act"))
+    report = mw.memory_report(
+        layers_loss,
+        x,
+        3,
+        mode="mean",
+        act=jnp.sin,
+        grad=True,
+        static_argnums=1,
+        static_argnames=("mode", "act"),
+    )
     bound = mw.memory_report(lambda x: layers_loss(x, 3, mode="mean", act=jnp.sin), x, grad=True)
     for field in ("peak_bytes", "temp_bytes", "argument_bytes", "output_bytes", "residual_bytes"):
         assert getattr(report, field) == getattr(bound, field), field
@@ -210,8 +225,9 @@ def test_static_argument_keeps_the_names_of_the_others():
 
     report = mw.memory_report(loss, 2, jnp.ones(8), grad=True, argnums=1, static_argnums=0)
     assert report.residuals and all(r.source != "argument 'n_layers'" for r in report.residuals)
-    kept = mw.measure.residuals(lambda n, x: jnp.sum(jnp.sin(x) * n), 2.0, jnp.ones(8),
-                                argnums=1, static_argnums=0)
+    kept = mw.measure.residuals(
+        lambda n, x: jnp.sum(jnp.sin(x) * n), 2.0, jnp.ones(8), argnums=1, static_argnums=0
+    )
     assert ("cos", (8,), "/") in [(r.what, r.shape, r.source[:1]) for r in kept]
     assert not any(r.source.startswith("argument") for r in kept)
 
@@ -224,43 +240,97 @@ X = jnp.ones(3)
     [
         (lambda: mw.memory_report(42, X), TypeError, "fn must be callable"),
         (lambda: mw.memory_report(jnp.sum, X, grad=1), TypeError, "grad must be True or False"),
-        (lambda: mw.memory_report(jnp.sum, X, grad=True, argnums=3), ValueError,
-         "argnums=3 is out of range"),
-        (lambda: mw.memory_report(jnp.sum, X, grad=True, argnums=True), TypeError,
-         "argnums must be an int"),
-        (lambda: mw.memory_report(jnp.sum, X, grad=True, argnums="x"), TypeError,
-         "argnums must be an int"),
+        (
+            lambda: mw.memory_report(jnp.sum, X, grad=True, argnums=3),
+            ValueError,
+            "argnums=3 is out of range",
+        ),
+        (
+            lambda: mw.memory_report(jnp.sum, X, grad=True, argnums=True),
+            TypeError,
+            "argnums must be an int",
+        ),
+        (
+            lambda: mw.memory_report(jnp.sum, X, grad=True, argnums="x"),
+            TypeError,
+            "argnums must be an int",
+        ),
         (lambda: mw.memory_report(jnp.sin, X, grad=True), TypeError, "one scalar"),
-        (lambda: mw.memory_report(lambda a: (jnp.sum(a), None), X, grad=True), TypeError,
-         "one scalar array"),
-        (lambda: mw.memory_report(lambda a: {"loss": jnp.sum(a)}, X, grad=True), TypeError,
-         "one scalar array"),
-        (lambda: mw.memory_report(lambda a: jnp.sum(a).astype(jnp.int32), X, grad=True),
-         TypeError, "real float output"),
-        (lambda: mw.memory_report(lambda a: jnp.sum(a) * 1j, X, grad=True), TypeError,
-         "real float output"),
-        (lambda: mw.memory_report(lambda a: jnp.sum(a * 1.0), jnp.arange(3), grad=True),
-         TypeError, r"argument 0 \('a'\) has a leaf of dtype int32"),
-        (lambda: mw.memory_report(lambda p, x: jnp.sum(x), None, X, grad=True), ValueError,
-         r"argument 0 \('p'\), which holds no arrays"),
-        (lambda: mw.memory_report(layers_loss, X, 2, mode="mean"), TypeError,
-         r"keyword argument 'mode' is a str.*static_argnames=\('mode',\)"),
-        (lambda: mw.memory_report(lambda f, x: jnp.sum(f(x)), jnp.sin, X), TypeError,
-         r"argument 0 \('f'\) is a .*static_argnums=\(0,\)"),
-        (lambda: mw.memory_report(lambda x, opts: jnp.sum(x), X, {"mode": "a"}), TypeError,
-         r"argument 1 \('opts'\)\['mode'\] is a str"),
-        (lambda: mw.memory_report(layers_loss, X, 2), TypeError,
-         r"argument 'n_layers' as a Python value.*static_argnums=\(1,\)"),
-        (lambda: mw.memory_report(layers_loss, X, 2, grad=True, argnums=1, static_argnums=1),
-         ValueError, r"argnums=1 names argument 1 \('n_layers'\), which is static"),
-        (lambda: mw.memory_report(layers_loss, X, 2, static_argnums=5), ValueError,
-         "static_argnums=5 is out of range"),
-        (lambda: mw.memory_report(layers_loss, X, 2, static_argnames=("depth",)), ValueError,
-         r"static_argnames=\('depth',\) names no parameter"),
-        (lambda: mw.memory_report(layers_loss, X, 2, static_argnums=1.0), TypeError,
-         "static_argnums must be an int"),
-        (lambda: mw.memory_report(layers_loss, X, 2, static_argnums=1, static_argnames=3),
-         TypeError, "static_argnames must be a str"),
+        (
+            lambda: mw.memory_report(lambda a: (jnp.sum(a), None), X, grad=True),
+            TypeError,
+            "one scalar array",
+        ),
+        (
+            lambda: mw.memory_report(lambda a: {"loss": jnp.sum(a)}, X, grad=True),
+            TypeError,
+            "one scalar array",
+        ),
+        (
+            lambda: mw.memory_report(lambda a: jnp.sum(a).astype(jnp.int32), X, grad=True),
+            TypeError,
+            "real float output",
+        ),
+        (
+            lambda: mw.memory_report(lambda a: jnp.sum(a) * 1j, X, grad=True),
+            TypeError,
+            "real float output",
+        ),
+        (
+            lambda: mw.memory_report(lambda a: jnp.sum(a * 1.0), jnp.arange(3), grad=True),
+            TypeError,
+            r"argument 0 \('a'\) has a leaf of dtype int32",
+        ),
+        (
+            lambda: mw.memory_report(lambda p, x: jnp.sum(x), None, X, grad=True),
+            ValueError,
+            r"argument 0 \('p'\), which holds no arrays",
+        ),
+        (
+            lambda: mw.memory_report(layers_loss, X, 2, mode="mean"),
+            TypeError,
+            r"keyword argument 'mode' is a str.*static_argnames=\('mode',\)",
+        ),
+        (
+            lambda: mw.memory_report(lambda f, x: jnp.sum(f(x)), jnp.sin, X),
+            TypeError,
+            r"argument 0 \('f'\) is a .*static_argnums=\(0,\)",
+        ),
+        (
+            lambda: mw.memory_report(lambda x, opts: jnp.sum(x), X, {"mode": "a"}),
+            TypeError,
+            r"argument 1 \('opts'\)\['mode'\] is a str",
+        ),
+        (
+            lambda: mw.memory_report(layers_loss, X, 2),
+            TypeError,
+            r"argument 'n_layers' as a Python value.*static_argnums=\(1,\)",
+        ),
+        (
+            lambda: mw.memory_report(layers_loss, X, 2, grad=True, argnums=1, static_argnums=1),
+            ValueError,
+            r"argnums=1 names argument 1 \('n_layers'\), which is static",
+        ),
+        (
+            lambda: mw.memory_report(layers_loss, X, 2, static_argnums=5),
+            ValueError,
+            "static_argnums=5 is out of range",
+        ),
+        (
+            lambda: mw.memory_report(layers_loss, X, 2, static_argnames=("depth",)),
+            ValueError,
+            r"static_argnames=\('depth',\) names no parameter",
+        ),
+        (
+            lambda: mw.memory_report(layers_loss, X, 2, static_argnums=1.0),
+            TypeError,
+            "static_argnums must be an int",
+        ),
+        (
+            lambda: mw.memory_report(layers_loss, X, 2, static_argnums=1, static_argnames=3),
+            TypeError,
+            "static_argnames must be a str",
+        ),
         (lambda: measure.residuals(jnp.sum, X, argnums=2), ValueError, "argnums=2 is out of range"),
     ],
 )
@@ -298,10 +368,24 @@ def test_residuals_equal_those_of_the_report():
 
 @pytest.mark.parametrize(
     "budget, expected",
-    [(1024, 1024), ("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536),
-     ("2gb", 2 * 10**9), (" 3 b ", 3), ("1e9", 10**9), ("1E3 kb", 10**6), ("1,000", 1000),
-     ("1,000,000 B", 10**6), ("1_000", 1000), ("2.5GiB", int(2.5 * 2**30)),
-     ("2.5 GB", 25 * 10**8), (".5 MiB", 2**19), ("+7", 7), (np.int64(5), 5)],
+    [
+        (1024, 1024),
+        ("8GiB", 8 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("1.5 KiB", 1536),
+        ("2gb", 2 * 10**9),
+        (" 3 b ", 3),
+        ("1e9", 10**9),
+        ("1E3 kb", 10**6),
+        ("1,000", 1000),
+        ("1,000,000 B", 10**6),
+        ("1_000", 1000),
+        ("2.5GiB", int(2.5 * 2**30)),
+        ("2.5 GB", 25 * 10**8),
+        (".5 MiB", 2**19),
+        ("+7", 7),
+        (np.int64(5), 5),
+    ],
 )
 def test_parse_budget(budget, expected):
     assert measure.parse_budget(budget) == expected
@@ -315,13 +399,33 @@ def test_parse_budget_fraction_of_device():
 
 @pytest.mark.parametrize(
     "budget, error",
-    [(0, ValueError), (-5, ValueError), (1.5, ValueError), (0.0, ValueError), (1e9, ValueError),
-     (float("nan"), ValueError), (float("inf"), ValueError), ("lots", ValueError),
-     ("abc", ValueError), ("5 parsecs", ValueError), ("0 MiB", ValueError), ("0", ValueError),
-     ("-1", ValueError), ("-2GiB", ValueError), ("nan", ValueError), ("inf", ValueError),
-     ("1e400", ValueError), ("0.4", ValueError), ("1,00", ValueError), ("1__0", ValueError),
-     ("", ValueError), ("GiB", ValueError), (None, TypeError), (True, TypeError),
-     ([1], TypeError)],
+    [
+        (0, ValueError),
+        (-5, ValueError),
+        (1.5, ValueError),
+        (0.0, ValueError),
+        (1e9, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        ("lots", ValueError),
+        ("abc", ValueError),
+        ("5 parsecs", ValueError),
+        ("0 MiB", ValueError),
+        ("0", ValueError),
+        ("-1", ValueError),
+        ("-2GiB", ValueError),
+        ("nan", ValueError),
+        ("inf", ValueError),
+        ("1e400", ValueError),
+        ("0.4", ValueError),
+        ("1,00", ValueError),
+        ("1__0", ValueError),
+        ("", ValueError),
+        ("GiB", ValueError),
+        (None, TypeError),
+        (True, TypeError),
+        ([1], TypeError),
+    ],
 )
 def test_bad_budgets(budget, error):
     with pytest.raises(error, match="budget") as raised:

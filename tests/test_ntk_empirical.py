@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_close
 
 from memwise import ntk
 from memwise.measure import compiled_memory
-from _close import assert_close
 
 
 def _mlp(params, x):

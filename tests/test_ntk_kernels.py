@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_close
 from jax import lax
 from jax.test_util import check_grads
 
 from memwise.measure import compiled_memory
 from memwise.ntk import kernels as k
-from _close import assert_close
+
 
 def _jit(kernel_fn, get=("nngp", "ntk")):
     # One compiled program per kernel: op-by-op dispatch of the layer recursion is slow.
@@ -82,7 +83,14 @@ def _forced_full(*layers):
 def test_full_and_diagonal_covariances_agree(conv):
     x1 = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 6, 2))
     x2 = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 6, 2))
-    layers = (k.Conv(**conv), k.Relu(), k.Conv((2, 2), padding="VALID"), k.Erf(), k.Flatten(), k.Dense())
+    layers = (
+        k.Conv(**conv),
+        k.Relu(),
+        k.Conv((2, 2), padding="VALID"),
+        k.Erf(),
+        k.Flatten(),
+        k.Dense(),
+    )
     diag = _jit(k.serial(*layers))(x1, x2)
     full = _jit(_forced_full(*layers))(x1, x2)
     for a, b in zip(diag, full):
@@ -115,9 +123,7 @@ def test_gradient_is_finite_on_the_diagonal():
     assert np.all(np.isfinite(grad))
     with jax.enable_x64(True):
         x64 = jnp.asarray(x, jnp.float64)
-        check_grads(
-            jax.jit(lambda x: kernel_fn(x, x64[:2] + 0.5)), (x64,), order=1, modes=["rev"]
-        )
+        check_grads(jax.jit(lambda x: kernel_fn(x, x64[:2] + 0.5)), (x64,), order=1, modes=["rev"])
 
 
 def test_flatten_readout_keeps_covariances_diagonal():
@@ -215,13 +221,17 @@ def test_dtypes(name, dtype):
 
     def kernels_and_sum(x1, x2):
         kernels = kernel_fn(x1, x2, get=("nngp", "ntk"))
-        return sum(jnp.sum(a, dtype=jnp.promote_types(a.dtype, jnp.float32)) for a in kernels), kernels
+        return sum(
+            jnp.sum(a, dtype=jnp.promote_types(a.dtype, jnp.float32)) for a in kernels
+        ), kernels
 
     with jax.enable_x64(dtype == "float64"):
         (_, got), grad = jax.jit(jax.value_and_grad(kernels_and_sum, has_aux=True))(x1, x2)
     with jax.enable_x64(True):
         wide = [jnp.asarray(a, jnp.float64) for a in (x1, x2)]
-        (_, expected), expected_grad = jax.jit(jax.value_and_grad(kernels_and_sum, has_aux=True))(*wide)
+        (_, expected), expected_grad = jax.jit(jax.value_and_grad(kernels_and_sum, has_aux=True))(
+            *wide
+        )
     for a, b in zip(got + (grad,), expected + (expected_grad,)):
         assert a.dtype == jnp.dtype(dtype)
         _assert_close(a, b, dtype)
@@ -240,16 +250,29 @@ def _fc(activation):
 
 def _myrtle():
     return k.serial(
-        k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.AvgPool((2, 2), strides=(2, 2)),
-        k.Conv((3, 3)), k.Relu(), k.AvgPool((2, 2), strides=(2, 2)), k.Flatten(), k.Dense(),
+        k.Conv((3, 3)),
+        k.Relu(),
+        k.Conv((3, 3)),
+        k.Relu(),
+        k.AvgPool((2, 2), strides=(2, 2)),
+        k.Conv((3, 3)),
+        k.Relu(),
+        k.AvgPool((2, 2), strides=(2, 2)),
+        k.Flatten(),
+        k.Dense(),
     )
 
 
 def _resnet():
     block = k.parallel(k.Identity(), k.serial(k.Relu(), k.Conv((3, 3), W_std=1.4)))
     return k.serial(
-        k.Conv((3, 3), W_std=1.4, b_std=0.1), k.FanOut(2), block, k.FanInSum(), k.Relu(),
-        k.GlobalAvgPool(), k.Dense(),
+        k.Conv((3, 3), W_std=1.4, b_std=0.1),
+        k.FanOut(2),
+        block,
+        k.FanInSum(),
+        k.Relu(),
+        k.GlobalAvgPool(),
+        k.Dense(),
     )
 
 
@@ -358,8 +381,9 @@ def test_more_layers_bad_inputs():
     with pytest.raises(ValueError, match="joins branches"):
         k.serial(k.Conv((3, 3)), k.FanInSum())(x)
     with pytest.raises(ValueError, match="same pixel shape"):
-        k.serial(k.FanOut(2), k.parallel(k.Identity(), k.Conv((3, 3), strides=(2, 2))),
-                 k.FanInSum())(x)
+        k.serial(
+            k.FanOut(2), k.parallel(k.Identity(), k.Conv((3, 3), strides=(2, 2))), k.FanInSum()
+        )(x)
     with pytest.raises(ValueError, match="pixel axes"):
         k.serial(k.Dense(), k.AvgPool((2, 2)))(jnp.ones((2, 5)))
     with pytest.raises(ValueError, match="strides"):
@@ -383,8 +407,7 @@ def test_pooling_kernel_gradient_is_finite_and_correct():
     assert np.all(np.isfinite(grad))
     with jax.enable_x64(True):
         x64 = jnp.asarray(x[:, :3, :3, :1], jnp.float64)
-        check_grads(jax.jit(lambda x: _resnet()(x, x64[:2] + 0.5)), (x64,), order=1,
-                    modes=["rev"])
+        check_grads(jax.jit(lambda x: _resnet()(x, x64[:2] + 0.5)), (x64,), order=1, modes=["rev"])
 
 
 def test_pooling_holds_pixel_pairs_until_the_last_pool():
@@ -409,12 +432,14 @@ def test_pooling_in_bfloat16_accumulates_in_float32(more_reference):
     _assert_close(got, expected, "bfloat16")
 
 
-@pytest.mark.parametrize("layers,shape", [
-    ((k.Conv((3,), padding="VALID"), k.Flatten(), k.Dense()), (2, 2, 1)),
-    ((k.Conv((1,)), k.AvgPool((3,)), k.Flatten(), k.Dense()), (2, 2, 1)),
-    ((k.Conv((3, 3), padding="VALID"), k.Relu(), k.GlobalAvgPool(),
-      k.Dense()), (2, 2, 5, 1)),
-])
+@pytest.mark.parametrize(
+    "layers,shape",
+    [
+        ((k.Conv((3,), padding="VALID"), k.Flatten(), k.Dense()), (2, 2, 1)),
+        ((k.Conv((1,)), k.AvgPool((3,)), k.Flatten(), k.Dense()), (2, 2, 1)),
+        ((k.Conv((3, 3), padding="VALID"), k.Relu(), k.GlobalAvgPool(), k.Dense()), (2, 2, 5, 1)),
+    ],
+)
 def test_valid_window_larger_than_the_image_is_an_error_not_nan(layers, shape):
     # No output pixel would be left: the mean over none was a silent NaN kernel.
     with pytest.raises(ValueError, match="larger than"):

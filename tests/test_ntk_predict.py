@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_close
 
 from memwise import ntk
 from memwise.ntk import kernels as k
-from _close import assert_close
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "data", "neural_tangents_more.npz")
 
@@ -39,21 +39,28 @@ def test_matches_neural_tangents_gradient_descent_mse_ensemble(reference, get, t
     t = None if time == "inf" else 10.0
     with jax.enable_x64(True):
         x_train, y_train, x_test = _data(reference)
-        fn = jax.jit(lambda a, b, c: ntk.predict(_kernel(), a, b, c, ridge=1e-3, t=t, get=get,
-                                                 compute_cov=True, chunk_size=(2, 5)))
+        fn = jax.jit(
+            lambda a, b, c: ntk.predict(
+                _kernel(), a, b, c, ridge=1e-3, t=t, get=get, compute_cov=True, chunk_size=(2, 5)
+            )
+        )
         mean, cov = fn(x_train, y_train, x_test)
         assert mean.dtype == cov.dtype == jnp.float64
-        np.testing.assert_allclose(mean, reference[f"pred_{get}_{time}_mean"], rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(
+            mean, reference[f"pred_{get}_{time}_mean"], rtol=1e-6, atol=1e-12
+        )
         np.testing.assert_allclose(cov, reference[f"pred_{get}_{time}_cov"], rtol=1e-6, atol=1e-12)
 
 
 def test_infinite_time_mean_is_kernel_regression(reference):
     x_train, y_train, x_test = _data(reference, jnp.float32)
     for get in ("ntk", "nngp"):
-        mean = ntk.predict(_kernel(), x_train, y_train[:, 0], x_test, ridge=1e-3, get=get,
-                           chunk_size=4)
-        expected = ntk.kernel_regression(_kernel(), x_train, y_train[:, 0], x_test, ridge=1e-3,
-                                         get=get, chunk_size=4)
+        mean = ntk.predict(
+            _kernel(), x_train, y_train[:, 0], x_test, ridge=1e-3, get=get, chunk_size=4
+        )
+        expected = ntk.kernel_regression(
+            _kernel(), x_train, y_train[:, 0], x_test, ridge=1e-3, get=get, chunk_size=4
+        )
         assert mean.shape == (5,)
         np.testing.assert_allclose(mean, expected, rtol=1e-5, atol=1e-6)
 
@@ -62,11 +69,13 @@ def test_time_zero_is_the_prior_and_long_times_converge(reference):
     with jax.enable_x64(True):
         x_train, y_train, x_test = _data(reference)
         mean0, cov0 = _jit_predict(ridge=1e-3, t=0.0, compute_cov=True, chunk_size=3)(
-            x_train, y_train, x_test)
+            x_train, y_train, x_test
+        )
         np.testing.assert_allclose(mean0, 0.0, atol=1e-14)
         np.testing.assert_allclose(cov0, _kernel()(x_test, get="nngp"), rtol=1e-12)
         late = _jit_predict(ridge=1e-3, t=1e9, compute_cov=True, chunk_size=3)(
-            x_train, y_train, x_test)
+            x_train, y_train, x_test
+        )
         limit = _jit_predict(ridge=1e-3, compute_cov=True, chunk_size=3)(x_train, y_train, x_test)
         for a, b in zip(late, limit):
             np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-10)
@@ -94,15 +103,23 @@ def test_gradients_through_time_and_training_inputs_match_dense(reference):
         def loss(fn):
             return lambda x, t: jnp.sum(jnp.sin(fn(x, t)))
 
-        tiled = loss(lambda x, t: ntk.predict(_kernel(), x, y_train, x_test, ridge=1e-3, t=t,
-                                              chunk_size=(2, 5)))
+        tiled = loss(
+            lambda x, t: ntk.predict(
+                _kernel(), x, y_train, x_test, ridge=1e-3, t=t, chunk_size=(2, 5)
+            )
+        )
         dense = loss(lambda x, t: _dense_mean(x, y_train, x_test, t))
         got = jax.jit(jax.grad(tiled, argnums=(0, 1)))(x_train, 10.0)
         expected = jax.jit(jax.grad(dense, argnums=(0, 1)))(x_train, 10.0)
         for a, b in zip(got, expected):
             np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-10)
-        rows = jax.jit(jax.vmap(lambda xt: ntk.predict(
-            _kernel(), x_train, y_train, xt[None], ridge=1e-3, t=10.0, chunk_size=3)[0]))(x_test)
+        rows = jax.jit(
+            jax.vmap(
+                lambda xt: ntk.predict(
+                    _kernel(), x_train, y_train, xt[None], ridge=1e-3, t=10.0, chunk_size=3
+                )[0]
+            )
+        )(x_test)
         np.testing.assert_allclose(rows, _dense_mean(x_train, y_train, x_test, 10.0), rtol=1e-9)
 
 
@@ -125,8 +142,13 @@ def test_dtypes(reference, dtype):
 
 def test_bad_inputs(reference):
     x_train, y_train, x_test = _data(reference, jnp.float32)
-    call = lambda **kw: ntk.predict(_kernel(), x_train, y_train, x_test,  # noqa: E731
-                                    **{"ridge": 1e-3, **kw})
+    call = lambda **kw: ntk.predict(
+        _kernel(),
+        x_train,
+        y_train,
+        x_test,  # noqa: E731
+        **{"ridge": 1e-3, **kw},
+    )
     with pytest.raises(ValueError, match="t must be >= 0"):
         call(t=-1.0)
     with pytest.raises(TypeError, match="t must be None"):

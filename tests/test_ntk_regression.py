@@ -6,16 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_close
 
 from memwise.measure import compiled_memory
 from memwise.ntk import kernel_regression, kip_loss
 from memwise.ntk import kernels as k
-from _close import assert_close
 
 CONV = k.serial(k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
 # One conv layer compiles several times faster than two; the memory argument is the same.
 CONV1 = k.serial(k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
-FC = k.serial(k.Dense(W_std=1.5, b_std=0.05), k.Relu(), k.Dense(W_std=1.5, b_std=0.05), k.Erf(), k.Dense())
+FC = k.serial(
+    k.Dense(W_std=1.5, b_std=0.05), k.Relu(), k.Dense(W_std=1.5, b_std=0.05), k.Erf(), k.Dense()
+)
 
 
 def _naive_predict(kernel_fn, x_train, y_train, x_test, ridge):
@@ -45,7 +47,9 @@ def test_kernel_regression_matches_dense():
     y = jnp.stack([jnp.sin(x[:, 0]), jnp.cos(x[:, 1])], axis=1)
     xt = jnp.asarray(np.random.default_rng(1).normal(size=(9, 4)), jnp.float32)
     fn = jax.jit(lambda x, y, xt: kernel_regression(FC, x, y, xt, ridge=1e-3, chunk_size=(4, 3)))
-    np.testing.assert_allclose(fn(x, y, xt), _naive_predict(FC, x, y, xt, 1e-3), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(
+        fn(x, y, xt), _naive_predict(FC, x, y, xt, 1e-3), rtol=2e-4, atol=2e-5
+    )
 
 
 @pytest.mark.slow
@@ -72,7 +76,11 @@ def test_kernel_regression_with_any_kernel_function():
 
 @pytest.mark.parametrize(
     "kernel_fn, chunk_size",
-    [(CONV1, (4, 2)), pytest.param(CONV1, 5, marks=pytest.mark.slow), pytest.param(CONV, (13, 6), marks=pytest.mark.slow)],
+    [
+        (CONV1, (4, 2)),
+        pytest.param(CONV1, 5, marks=pytest.mark.slow),
+        pytest.param(CONV, (13, 6), marks=pytest.mark.slow),
+    ],
 )
 def test_kip_loss_and_gradients_match_dense(kernel_fn, chunk_size):
     xs, xt = _images((4), 6), _images((5), 13)
@@ -91,7 +99,9 @@ def test_kip_loss_and_gradients_match_dense(kernel_fn, chunk_size):
 def test_kip_gradient_reaches_ridge_and_targets():
     xs, xt = _images((6), 4), _images((7), 5)
     ys, yt = _labels(4), _labels(5)
-    ours = jax.grad(lambda r, xt: kip_loss(CONV, xs, ys, xt, yt, ridge=r, chunk_size=(2, 3)), (0, 1))
+    ours = jax.grad(
+        lambda r, xt: kip_loss(CONV, xs, ys, xt, yt, ridge=r, chunk_size=(2, 3)), (0, 1)
+    )
     dense = jax.grad(lambda r, xt: _naive_kip(CONV, xs, ys, xt, yt, r), (0, 1))
     for got, expected in zip(jax.jit(ours)(0.01, xt), jax.jit(dense)(0.01, xt)):
         np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-6)
@@ -101,8 +111,12 @@ def _kip_grad_temp(n_target: int, side: int = 8) -> int:
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     return compiled_memory(
         lambda xs, ys, xt, yt: kip_loss(CONV1, xs, ys, xt, yt, ridge=1e-6, chunk_size=(16, 4)),
-        s(12, side, side, 1), s(12, 10), s(n_target, side, side, 1), s(n_target, 10),
-        grad=True, argnums=(0, 1),
+        s(12, side, side, 1),
+        s(12, 10),
+        s(n_target, side, side, 1),
+        s(n_target, 10),
+        grad=True,
+        argnums=(0, 1),
     ).temp_bytes
 
 
@@ -113,7 +127,12 @@ def test_kip_gradient_memory_does_not_grow_with_targets():
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     naive = compiled_memory(
         lambda xs, ys, xt, yt: _naive_kip(CONV1, xs, ys, xt, yt, 1e-6),
-        s(12, 8, 8, 1), s(12, 10), s(256, 8, 8, 1), s(256, 10), grad=True, argnums=(0, 1),
+        s(12, 8, 8, 1),
+        s(12, 10),
+        s(256, 8, 8, 1),
+        s(256, 10),
+        grad=True,
+        argnums=(0, 1),
     ).temp_bytes
     assert naive > 4 * large, (naive, large)
 
@@ -143,7 +162,9 @@ def test_auto_chunk_size_is_a_knob():
     xt = jnp.asarray(np.random.default_rng(11).normal(size=(7, 4)), jnp.float32)
     yt = jnp.cos(xt[:, :2])
     with knobs.recording() as recorded:
-        value = jax.jit(lambda x, y: kip_loss(FC, x, y, xt, yt, ridge=1e-3, chunk_size="auto"))(x, y)
+        value = jax.jit(lambda x, y: kip_loss(FC, x, y, xt, yt, ridge=1e-3, chunk_size="auto"))(
+            x, y
+        )
     assert [k.kind for k in recorded] == ["chunk_size"]
     np.testing.assert_allclose(value, _naive_kip(FC, x, y, xt, yt, 1e-3), rtol=1e-4)
 
@@ -199,16 +220,24 @@ def test_dtypes(dtype):
         return (value, predict(x, y), *grads)
 
     with jax.enable_x64(dtype == "float64"):
-        got = jax.jit(lambda x, y: values_and_grads(
-            lambda x, y: kip_loss(FC, x, y, xt, yt, ridge=0.1, chunk_size=(4, 3)),
-            lambda x, y: kernel_regression(FC, x, y, xt, ridge=0.1, chunk_size=(4, 3)), x, y,
-        ))(x, y)
+        got = jax.jit(
+            lambda x, y: values_and_grads(
+                lambda x, y: kip_loss(FC, x, y, xt, yt, ridge=0.1, chunk_size=(4, 3)),
+                lambda x, y: kernel_regression(FC, x, y, xt, ridge=0.1, chunk_size=(4, 3)),
+                x,
+                y,
+            )
+        )(x, y)
     with jax.enable_x64(True):
         wide = lambda a: jnp.asarray(a, jnp.float64)
-        expected = jax.jit(lambda x, y: values_and_grads(
-            lambda x, y: _naive_kip(FC, x, y, wide(xt), wide(yt), 0.1),
-            lambda x, y: _naive_predict(FC, x, y, wide(xt), 0.1), x, y,
-        ))(wide(x), wide(y))
+        expected = jax.jit(
+            lambda x, y: values_and_grads(
+                lambda x, y: _naive_kip(FC, x, y, wide(xt), wide(yt), 0.1),
+                lambda x, y: _naive_predict(FC, x, y, wide(xt), 0.1),
+                x,
+                y,
+            )
+        )(wide(x), wide(y))
     for a, b in zip(got, expected):
         assert a.dtype == jnp.dtype(dtype)
         _assert_close(a, b, dtype)
@@ -216,11 +245,25 @@ def test_dtypes(dtype):
 
 # Pooling kernels (the KIP paper's Myrtle-style and residual architectures): each input's
 # own variances need its pixel-by-pixel covariance, prepared in chunks inside the tiling.
-MYRTLE = k.serial(k.Conv((3, 3)), k.Relu(), k.AvgPool((2, 2), (2, 2)), k.Conv((3, 3)), k.Relu(),
-                  k.AvgPool((2, 2), (2, 2)), k.Flatten(), k.Dense())
-RESNET = k.serial(k.Conv((3, 3), W_std=1.4, b_std=0.1), k.FanOut(2),
-                  k.parallel(k.Identity(), k.serial(k.Relu(), k.Conv((3, 3), W_std=1.4))),
-                  k.FanInSum(), k.Relu(), k.GlobalAvgPool(), k.Dense())
+MYRTLE = k.serial(
+    k.Conv((3, 3)),
+    k.Relu(),
+    k.AvgPool((2, 2), (2, 2)),
+    k.Conv((3, 3)),
+    k.Relu(),
+    k.AvgPool((2, 2), (2, 2)),
+    k.Flatten(),
+    k.Dense(),
+)
+RESNET = k.serial(
+    k.Conv((3, 3), W_std=1.4, b_std=0.1),
+    k.FanOut(2),
+    k.parallel(k.Identity(), k.serial(k.Relu(), k.Conv((3, 3), W_std=1.4))),
+    k.FanInSum(),
+    k.Relu(),
+    k.GlobalAvgPool(),
+    k.Dense(),
+)
 
 
 @pytest.mark.parametrize(
@@ -246,8 +289,12 @@ def test_kip_gradient_memory_with_pooling_does_not_grow_with_targets():
         s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
         return compiled_memory(
             lambda xs, ys, xt, yt: kip_loss(MYRTLE, xs, ys, xt, yt, ridge=1e-6, chunk_size=(20, 2)),
-            s(8, 8, 8, 1), s(8, 10), s(n_target, 8, 8, 1), s(n_target, 10),
-            grad=True, argnums=(0, 1),
+            s(8, 8, 8, 1),
+            s(8, 10),
+            s(n_target, 8, 8, 1),
+            s(n_target, 10),
+            grad=True,
+            argnums=(0, 1),
         ).temp_bytes
 
     small, large = temp(40), temp(640)

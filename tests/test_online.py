@@ -13,26 +13,28 @@ from memwise import _online, schedule
 def test_revolve_split_matches_the_schedule_for_every_small_length_and_slot_count():
     lengths, slots = np.meshgrid(np.arange(2, 260), np.arange(2, 12), indexing="ij")
     got = jax.jit(jax.vmap(_online.revolve_split))(lengths.ravel(), slots.ravel())
-    want = [schedule._revolve_split(int(n), int(s)) for n, s in zip(lengths.ravel(),
-                                                                     slots.ravel())]
+    want = [schedule._revolve_split(int(n), int(s)) for n, s in zip(lengths.ravel(), slots.ravel())]
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_segment_costs_match_the_schedule():
     lengths, slots = np.meshgrid(np.arange(0, 300), np.arange(1, 12), indexing="ij")
     got = jax.jit(lambda n: _online.segment_advances(n, slots.ravel()))(lengths.ravel())
-    want = [schedule._segment_advances(int(n), int(s)) for n, s in zip(lengths.ravel(),
-                                                                        slots.ravel())]
+    want = [
+        schedule._segment_advances(int(n), int(s)) for n, s in zip(lengths.ravel(), slots.ravel())
+    ]
     np.testing.assert_array_equal(np.asarray(got), want)
     # past the 8 summed terms the loop adds the rest (3 slots: from 166 steps, 4: from 496)
     long = np.array([164, 165, 166, 5000, 40_000, 3, 10**6])
     few = np.array([3, 3, 3, 4, 3, 70, 70])
     got = jax.jit(lambda n: _online.segment_advances(n, few))(long)
-    np.testing.assert_array_equal(np.asarray(got), [schedule._segment_advances(int(n), int(s))
-                                                    for n, s in zip(long, few)])
+    np.testing.assert_array_equal(
+        np.asarray(got), [schedule._segment_advances(int(n), int(s)) for n, s in zip(long, few)]
+    )
     two = jax.jit(jax.vmap(_online._advances_two_slots))(jnp.arange(5000))
-    np.testing.assert_array_equal(np.asarray(two),
-                                  [schedule._segment_advances(n, 2) for n in range(5000)])
+    np.testing.assert_array_equal(
+        np.asarray(two), [schedule._segment_advances(n, 2) for n in range(5000)]
+    )
 
 
 @pytest.mark.parametrize("c", [3, 4, 8, 64])

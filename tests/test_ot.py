@@ -11,18 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import memwise as mw
-from memwise import ot
-from memwise.measure import compiled_memory
-
-import ott
 from ott.geometry import costs as ott_costs  # noqa: E402
 from ott.geometry import pointcloud  # noqa: E402
 from ott.problems.linear import linear_problem  # noqa: E402
 from ott.solvers.linear import implicit_differentiation as ott_implicit  # noqa: E402
 from ott.solvers.linear import sinkhorn as ott_sinkhorn  # noqa: E402
 from ott.tools import sinkhorn_divergence as ott_divergence  # noqa: E402
+
+import memwise as mw
+from memwise import ot
+from memwise.measure import compiled_memory
 
 TIGHT = dict(threshold=1e-6, max_iterations=5000)
 OTT_COSTS = {
@@ -53,8 +51,11 @@ def rel(u, v):
 
 @pytest.mark.parametrize(
     "seed,eps,cost,zeros",
-    [(1, 0.5, "sqeuclidean", 17), (2, 0.05, "euclidean", 0),
-     pytest.param(3, 0.02, "cosine", 5, marks=pytest.mark.slow)],
+    [
+        (1, 0.5, "sqeuclidean", 17),
+        (2, 0.05, "euclidean", 0),
+        pytest.param(3, 0.02, "cosine", 5, marks=pytest.mark.slow),
+    ],
 )
 def test_sinkhorn_matches_ott_dense(seed, eps, cost, zeros):
     x, y, a, b = clouds(seed, zeros=zeros, d=3 if cost == "cosine" else 2)
@@ -68,10 +69,12 @@ def test_sinkhorn_matches_ott_dense(seed, eps, cost, zeros):
         out = ott_reg_cost(x, y, a, b, eps, cost)
         return out.reg_ot_cost, (out.f, out.converged, out.n_iters)
 
-    (_, out), (gx, gy, ga, gb) = jax.jit(
-        jax.value_and_grad(ours, (0, 1, 2, 3), has_aux=True))(x, y, a, b)
+    (_, out), (gx, gy, ga, gb) = jax.jit(jax.value_and_grad(ours, (0, 1, 2, 3), has_aux=True))(
+        x, y, a, b
+    )
     (ref_cost, (ref_f, ref_converged, ref_iters)), (rx, ry, ra) = jax.jit(
-        jax.value_and_grad(theirs, (0, 1, 2), has_aux=True))(x, y, a, b)
+        jax.value_and_grad(theirs, (0, 1, 2), has_aux=True)
+    )(x, y, a, b)
     assert bool(out.converged) and bool(ref_converged)
     np.testing.assert_allclose(out.reg_ot_cost, ref_cost, rtol=1e-4)
     # OTT's potentials are ours plus eps log(weights), up to a shared constant.
@@ -79,7 +82,7 @@ def test_sinkhorn_matches_ott_dense(seed, eps, cost, zeros):
     np.testing.assert_allclose(f_ott - f_ott.mean(), ref_f - ref_f.mean(), atol=1e-3)
     assert int(out.n_iterations) <= int(ref_iters) + 1  # we check every iteration
     assert np.all(np.asarray(out.errors[: int(out.n_iterations)]) >= 0)
-    assert np.all(np.asarray(out.errors[int(out.n_iterations):]) == -1)
+    assert np.all(np.asarray(out.errors[int(out.n_iterations) :]) == -1)
     assert rel(gx, rx) < 1e-3 and rel(gy, ry) < 1e-3
     # The weight gradient is defined up to a constant (sum(a) == sum(b)): centred.
     assert abs(float(ga.mean())) < 1e-6 and abs(float(gb.mean())) < 1e-6
@@ -90,13 +93,22 @@ def test_sinkhorn_matches_ott_dense(seed, eps, cost, zeros):
 def test_divergence_matches_ott_dense_value_and_gradient():
     x, y, a, b = clouds(4, n=120, m=100)
     kw = dict(epsilon=0.2, chunk_size=64, **TIGHT)
-    ours = jax.jit(jax.value_and_grad(
-        lambda x, y, a, b: ot.sinkhorn_divergence(x, y, a, b, **kw), (0, 1, 2, 3)))
+    ours = jax.jit(
+        jax.value_and_grad(
+            lambda x, y, a, b: ot.sinkhorn_divergence(x, y, a, b, **kw), (0, 1, 2, 3)
+        )
+    )
 
     def theirs(x, y, a, b):
         return ott_divergence.sinkhorn_divergence(
-            pointcloud.PointCloud, x, y, a=a, b=b, epsilon=0.2,
-            solve_kwargs=dict(use_danskin=True, **TIGHT))[0]
+            pointcloud.PointCloud,
+            x,
+            y,
+            a=a,
+            b=b,
+            epsilon=0.2,
+            solve_kwargs=dict(use_danskin=True, **TIGHT),
+        )[0]
 
     value, grads = ours(x, y, a, b)
     ref_value, ref_grads = jax.jit(jax.value_and_grad(theirs, (0, 1, 2, 3)))(x, y, a, b)
@@ -143,8 +155,9 @@ def test_potential_gradients_match_finite_differences_in_float64():
 
         @jax.jit
         def self_terms(x):
-            _, (_, xx, yy) = ot.sinkhorn_divergence(x, y, a, b, epsilon=0.4, **tight,
-                                                    return_results=True)
+            _, (_, xx, yy) = ot.sinkhorn_divergence(
+                x, y, a, b, epsilon=0.4, **tight, return_results=True
+            )
             return u @ xx.f + v @ yy.g
 
         args = [x, y, a, b, jnp.asarray(0.4)]
@@ -152,17 +165,20 @@ def test_potential_gradients_match_finite_differences_in_float64():
         assert float(gauge) < 1e-10
         grads = jax.jit(jax.grad(lambda *args: loss(*args)[0], range(5)))(*args)
         on_b = b > 0
-        directions = [jax.random.normal(keys[2], x.shape), jax.random.normal(keys[3], y.shape),
-                      jax.random.normal(keys[4], a.shape), jax.random.normal(keys[5], b.shape),
-                      jnp.asarray(1.0)]
+        directions = [
+            jax.random.normal(keys[2], x.shape),
+            jax.random.normal(keys[3], y.shape),
+            jax.random.normal(keys[4], a.shape),
+            jax.random.normal(keys[5], b.shape),
+            jnp.asarray(1.0),
+        ]
         directions[2] -= directions[2].mean()  # weights move keeping their totals
         directions[3] = jnp.where(on_b, directions[3] - directions[3][on_b].mean(), 0.0)
         for i, (direction, grad) in enumerate(zip(directions, grads)):
             step = [1e-5 * direction if j == i else 0.0 for j in range(5)]
             plus = loss(*(arg + s for arg, s in zip(args, step)))[0]
             minus = loss(*(arg - s for arg, s in zip(args, step)))[0]
-            np.testing.assert_allclose(jnp.sum(grad * direction), (plus - minus) / 2e-5,
-                                       rtol=1e-6)
+            np.testing.assert_allclose(jnp.sum(grad * direction), (plus - minus) / 2e-5, rtol=1e-6)
         # At a zero weight, one-sided: give b_0 = 0 some of b_5's mass.
         move = jnp.zeros(10).at[0].set(1.0).at[5].set(-1.0)
         one_sided = (loss(x, y, a, b + 1e-7 * move, 0.4)[0] - value) / 1e-7
@@ -179,9 +195,12 @@ def test_default_epsilon_is_ott_default_and_scaling_agrees():
     out = ot.sinkhorn(x, y, chunk_size=(32, 64), max_iterations=1)
     np.testing.assert_allclose(out.epsilon, pointcloud.PointCloud(x, y).epsilon, rtol=1e-5)
     # Annealing from the diameter reaches the same divergence in fewer iterations.
-    run = jax.jit(lambda x, y, s: ot.sinkhorn(x, y, chunk_size=(32, 64), epsilon=0.02,
-                                              threshold=1e-4, epsilon_scaling=s),
-                  static_argnums=2)
+    run = jax.jit(
+        lambda x, y, s: ot.sinkhorn(
+            x, y, chunk_size=(32, 64), epsilon=0.02, threshold=1e-4, epsilon_scaling=s
+        ),
+        static_argnums=2,
+    )
     scaled, plain = run(x, y, 0.5), run(x, y, None)
     assert bool(scaled.converged) and bool(plain.converged)
     np.testing.assert_allclose(scaled.reg_ot_cost, plain.reg_ot_cost, rtol=1e-3)
@@ -203,15 +222,17 @@ def test_default_epsilon_is_floored_when_every_cost_is_equal(n, m, shift):
     np.testing.assert_allclose(grad.sum(0), 2 * (point - (point + shift)), atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-6), ("float64", 1e-4),
-                                        ("bfloat16", 1e-2), ("float16", 2e-3)])
+@pytest.mark.parametrize(
+    "dtype,rtol", [("float32", 1e-6), ("float64", 1e-4), ("bfloat16", 1e-2), ("float16", 2e-3)]
+)
 def test_divergence_in_each_float_dtype_is_the_float32_result_in_that_dtype(dtype, rtol):
     x, y, _, _ = clouds(14)
 
     @jax.jit
     def value_and_grad(x, y):
         return jax.value_and_grad(
-            lambda x: ot.sinkhorn_divergence(x, y, chunk_size=64, threshold=1e-4))(x)
+            lambda x: ot.sinkhorn_divergence(x, y, chunk_size=64, threshold=1e-4)
+        )(x)
 
     with jax.enable_x64(dtype == "float64"):
         low_x, low_y = x.astype(dtype), y.astype(dtype)
@@ -230,8 +251,7 @@ def dense_reg_cost(cost, x, y, a, b, eps, iterations=3000):
 
     def step(g, _):
         f = -eps * jax.nn.logsumexp(jnp.log(b) + (g - c0) / eps, axis=1)
-        return -eps * jax.nn.logsumexp(jnp.log(a)[:, None] + (f[:, None] - c0) / eps,
-                                       axis=0), f
+        return -eps * jax.nn.logsumexp(jnp.log(a)[:, None] + (f[:, None] - c0) / eps, axis=0), f
 
     g, fs = jax.lax.scan(step, jnp.zeros_like(b), None, length=iterations)
     f = -eps * jax.nn.logsumexp(jnp.log(b) + (g - c0) / eps, axis=1)
@@ -248,8 +268,7 @@ def test_callable_cost_gradient_reaches_closed_over_parameters():
         cost = lambda u, v: (u - v) @ metric @ (u - v)  # noqa: E731
         if impl == "dense":
             return dense_reg_cost(cost, x, y, a, b, 0.3)
-        return ot.sinkhorn(x, y, a, b, epsilon=0.3, cost=cost, chunk_size=32,
-                           **TIGHT).reg_ot_cost
+        return ot.sinkhorn(x, y, a, b, epsilon=0.3, cost=cost, chunk_size=32, **TIGHT).reg_ot_cost
 
     ours = jax.jit(jax.value_and_grad(lambda m, x: loss(m, x, "memwise"), (0, 1)))
     ref = jax.jit(jax.value_and_grad(lambda m, x: loss(m, x, "dense"), (0, 1)))
@@ -301,8 +320,7 @@ def test_bad_values_under_jit_report_not_converged_not_silent_nan():
     @jax.jit
     def run(x, eps):
         out = ot.sinkhorn(x, y, epsilon=eps, chunk_size=8)
-        return out, jax.grad(lambda x: ot.sinkhorn(x, y, epsilon=eps,
-                                                   chunk_size=8).reg_ot_cost)(x)
+        return out, jax.grad(lambda x: ot.sinkhorn(x, y, epsilon=eps, chunk_size=8).reg_ot_cost)(x)
 
     for bad_x, eps in ((x.at[2, 1].set(jnp.nan), 0.1), (x, -0.1), (x, jnp.nan)):
         out, grad = run(bad_x, eps)
@@ -320,8 +338,11 @@ def test_unequal_weight_totals_raise_or_give_nan_under_jit():
     for solve in (ot.sinkhorn, ot.sinkhorn_divergence):
         with pytest.raises(ValueError, match=r"sum\(a\) = 1 and sum\(b\) = 3"):
             solve(x, y, a, 3 * b, epsilon=0.1)
-    run = jax.jit(lambda a, b: ot.sinkhorn_divergence(
-        x, y, a, b, epsilon=0.1, chunk_size=8, return_results=True))
+    run = jax.jit(
+        lambda a, b: ot.sinkhorn_divergence(
+            x, y, a, b, epsilon=0.1, chunk_size=8, return_results=True
+        )
+    )
     divergence, (xy, _, _) = run(a, 3 * b)
     assert np.isnan(divergence) and np.isnan(xy.reg_ot_cost) and not bool(xy.converged)
     # A mismatch at the weights' rounding level is balanced (b takes a's total).
@@ -353,9 +374,11 @@ def _transformed(transform, jit, loss):
 @pytest.mark.parametrize("transform", sorted(FORWARD_MODE))
 def test_forward_mode_and_second_order_raise_memwise_type_error(transform, jit):
     x, y, _, _ = clouds(10, n=16, m=12)
-    losses = (lambda x: ot.sinkhorn_divergence(x, y, epsilon=0.3, chunk_size=8),
-              lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).reg_ot_cost,
-              lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).f[0])
+    losses = (
+        lambda x: ot.sinkhorn_divergence(x, y, epsilon=0.3, chunk_size=8),
+        lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).reg_ot_cost,
+        lambda x: ot.sinkhorn(x, y, epsilon=0.3, chunk_size=8).f[0],
+    )
     for loss in losses:
         with pytest.raises(TypeError, match="first-order reverse mode only"):
             _transformed(transform, jit, loss)(x)
@@ -367,8 +390,7 @@ def test_reverse_mode_composes_with_vmap_and_jit():
     loss = lambda x: ot.sinkhorn_divergence(x, y, epsilon=0.3, chunk_size=8)  # noqa: E731
     single = jnp.stack([jax.grad(loss)(xi) for xi in xs])
     np.testing.assert_allclose(jax.jit(jax.vmap(jax.grad(loss)))(xs), single, atol=1e-5)
-    np.testing.assert_allclose(jax.grad(lambda xs: jax.vmap(loss)(xs).sum())(xs), single,
-                               atol=1e-5)
+    np.testing.assert_allclose(jax.grad(lambda xs: jax.vmap(loss)(xs).sum())(xs), single, atol=1e-5)
     np.testing.assert_allclose(jax.jacrev(jax.jit(loss))(x), single[0], atol=1e-5)
 
 
@@ -422,10 +444,12 @@ _SHARDED = textwrap.dedent(
 
 
 def test_sharded_points_on_four_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "OK" in proc.stdout
 
@@ -451,8 +475,9 @@ def test_cosine_cost_with_a_zero_point_matches_ott_with_finite_gradients():
     x, y, a, b = clouds(5, n=40, m=30, d=3)
     x = x.at[3].set(0.0)
     kw = dict(epsilon=0.1, cost="cosine", chunk_size=16, **TIGHT)
-    value, (gx, gy) = jax.jit(jax.value_and_grad(
-        lambda x, y: ot.sinkhorn(x, y, a, b, **kw).reg_ot_cost, (0, 1)))(x, y)
+    value, (gx, gy) = jax.jit(
+        jax.value_and_grad(lambda x, y: ot.sinkhorn(x, y, a, b, **kw).reg_ot_cost, (0, 1))
+    )(x, y)
     ref = jax.jit(lambda x, y: ott_reg_cost(x, y, a, b, 0.1, "cosine").reg_ot_cost)(x, y)
     np.testing.assert_allclose(value, ref, rtol=1e-4)
     assert bool(jnp.all(jnp.isfinite(gx))) and bool(jnp.all(jnp.isfinite(gy)))

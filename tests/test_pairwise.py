@@ -23,8 +23,8 @@ def _float64_in_this_module():
     with jax.enable_x64(True):
         yield
 
-MiB = 2**20
 
+MiB = 2**20
 
 
 def _dense(fn, x, y, reduce, weights=None, axis=1):
@@ -51,12 +51,10 @@ def _close(a, b, dtype):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
-
 @pytest.mark.parametrize("bad", [0, -3, (0, 4), (4, -1)])
 def test_chunk_size_must_be_positive(bad):
     with pytest.raises(ValueError, match="chunk_size"):
-        mw.pairwise_reduce(lambda a, b: a @ b, jnp.ones((4, 2)), jnp.ones((4, 2)),
-                           chunk_size=bad)
+        mw.pairwise_reduce(lambda a, b: a @ b, jnp.ones((4, 2)), jnp.ones((4, 2)), chunk_size=bad)
     if isinstance(bad, int):
         with pytest.raises(ValueError, match="chunk_size"):
             mw.chunked_map(jnp.sin, jnp.ones(4), chunk_size=bad)
@@ -84,12 +82,16 @@ def test_bad_inputs_have_clear_errors():
 
 @settings(max_examples=examples(3))
 @given(
-    n=st.integers(1, 9), m=st.integers(1, 9), d=st.integers(1, 3),
-    rows=st.integers(1, 5), cols=st.integers(1, 5),
+    n=st.integers(1, 9),
+    m=st.integers(1, 9),
+    d=st.integers(1, 3),
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 5),
     reduce=st.sampled_from(["sum", "logsumexp", "max", "min"]),
     axis=st.sampled_from([0, 1]),
     dtype=st.sampled_from([jnp.float32, jnp.float64]),
-    weighted=st.booleans(), seed=st.integers(0, 2**16),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
 def test_pairwise_matches_dense(n, m, d, rows, cols, reduce, axis, dtype, weighted, seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -100,8 +102,15 @@ def test_pairwise_matches_dense(n, m, d, rows, cols, reduce, axis, dtype, weight
     w = jax.random.normal(keys[2], ((n if axis == 0 else m),), dtype) if weighted else None
 
     def ours(x, y, w, scale):
-        return mw.pairwise_reduce(lambda a, b: -scale * jnp.sum((a - b) ** 2), x, y,
-                                  reduce=reduce, weights=w, chunk_size=(rows, cols), axis=axis)
+        return mw.pairwise_reduce(
+            lambda a, b: -scale * jnp.sum((a - b) ** 2),
+            x,
+            y,
+            reduce=reduce,
+            weights=w,
+            chunk_size=(rows, cols),
+            axis=axis,
+        )
 
     def dense(x, y, w, scale):
         return dense_reduce(lambda a, b: -scale * jnp.sum((a - b) ** 2), x, y, reduce, w, axis)
@@ -109,8 +118,10 @@ def test_pairwise_matches_dense(n, m, d, rows, cols, reduce, axis, dtype, weight
     _close(ours(x, y, w, scale), dense(x, y, w, scale), dtype)
     argnums = (0, 1, 3) + ((2,) if weighted else ())
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
-    for g1, g2 in zip(jax.grad(loss(ours), argnums)(x, y, w, scale),
-                      jax.grad(loss(dense), argnums)(x, y, w, scale)):
+    for g1, g2 in zip(
+        jax.grad(loss(ours), argnums)(x, y, w, scale),
+        jax.grad(loss(dense), argnums)(x, y, w, scale),
+    ):
         _close(g1, g2, dtype)
 
 
@@ -145,8 +156,9 @@ def test_argmax_argmin_and_jit_vmap():
     np.testing.assert_array_equal(f(x), jnp.argmax(x @ y.T, -1))
     am = mw.pairwise_reduce(fn, x[0], y, reduce="argmin", chunk_size=(4, 2))
     np.testing.assert_array_equal(am, jnp.argmin(x[0] @ y.T, -1))
-    g = jax.vmap(jax.grad(lambda x: jnp.sum(
-        mw.pairwise_reduce(fn, x, y, reduce="logsumexp", chunk_size=4))))(x)
+    g = jax.vmap(
+        jax.grad(lambda x: jnp.sum(mw.pairwise_reduce(fn, x, y, reduce="logsumexp", chunk_size=4)))
+    )(x)
     g_dense = jax.vmap(jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x @ y.T, 1))))(x)
     _close(g, g_dense, jnp.float64)
 
@@ -155,12 +167,17 @@ def test_logsumexp_masks_with_minus_inf_log_weights():
     x = jax.random.normal(jax.random.PRNGKey(4), (6, 2))
     logw = jnp.array([0.0, -jnp.inf, 1.0, -jnp.inf, 0.5])
     y = jax.random.normal(jax.random.PRNGKey(5), (5, 2))
-    f = lambda x: mw.pairwise_reduce(lambda a, b: a @ b, x, y, reduce="logsumexp",  # noqa: E731
-                                     weights=logw, chunk_size=2)
+    f = lambda x: mw.pairwise_reduce(
+        lambda a, b: a @ b,
+        x,
+        y,
+        reduce="logsumexp",  # noqa: E731
+        weights=logw,
+        chunk_size=2,
+    )
     d = lambda x: jax.nn.logsumexp(x @ y.T + logw, 1)  # noqa: E731
     _close(f(x), d(x), jnp.float64)
-    _close(jax.grad(lambda x: jnp.sum(f(x)))(x), jax.grad(lambda x: jnp.sum(d(x)))(x),
-           jnp.float64)
+    _close(jax.grad(lambda x: jnp.sum(f(x)))(x), jax.grad(lambda x: jnp.sum(d(x)))(x), jnp.float64)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -197,7 +214,8 @@ def test_empty_inputs_give_the_dense_result():
     # nothing to reduce over: the identity of the reduction, gradients zero
     w = jnp.ones((0, 4))
     np.testing.assert_array_equal(
-        mw.pairwise_reduce(fn, three, none, weights=w, chunk_size=2), jnp.zeros((3, 4)))
+        mw.pairwise_reduce(fn, three, none, weights=w, chunk_size=2), jnp.zeros((3, 4))
+    )
     lse = lambda x, y: mw.pairwise_reduce(fn, x, y, reduce="logsumexp", chunk_size=2)  # noqa: E731
     np.testing.assert_array_equal(lse(three, none), jnp.full(3, -jnp.inf))
     np.testing.assert_array_equal(lse(three, none), jax.nn.logsumexp(three @ none.T, 1))
@@ -230,8 +248,11 @@ def test_nan_propagates_like_jnp():
 
 
 def _lse_loss(x, y, chunk_size):
-    return jnp.sum(mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y,
-                                      reduce="logsumexp", chunk_size=chunk_size))
+    return jnp.sum(
+        mw.pairwise_reduce(
+            lambda a, b: -jnp.sum((a - b) ** 2), x, y, reduce="logsumexp", chunk_size=chunk_size
+        )
+    )
 
 
 @pytest.mark.parametrize("chunk_size", ["auto", (1024, 1024)])
@@ -248,5 +269,3 @@ def test_gradient_memory_is_tiled_at_20k(chunk_size):
     # Doubling n adds only O(n) vectors (padded points, per-row results), never a tile row:
     # a dense f32 20k x 20k matrix would be 1,526 MiB.
     assert temps[40_000] - temps[20_000] < 100 * 20_000
-
-

@@ -129,16 +129,18 @@ def test_length_zero_returns_init_and_empty_ys_like_lax_scan(schedule_name):
     w, _, h0 = make_inputs(1)
 
     def loss(scan_fn, w, h0, **kw):
-        h, ys = scan_fn(lambda h, x: (jnp.tanh(w @ h + x), {"y": h * x}), h0,
-                        jnp.ones((0, H)), **kw)
+        h, ys = scan_fn(
+            lambda h, x: (jnp.tanh(w @ h + x), {"y": h * x}), h0, jnp.ones((0, H)), **kw
+        )
         assert ys["y"].shape == (0, H)
         return jnp.sum(h**2) + jnp.sum(ys["y"])
 
     ours = functools.partial(loss, mw.scan, schedule=schedule_name)
     ref = functools.partial(loss, lax.scan)
     np.testing.assert_allclose(ours(w, h0), ref(w, h0))
-    assert_tree_close(jax.jit(jax.grad(ours, argnums=(0, 1)))(w, h0),
-                      jax.grad(ref, argnums=(0, 1))(w, h0))
+    assert_tree_close(
+        jax.jit(jax.grad(ours, argnums=(0, 1)))(w, h0), jax.grad(ref, argnums=(0, 1))(w, h0)
+    )
     carry, ys = mw.scan(lambda c, _: (c + 1.0, c), 0.0, None, length=0, schedule=schedule_name)
     assert float(carry) == 0.0 and ys.shape == (0,)
 
@@ -163,8 +165,9 @@ def test_carry_leaf_no_input_perturbs_is_not_differentiated(argnums):
     args = make_inputs(n)
     ours = functools.partial(_loop_with_side_counter, functools.partial(mw.scan, checkpoints=3))
     ref = functools.partial(_loop_with_side_counter, lax.scan)
-    assert_tree_close(jax.jit(jax.grad(ours, argnums=argnums))(*args),
-                      jax.grad(ref, argnums=argnums)(*args))
+    assert_tree_close(
+        jax.jit(jax.grad(ours, argnums=argnums))(*args), jax.grad(ref, argnums=argnums)(*args)
+    )
 
 
 def test_read_only_carry_stays_unbatched_under_vmap_and_gets_its_gradient():
@@ -185,13 +188,15 @@ def test_read_only_carry_stays_unbatched_under_vmap_and_gets_its_gradient():
     assert_tree_close(run(functools.partial(mw.scan, checkpoints=2)), run(lax.scan))
 
     def loss(scan_fn, w, r):
-        (h, r_out), ys = scan_fn(lambda c, x: ((jnp.tanh(c[0] * c[1] + x), c[1]), c[0]),
-                                 (w, r), xs)
+        (h, r_out), ys = scan_fn(lambda c, x: ((jnp.tanh(c[0] * c[1] + x), c[1]), c[0]), (w, r), xs)
         return jnp.sum(h**2) + jnp.sum(jnp.sin(ys)) + jnp.sum(r_out**3)
 
     assert_tree_close(
-        jax.jit(jax.grad(functools.partial(loss, functools.partial(mw.scan, checkpoints=2)),
-                         argnums=(0, 1)))(w, r),
+        jax.jit(
+            jax.grad(
+                functools.partial(loss, functools.partial(mw.scan, checkpoints=2)), argnums=(0, 1)
+            )
+        )(w, r),
         jax.grad(functools.partial(loss, lax.scan), argnums=(0, 1))(w, r),
     )
 
@@ -229,8 +234,7 @@ def test_gradient_memory_does_not_grow_with_length():
 
     def loss_fn(n, **kwargs):
         def loss(w, xs):
-            h, _ = mw.scan(lambda h, x: (jnp.tanh(w @ h + x), None), jnp.ones(hidden), xs,
-                           **kwargs)
+            h, _ = mw.scan(lambda h, x: (jnp.tanh(w @ h + x), None), jnp.ones(hidden), xs, **kwargs)
             return jnp.sum(h)
 
         return loss, (jnp.eye(hidden), jnp.ones((n, hidden)))
@@ -290,8 +294,7 @@ def test_gradient_when_only_the_final_carry_or_only_ys_is_used(used):
 
     def loss(scan_fn, **kwargs):
         def f(w, xa, h0):
-            h, ys = scan_fn(lambda h, x: (jnp.tanh(w @ h + x), jnp.sum(h * x)), h0, xa,
-                            **kwargs)
+            h, ys = scan_fn(lambda h, x: (jnp.tanh(w @ h + x), jnp.sum(h * x)), h0, xa, **kwargs)
             return jnp.sum(h**2) if used == "final carry" else jnp.sum(jnp.cos(ys))
 
         return f
@@ -465,14 +468,22 @@ def reference_newton(a, steps):
     return lax.fori_loop(0, steps, lambda i, x: 0.5 * (x + a / x), a)
 
 
-@pytest.mark.parametrize("max_steps, checkpoints, steps", [(100, 4, 20), (30, 2, 30), (64, None, 7)])
+@pytest.mark.parametrize(
+    "max_steps, checkpoints, steps", [(100, 4, 20), (30, 2, 30), (64, None, 7)]
+)
 def test_while_loop_matches_lax(max_steps, checkpoints, steps):
-    ours = lambda a: newton(a, lambda c, b, i: mw.while_loop(  # noqa: E731
-        c, b, i, max_steps=max_steps, checkpoints=checkpoints), steps)[0]
+    ours = lambda a: newton(
+        a,
+        lambda c, b, i: mw.while_loop(  # noqa: E731
+            c, b, i, max_steps=max_steps, checkpoints=checkpoints
+        ),
+        steps,
+    )[0]
     lax_value = newton(3.0, lax.while_loop, steps)[0]
     np.testing.assert_allclose(jax.jit(ours)(3.0), lax_value, rtol=1e-6)
     np.testing.assert_allclose(
-        jax.jit(jax.grad(ours))(3.0), jax.grad(lambda a: reference_newton(a, steps))(3.0),
+        jax.jit(jax.grad(ours))(3.0),
+        jax.grad(lambda a: reference_newton(a, steps))(3.0),
         rtol=1e-5,
     )
 
@@ -506,8 +517,13 @@ def test_while_loop_gradient_with_respect_to_one_input(argnums):
     w, _, h0 = make_inputs(1)
 
     def run(w, h0):
-        h, _ = mw.while_loop(lambda s: s[1] < 11, lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
-                             (h0, 0), max_steps=40, checkpoints=3)
+        h, _ = mw.while_loop(
+            lambda s: s[1] < 11,
+            lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
+            (h0, 0),
+            max_steps=40,
+            checkpoints=3,
+        )
         return jnp.sum(h**2)
 
     def ref(w, h0):
@@ -524,9 +540,13 @@ def test_while_loop_predicate_closure_is_not_differentiated():
     w, _, h0 = make_inputs(1)
 
     def run(w, h0, threshold):
-        h, _ = mw.while_loop(lambda s: s[1] < threshold,
-                             lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
-                             (h0, 0), max_steps=30, checkpoints=2)
+        h, _ = mw.while_loop(
+            lambda s: s[1] < threshold,
+            lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
+            (h0, 0),
+            max_steps=30,
+            checkpoints=2,
+        )
         return jnp.sum(h**2)
 
     def ref(w, h0):
@@ -541,8 +561,9 @@ def test_while_loop_predicate_closure_is_not_differentiated():
 def test_while_loop_forward_mode_error_names_lax_while_loop_not_a_schedule(under_jit):
     # while_loop takes no schedule=, so its message must not suggest one.
     def f(a):
-        return mw.while_loop(lambda s: s[1] < 5, lambda s: (s[0] * a, s[1] + 1),
-                             (a, 0), max_steps=10)[0]
+        return mw.while_loop(
+            lambda s: s[1] < 5, lambda s: (s[0] * a, s[1] + 1), (a, 0), max_steps=10
+        )[0]
 
     jvp = lambda a: jax.jvp(f, (a,), (1.0,))  # noqa: E731
     with pytest.raises(TypeError, match="memwise.while_loop.*jax.lax.while_loop") as error:
@@ -559,14 +580,19 @@ def test_while_loop_vmap_different_trip_counts():
     limits = jnp.array([3, 9, 17])
 
     def ours(a, limit):
-        x, _ = mw.while_loop(lambda s: s[1] < limit,
-                             lambda s: (0.5 * (s[0] + a / s[0]), s[1] + 1),
-                             (a, 0), max_steps=20, checkpoints=3)
+        x, _ = mw.while_loop(
+            lambda s: s[1] < limit,
+            lambda s: (0.5 * (s[0] + a / s[0]), s[1] + 1),
+            (a, 0),
+            max_steps=20,
+            checkpoints=3,
+        )
         return x
 
     grads = jax.vmap(jax.grad(ours))(a, limits)
-    expected = [jax.grad(lambda a: reference_newton(a, int(k)))(float(v))
-                for v, k in zip(a, limits)]
+    expected = [
+        jax.grad(lambda a: reference_newton(a, int(k)))(float(v)) for v, k in zip(a, limits)
+    ]
     np.testing.assert_allclose(grads, expected, rtol=1e-5)
 
 
@@ -575,9 +601,13 @@ def test_while_loop_memory_is_checkpoints_not_max_steps():
 
     def loss_fn(max_steps):
         def loss(w):
-            h, _ = mw.while_loop(lambda s: s[1] < 300,
-                                 lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
-                                 (jnp.ones(hidden), 0), max_steps=max_steps, checkpoints=6)
+            h, _ = mw.while_loop(
+                lambda s: s[1] < 300,
+                lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
+                (jnp.ones(hidden), 0),
+                max_steps=max_steps,
+                checkpoints=6,
+            )
             return jnp.sum(h)
 
         return loss
@@ -612,6 +642,7 @@ def test_while_loop_bad_inputs():
 
 def unbounded_loss(c, counter=None):
     """A pytree carry (dict + tuple), a closure over two differentiated arrays, no bound."""
+
     def loss(params, h0, limit):
         w, b = params
 
@@ -621,8 +652,12 @@ def unbounded_loss(c, counter=None):
             h, i = s["state"]
             return {"state": (jnp.tanh(w @ h + b), i + 1), "scale": s["scale"] * 0.9}
 
-        out = mw.while_loop(lambda s: s["state"][1] < limit, body,
-                            {"state": (h0, 0), "scale": jnp.float32(1.0)}, checkpoints=c)
+        out = mw.while_loop(
+            lambda s: s["state"][1] < limit,
+            body,
+            {"state": (h0, 0), "scale": jnp.float32(1.0)},
+            checkpoints=c,
+        )
         return jnp.sum(out["state"][0] ** 2) * out["scale"]
 
     return loss
@@ -645,8 +680,9 @@ def test_unbounded_while_loop_gradients_match_unrolled_at_every_regime(c):
     two = (c + 1) * (c + 2) // 2
     grad = jax.jit(jax.grad(unbounded_loss(c), argnums=(0, 1)))
     for limit in sorted({0, 1, c, two - 1, two, two + 1, 60}):
-        assert_tree_close(grad(params, h0, limit),
-                          jax.grad(unrolled_loss, argnums=(0, 1))(params, h0, limit))
+        assert_tree_close(
+            grad(params, h0, limit), jax.grad(unrolled_loss, argnums=(0, 1))(params, h0, limit)
+        )
 
 
 @pytest.mark.parametrize("c", [2, 4, 8])
@@ -674,18 +710,26 @@ def test_bounded_while_loop_stops_at_max_steps_and_costs_what_ran():
             jax.debug.callback(lambda: calls.append(1))
             return jnp.tanh(w @ s[0]), s[1] + 1
 
-        h, _ = mw.while_loop(lambda s: s[1] < limit, body, (h0, 0), max_steps=max_steps,
-                             checkpoints=3)
+        h, _ = mw.while_loop(
+            lambda s: s[1] < limit, body, (h0, 0), max_steps=max_steps, checkpoints=3
+        )
         return jnp.sum(h**2)
 
     for max_steps in (40, 16**4):
         calls.clear()
         g = jax.jit(jax.grad(loss), static_argnums=2)(w, 25, max_steps)
         assert len(calls) == schedule.online_evaluations(25, 3)
-        assert_tree_close(g, jax.grad(lambda w: jnp.sum(
-            lax.fori_loop(0, 25, lambda i, h: jnp.tanh(w @ h), h0) ** 2))(w))
-    np.testing.assert_allclose(loss(w, 80, 40), jnp.sum(
-        lax.fori_loop(0, 40, lambda i, h: jnp.tanh(w @ h), h0) ** 2), rtol=1e-6)
+        assert_tree_close(
+            g,
+            jax.grad(
+                lambda w: jnp.sum(lax.fori_loop(0, 25, lambda i, h: jnp.tanh(w @ h), h0) ** 2)
+            )(w),
+        )
+    np.testing.assert_allclose(
+        loss(w, 80, 40),
+        jnp.sum(lax.fori_loop(0, 40, lambda i, h: jnp.tanh(w @ h), h0) ** 2),
+        rtol=1e-6,
+    )
 
 
 def test_unbounded_while_loop_vmap_with_different_trip_counts():
@@ -693,35 +737,48 @@ def test_unbounded_while_loop_vmap_with_different_trip_counts():
     limits = jnp.array([0, 3, 17, 40])
 
     def ours(a, limit):
-        x, _ = mw.while_loop(lambda s: s[1] < limit,
-                             lambda s: (0.5 * (s[0] + a / s[0]), s[1] + 1),
-                             (a, 0), checkpoints=3)
+        x, _ = mw.while_loop(
+            lambda s: s[1] < limit,
+            lambda s: (0.5 * (s[0] + a / s[0]), s[1] + 1),
+            (a, 0),
+            checkpoints=3,
+        )
         return x
 
     grads = jax.jit(jax.vmap(jax.grad(ours)))(a, limits)
-    expected = [jax.grad(lambda a: reference_newton(a, int(k)))(float(v))
-                for v, k in zip(a, limits)]
+    expected = [
+        jax.grad(lambda a: reference_newton(a, int(k)))(float(v)) for v, k in zip(a, limits)
+    ]
     np.testing.assert_allclose(grads, expected, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_unbounded_while_loop_keeps_the_carry_dtype(dtype):
     def f(w):
-        h, _ = mw.while_loop(lambda s: s[1] < 9,
-                             lambda s: (jnp.tanh(w * s[0]).astype(dtype), s[1] + 1),
-                             (jnp.linspace(0.1, 0.5, 4).astype(dtype), 0), checkpoints=2)
+        h, _ = mw.while_loop(
+            lambda s: s[1] < 9,
+            lambda s: (jnp.tanh(w * s[0]).astype(dtype), s[1] + 1),
+            (jnp.linspace(0.1, 0.5, 4).astype(dtype), 0),
+            checkpoints=2,
+        )
         return h
 
     def ref(w):
-        return lax.fori_loop(0, 9, lambda i, h: jnp.tanh(w * h).astype(dtype),
-                             jnp.linspace(0.1, 0.5, 4).astype(dtype))
+        return lax.fori_loop(
+            0,
+            9,
+            lambda i, h: jnp.tanh(w * h).astype(dtype),
+            jnp.linspace(0.1, 0.5, 4).astype(dtype),
+        )
 
     w = jnp.asarray(0.8, dtype)
     assert f(w).dtype == dtype
     got = jax.grad(lambda w: jnp.sum(f(w).astype(jnp.float32)))(w)
     want = jax.grad(lambda w: jnp.sum(ref(w).astype(jnp.float32)))(w)
     assert got.dtype == dtype
-    np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=1e-2 if dtype != jnp.float32 else 1e-5)
+    np.testing.assert_allclose(
+        np.float32(got), np.float32(want), rtol=1e-2 if dtype != jnp.float32 else 1e-5
+    )
 
 
 def test_while_loop_memory_and_program_do_not_depend_on_max_steps_or_trip_count():
@@ -729,16 +786,19 @@ def test_while_loop_memory_and_program_do_not_depend_on_max_steps_or_trip_count(
 
     def loss_fn(max_steps, c):
         def loss(w, limit):
-            h, _ = mw.while_loop(lambda s: s[1] < limit,
-                                 lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
-                                 (jnp.ones(hidden), 0), max_steps=max_steps, checkpoints=c)
+            h, _ = mw.while_loop(
+                lambda s: s[1] < limit,
+                lambda s: (jnp.tanh(w @ s[0]), s[1] + 1),
+                (jnp.ones(hidden), 0),
+                max_steps=max_steps,
+                checkpoints=c,
+            )
             return jnp.sum(h)
 
         return loss
 
     def temp(max_steps, c):
-        return compiled_memory(loss_fn(max_steps, c), jnp.eye(hidden), 300,
-                               grad=True).temp_bytes
+        return compiled_memory(loss_fn(max_steps, c), jnp.eye(hidden), 300, grad=True).temp_bytes
 
     carry = hidden * 4
     assert temp(None, 8) == temp(300, 8) == temp(16**4, 8)

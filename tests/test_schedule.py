@@ -45,7 +45,7 @@ def replay(sched: schedule.Schedule) -> int:
     return evaluations
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def revolve_dp(n: int, s: int) -> int:
     """p(n, s) by the revolve recursion."""
     if n <= 1:
@@ -55,7 +55,7 @@ def revolve_dp(n: int, s: int) -> int:
     return min(j + revolve_dp(j, s) + revolve_dp(n - j, s - 1) for j in range(1, n))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def custom_vjp_dp(n: int, s: int) -> int:
     """J(n, s): the fewest backward advances in the custom_vjp setting, by its recursion."""
     if n <= 1:
@@ -301,15 +301,14 @@ def online_optimal_configurations(n_max: int, c: int) -> list[int]:
     alive = {(0,)}
     counts = []
     for n in range(1, n_max + 1):
-        alive = {p for p in alive
-                 if schedule.reversal_advances(p, n, c) == schedule.advances(n, c)}
+        alive = {p for p in alive if schedule.reversal_advances(p, n, c) == schedule.advances(n, c)}
         counts.append(len(alive))
         grown = set(alive)
         for p in alive:
             if len(p) < c:
                 grown.add(p + (n,))
             for k in range(1, len(p)):
-                grown.add(p[:k] + p[k + 1:] + (n,))
+                grown.add(p[:k] + p[k + 1 :] + (n,))
         alive = grown
     return counts
 

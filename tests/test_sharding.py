@@ -2,9 +2,7 @@
 dense JAX, detected and explicit meshes, inside a user's shard_map, per-device memory."""
 
 import pytest
-
 from _multidevice import run_on_devices
-
 
 
 @pytest.mark.slow

@@ -89,18 +89,24 @@ def test_item_bytes_counts_intermediates_three_times():
 
 def test_explicit_backward_tile_changes_the_backward_memory_only():
     def loss(x, y, chunk_size):
-        return jnp.sum(mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y,
-                                          reduce="logsumexp", chunk_size=chunk_size))
+        return jnp.sum(
+            mw.pairwise_reduce(
+                lambda a, b: -jnp.sum((a - b) ** 2), x, y, reduce="logsumexp", chunk_size=chunk_size
+            )
+        )
 
     import jax
 
     pts = jax.ShapeDtypeStruct((8192, 16), jnp.float32)
     default = tiling.tiling(8192, 8192, (1024, 1024))
     lean = tiling.tiling(8192, 8192, (1024, 1024), backward=(64, 256))
-    fwd = [compiled_memory(lambda x, y: loss(x, y, t), pts, pts).temp_bytes
-           for t in (default, lean)]
-    grad = [compiled_memory(lambda x, y: loss(x, y, t), pts, pts, grad=True,
-                            argnums=(0, 1)).temp_bytes for t in (default, lean)]
+    fwd = [
+        compiled_memory(lambda x, y: loss(x, y, t), pts, pts).temp_bytes for t in (default, lean)
+    ]
+    grad = [
+        compiled_memory(lambda x, y: loss(x, y, t), pts, pts, grad=True, argnums=(0, 1)).temp_bytes
+        for t in (default, lean)
+    ]
     assert fwd[0] == fwd[1]
     # the default backward tile is 512 x 1024 pairs of 16 floats; the lean one 64 x 256
     assert grad[1] < grad[0] - 8 * 2**20, grad
@@ -116,8 +122,9 @@ def _auto_tile_costs(fn, point, n, monkeypatch):
     from memwise import costmodel, knobs
     from memwise import tiling as tiling_lib
 
-    machine = costmodel.Machine("cpu/test", 1e11, ((2**15, 1e11), (2**20, 1e11), (2**25, 1e10)),
-                                1e-7)
+    machine = costmodel.Machine(
+        "cpu/test", 1e11, ((2**15, 1e11), (2**20, 1e11), (2**25, 1e10)), 1e-7
+    )
     monkeypatch.setattr(costmodel, "machine", lambda: machine)
     with knobs.recording() as found:
         tiling_lib.tiling(n, n, "auto", pair_bytes=lambda: tiling_lib.item_bytes(fn, point, point))
@@ -136,13 +143,15 @@ def test_auto_tile_costs_follow_the_roofline(monkeypatch):
     assert multi[largest] > 3 * multi[best]
     # compute-bound: a 64 x 64 matrix product per pair, so the largest tile is fastest
     w = jnp.ones((64, 64)) / 64
-    heavy = _auto_tile_costs(lambda a, b: jnp.sum(jnp.tanh(w @ (a * b))), jnp.zeros(64), n,
-                             monkeypatch)
+    heavy = _auto_tile_costs(
+        lambda a, b: jnp.sum(jnp.tanh(w @ (a * b))), jnp.zeros(64), n, monkeypatch
+    )
     multi = {t: c for t, c in heavy.items() if t != (n, n)}
     largest = max(multi, key=lambda t: t[0] * t[1])
     assert multi[largest] <= 1.05 * min(multi.values())
     # outside fit, "auto" is the default tile and compiles nothing
     from memwise import tiling as tiling_lib
 
-    assert tiling_lib.tiling(n, n, "auto",
-                             pair_bytes=lambda: tiling_lib.item_bytes(lambda a, b: a @ b, w[0], w[0]))
+    assert tiling_lib.tiling(
+        n, n, "auto", pair_bytes=lambda: tiling_lib.item_bytes(lambda a, b: a @ b, w[0], w[0])
+    )

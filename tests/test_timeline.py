@@ -102,7 +102,12 @@ def test_parse_dump_counts_one_buffer_per_slot_and_names_sources():
     assert by_name["arg{}"].source == "/home/user/model.py:15"  # the loop's line
     (loop,) = tl.loops
     assert (loop.name, loop.first, loop.last, loop.step, loop.trip_count) == (
-        "while.1", 2, 4, 5, 50)
+        "while.1",
+        2,
+        4,
+        5,
+        50,
+    )
     assert [b.name for b in tl.at_peak()] == ["arg{}", "body_op{}", "x.1{}", "cond_op{}"]
     assert list(tl.curve(("argument",))) == [400] * 7
 
@@ -144,8 +149,11 @@ def checkpointed(w, xs):
 
 
 def pairwise(x, y):
-    return jnp.sum(mw.pairwise_reduce(lambda a, b: -jnp.sum((a - b) ** 2), x, y,
-                                      reduce="logsumexp", chunk_size=(128, 128)))
+    return jnp.sum(
+        mw.pairwise_reduce(
+            lambda a, b: -jnp.sum((a - b) ** 2), x, y, reduce="logsumexp", chunk_size=(128, 128)
+        )
+    )
 
 
 PROGRAMS = {
@@ -178,8 +186,10 @@ def test_buffers_at_the_peak_name_the_users_line():
     tl = mw.memory_report(fn, *args, grad=grad).timeline()
     line = next(i for i, text in enumerate(open(__file__), 1) if "# the mlp's line" in text)
     at_peak = tl.at_peak()
-    assert {b.source for b in at_peak if b.kind == "argument"} == {"argument 'params'",
-                                                                    "argument 'x'"}
+    assert {b.source for b in at_peak if b.kind == "argument"} == {
+        "argument 'params'",
+        "argument 'x'",
+    }
     made = [b for b in at_peak if b.kind in ("temporary", "output")]
     assert made and all(b.source == f"{__file__}:{line}" for b in made), made
     assert sum(b.nbytes for b in at_peak) == tl.peak_bytes
@@ -201,8 +211,7 @@ def test_a_loop_body_is_shown_once_with_its_trip_count():
 
 def test_checkpointing_lowers_the_timeline_of_a_long_loop():
     lax_tl = mw.memory_report(scanned, jnp.eye(64), jnp.ones((2000, 64)), grad=True).timeline()
-    mw_tl = mw.memory_report(checkpointed, jnp.eye(64), jnp.ones((2000, 64)),
-                             grad=True).timeline()
+    mw_tl = mw.memory_report(checkpointed, jnp.eye(64), jnp.ones((2000, 64)), grad=True).timeline()
     args = 64 * 64 * 4 + 2000 * 64 * 4
     assert mw_tl.peak_bytes - args < 0.1 * (lax_tl.peak_bytes - args)
 
@@ -241,8 +250,9 @@ def test_timeline_works_when_the_persistent_cache_holds_the_program(tmp_path):
             jax.jit(f).lower(jnp.ones((64, 64))).compile()  # fills, then hits the cache
             print(mw.memory_report(f, jnp.ones((64, 64))).timeline().peak_bytes)
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=300, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
     assert result.returncode == 0, result.stderr
     first, second = result.stdout.split()
     assert int(first) == int(second) > 0

@@ -4,10 +4,10 @@ from memwise import knobs, measure, ntk, ot, schedule
 from memwise.accumulate import accumulate_grad
 from memwise.attention import attention
 from memwise.chunked import chunked_map, chunked_sum
-from memwise.pairwise import pairwise_reduce
 from memwise.fit import MemoryBudgetError, fit, region
 from memwise.linearize import Linearized, TaylorExpanded, linearize, taylor_expand
 from memwise.measure import MemoryReport, Residual, memory_report
+from memwise.pairwise import pairwise_reduce
 from memwise.scan import scan, while_loop
 
 __version__ = "0.1.0"

@@ -94,7 +94,10 @@ def check_static_options(fn: Callable, static_argnums: Any, static_argnames: Any
 
 
 def static_arguments(
-    fn: Callable, args: Sequence[Any], kwargs: dict, static_argnums: Any = (),
+    fn: Callable,
+    args: Sequence[Any],
+    kwargs: dict,
+    static_argnums: Any = (),
     static_argnames: Any = (),
 ) -> tuple[frozenset[int], frozenset[str]]:
     """Positions and keywords of the static arguments of ``fn(*args, **kwargs)``.
@@ -112,19 +115,23 @@ def static_arguments(
     return frozenset(positions), frozenset(k for k in kwargs if k in names)
 
 
-def signature(args: Sequence[Any], kwargs: dict, positions: frozenset[int],
-              keywords: frozenset[str]) -> Any:
+def signature(
+    args: Sequence[Any], kwargs: dict, positions: frozenset[int], keywords: frozenset[str]
+) -> Any:
     """What ``jax.jit`` keys a call on: the traced arguments' tree structure, shapes and
     dtypes, and the static arguments' values (which must therefore be hashable)."""
-    traced = (tuple(None if i in positions else a for i, a in enumerate(args)),
-              {k: v for k, v in kwargs.items() if k not in keywords})
+    traced = (
+        tuple(None if i in positions else a for i, a in enumerate(args)),
+        {k: v for k, v in kwargs.items() if k not in keywords},
+    )
     leaves, tree = jax.tree_util.tree_flatten(traced)
     shapes = tuple(
-        (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
-        for x in leaves
+        (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__))) for x in leaves
     )
-    static = (tuple((i, args[i]) for i in sorted(positions)),
-              tuple((k, kwargs[k]) for k in sorted(keywords)))
+    static = (
+        tuple((i, args[i]) for i in sorted(positions)),
+        tuple((k, kwargs[k]) for k in sorted(keywords)),
+    )
     try:
         hash(static)
     except TypeError as error:
@@ -135,8 +142,9 @@ def signature(args: Sequence[Any], kwargs: dict, positions: frozenset[int],
     return tree, shapes, static
 
 
-def abstract(args: Sequence[Any], kwargs: dict, positions: frozenset[int],
-             keywords: frozenset[str]) -> tuple[tuple, dict]:
+def abstract(
+    args: Sequence[Any], kwargs: dict, positions: frozenset[int], keywords: frozenset[str]
+) -> tuple[tuple, dict]:
     """The arguments with every traced array replaced by its ``jax.ShapeDtypeStruct``."""
 
     def shaped(tree: Any) -> Any:
@@ -144,8 +152,10 @@ def abstract(args: Sequence[Any], kwargs: dict, positions: frozenset[int],
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, tree
         )
 
-    return (tuple(a if i in positions else shaped(a) for i, a in enumerate(args)),
-            {k: v if k in keywords else shaped(v) for k, v in kwargs.items()})
+    return (
+        tuple(a if i in positions else shaped(a) for i, a in enumerate(args)),
+        {k: v if k in keywords else shaped(v) for k, v in kwargs.items()},
+    )
 
 
 def describe(fn: Callable, where: int | str) -> str:
@@ -157,8 +167,11 @@ def describe(fn: Callable, where: int | str) -> str:
 
 
 def _is_array_like(leaf: Any) -> bool:
-    return (isinstance(leaf, (bool, int, float, complex))
-            or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or hasattr(leaf, "__jax_array__"))
+    return (
+        isinstance(leaf, (bool, int, float, complex))
+        or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+        or hasattr(leaf, "__jax_array__")
+    )
 
 
 def _check_traceable(fn: Callable, args: Sequence[Any], kwargs: dict) -> None:
@@ -166,8 +179,11 @@ def _check_traceable(fn: Callable, args: Sequence[Any], kwargs: dict) -> None:
     for where, value in [*enumerate(args), *kwargs.items()]:
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             if not _is_array_like(leaf):
-                option = (f"static_argnames=({where!r},)" if isinstance(where, str)
-                          else f"static_argnums=({where},)")
+                option = (
+                    f"static_argnames=({where!r},)"
+                    if isinstance(where, str)
+                    else f"static_argnums=({where},)"
+                )
                 raise TypeError(
                     f"{describe(fn, where)}{jax.tree_util.keystr(path)} is a "
                     f"{type(leaf).__name__}, which jax.jit cannot trace; pass it as static "
@@ -209,8 +225,14 @@ def _check_argnums(
 
 
 def prepare(
-    fn: Any, args: Sequence[Any], kwargs: dict, *, grad: bool, argnums: Any,
-    static_argnums: Any, static_argnames: Any,
+    fn: Any,
+    args: Sequence[Any],
+    kwargs: dict,
+    *,
+    grad: bool,
+    argnums: Any,
+    static_argnums: Any,
+    static_argnames: Any,
 ) -> tuple[Callable, tuple, dict, tuple[int, ...]]:
     """(fn with its static arguments bound, the positional arguments with None in place
     of the static ones, the keyword arguments without the static ones, the positions to
@@ -258,8 +280,11 @@ def static_hint(fn: Callable) -> Iterator[None]:
         if match is None:
             raise
         name, positional = match[1], _positional_names(_parameters(fn))
-        option = (f"static_argnums=({positional.index(name)},)" if name in positional
-                  else f"static_argnames=({name!r},)")
+        option = (
+            f"static_argnums=({positional.index(name)},)"
+            if name in positional
+            else f"static_argnames=({name!r},)"
+        )
         raise TypeError(
             f"fn uses argument {name!r} as a Python value ({str(error).splitlines()[0]}), so "
             f"it cannot be traced; pass it as static with {option}"

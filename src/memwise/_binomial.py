@@ -55,7 +55,6 @@ from memwise.sharding import typed_zeros, vary
 __all__ = ["Loop", "run"]
 
 
-
 def replayed_cotangents(mask, cts, *, error: str) -> list:
     """A replaying backward rule's cotangent list (``None`` where ``mask`` is off).
 
@@ -63,6 +62,7 @@ def replayed_cotangents(mask, cts, *, error: str) -> list:
     of these cotangents (grad of grad) raises the loop's own ``error`` instead.
     """
     return cotangents(mask, [forbid_reverse_mode(ct, error) for ct in cts])
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Loop:
@@ -102,10 +102,13 @@ def run(loop: Loop, consts: list, carry: list, xs: list) -> tuple[list, list]:
 
     ``consts`` are the body's closed-over arrays (they get cotangents).
     """
+
     def guard(leaves):
         # Forward mode through the custom_vjp raises the loop's own error, naming the fix.
-        return [forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
-                for a in leaves]
+        return [
+            forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
+            for a in leaves
+        ]
 
     return _run(loop, guard(consts), guard(carry), guard(xs))
 
@@ -127,8 +130,9 @@ def _run_fwd(loop, consts, carry, xs):
     carry_mask = _perturbed_carry(
         loop, consts, carry, _entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
     )
-    buffers = [vary(jnp.zeros((loop.schedule.n_slots,) + a.shape, a.dtype), varying_axes(a))
-               for a in carry]
+    buffers = [
+        vary(jnp.zeros((loop.schedule.n_slots,) + a.shape, a.dtype), varying_axes(a)) for a in carry
+    ]
     carry, ys, buffers = _sweep(loop, consts, carry, xs, buffers=buffers)
     perturbed = Static((consts_perturbed, carry_perturbed, carry_mask, xs_perturbed))
     return (carry, ys), (consts, xs, buffers, perturbed)
@@ -139,10 +143,13 @@ def _run_bwd(loop, residuals, output_cotangents):
     consts_perturbed, carry_perturbed, carry_mask, xs_perturbed = perturbed.value
     ct_carry, ct_ys = output_cotangents
     n = loop.n_steps
-    taped = _TapedStep(loop, _entry(buffers), _entry(xs), consts, carry_mask, xs_perturbed,
-                       consts_perturbed)
-    ct_carry = [_entry_zeros(buf) if is_zero(ct) else ct
-                for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))]
+    taped = _TapedStep(
+        loop, _entry(buffers), _entry(xs), consts, carry_mask, xs_perturbed, consts_perturbed
+    )
+    ct_carry = [
+        _entry_zeros(buf) if is_zero(ct) else ct
+        for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))
+    ]
     ct_ys = [None if is_zero(ct) else ct for ct in ct_ys]
     ct_consts = typed_zeros(select(consts, taped.const_mask))
     ct_xs = typed_zeros(select(xs, taped.x_mask))
@@ -208,14 +215,19 @@ def _sweep(loop: Loop, consts, carry, xs, *, buffers):
         return carry, stored, y
 
     stored = (buffers, jnp.int32(0)) if record else ()
+
     def scan_body(state, x):
         i, carry, stored = state
         carry, stored, y = advance(i, carry, stored, x)
         return (i + 1, carry, stored), y
 
     (_, carry, stored), ys = lax.scan(
-        scan_body, (jnp.int32(0), carry, stored), xs, length=loop.n_steps,
-        reverse=loop.reverse, unroll=loop.unroll,
+        scan_body,
+        (jnp.int32(0), carry, stored),
+        xs,
+        length=loop.n_steps,
+        reverse=loop.reverse,
+        unroll=loop.unroll,
     )
     return carry, ys, (stored[0] if record else None)
 
@@ -259,8 +271,16 @@ class _TapedStep:
     input perturbs is never differentiated (it may go through a ``lax.while_loop``).
     """
 
-    def __init__(self, loop: Loop, carry: list, x: list, consts: list, carry_mask: list,
-                 x_perturbed: tuple, consts_perturbed: tuple):
+    def __init__(
+        self,
+        loop: Loop,
+        carry: list,
+        x: list,
+        consts: list,
+        carry_mask: list,
+        x_perturbed: tuple,
+        consts_perturbed: tuple,
+    ):
         self.step = loop.step
         self.carry_mask = list(carry_mask)
         self.x_mask = [is_differentiable(a) and p for a, p in zip(x, x_perturbed)]
@@ -290,13 +310,22 @@ class _TapedStep:
             select(consts, self.const_mask),
         )
         # zeros typed like the output (varying inside shard_map as the output is)
-        ct_y = [typed_zeros([y])[0] if ct is None else ct
-                for ct, y in zip(select(ct_y, self.y_mask), y_out)]
+        ct_y = [
+            typed_zeros([y])[0] if ct is None else ct
+            for ct, y in zip(select(ct_y, self.y_mask), y_out)
+        ]
         return vjp((ct_carry, ct_y))
 
 
-def _perturbed_carry(loop: Loop, consts: list, carry: list, x: list, consts_perturbed: tuple,
-                     carry_perturbed: tuple, xs_perturbed: tuple) -> list:
+def _perturbed_carry(
+    loop: Loop,
+    consts: list,
+    carry: list,
+    x: list,
+    consts_perturbed: tuple,
+    carry_perturbed: tuple,
+    xs_perturbed: tuple,
+) -> list:
     """Which carry leaves have a nonzero tangent, as ``lax.scan`` decides it.
 
     A fixed point: a leaf is perturbed if its initial value is, or if the body makes it
@@ -306,13 +335,16 @@ def _perturbed_carry(loop: Loop, consts: list, carry: list, x: list, consts_pert
     """
     perturbed = [bool(p) and is_differentiable(a) for a, p in zip(carry, carry_perturbed)]
     others = list(x) + list(consts)
-    others_perturbed = [bool(p) and is_differentiable(a)
-                        for a, p in zip(others, tuple(xs_perturbed) + tuple(consts_perturbed))]
+    others_perturbed = [
+        bool(p) and is_differentiable(a)
+        for a, p in zip(others, tuple(xs_perturbed) + tuple(consts_perturbed))
+    ]
     n_carry, n_x = len(carry), len(x)
 
     def new_carry(values):
-        return loop.step(values[:n_carry], values[n_carry:n_carry + n_x],
-                         values[n_carry + n_x:])[0]
+        return loop.step(
+            values[:n_carry], values[n_carry : n_carry + n_x], values[n_carry + n_x :]
+        )[0]
 
     while True:
         reached = _nonzero_tangents(new_carry, list(carry) + others, perturbed + others_perturbed)
@@ -339,7 +371,7 @@ def _nonzero_tangents(fn: Callable, values: list, active: list) -> list:
         return jax.jvp(of_active, tuple(select(primals, active)), tuple(tangents))[1]
 
     jaxpr = jax.make_jaxpr(tangents_out)(values, select(values, active)).jaxpr
-    reached = set(jaxpr.invars[len(values):])
+    reached = set(jaxpr.invars[len(values) :])
     for eqn in jaxpr.eqns:
         if any(isinstance(v, Var) and v in reached for v in eqn.invars):
             reached.update(eqn.outvars)

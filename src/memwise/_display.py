@@ -29,9 +29,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:  # pragma: no cover - exercised by monkeypatching
-        raise ImportError(
-            "plotting needs matplotlib: pip install memwise[plot]"
-        ) from error
+        raise ImportError("plotting needs matplotlib: pip install memwise[plot]") from error
     return plt
 
 

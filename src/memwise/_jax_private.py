@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.extend.core import Primitive as _Primitive
+from jax.interpreters import ad as _ad_rules
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
 
 # Releases these uses were written and tested against (pyproject pins the same floor).
 MIN_JAX = (0, 7)
@@ -108,11 +112,6 @@ def varying_axes(leaf: Any) -> frozenset:
 # evaluated, compiled or batched (forward mode) and vanishes when it is transposed
 # (reverse mode). ``forbid_reverse_mode`` is an identity whose tangent raises when it is
 # transposed (reverse mode of a backward pass: grad of grad). Neither emits any HLO.
-
-from jax.extend.core import Primitive as _Primitive
-from jax.interpreters import ad as _ad_rules
-from jax.interpreters import batching as _batching
-from jax.interpreters import mlir as _mlir
 
 
 def _raise_type_error(*_args: Any, message: str) -> Any:

@@ -98,9 +98,12 @@ def run(loop: OnlineLoop, consts: list, cond_consts: list, carry: list) -> list:
     ``consts`` are the body's closed-over arrays (they get cotangents), ``cond_consts``
     the predicate's (pass them through ``lax.stop_gradient``).
     """
+
     def guard(leaves):
-        return [forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
-                for a in leaves]
+        return [
+            forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
+            for a in leaves
+        ]
 
     return _run(loop, guard(consts), list(cond_consts), guard(carry))
 
@@ -124,8 +127,10 @@ def segment_advances(length, slots: np.ndarray):
     ``schedule._segment_advances`` in JAX."""
     slots = np.asarray(slots)
     length = jnp.broadcast_to(jnp.asarray(length, jnp.float32), slots.shape)
-    binomials = np.array([[math.comb(int(s) + u, u) for s in slots.ravel()]
-                          for u in range(_SUMMED_TERMS + 1)], np.float64)
+    binomials = np.array(
+        [[math.comb(int(s) + u, u) for s in slots.ravel()] for u in range(_SUMMED_TERMS + 1)],
+        np.float64,
+    )
     # slots 1 and 2 take closed forms (there beta(s, u) grows slowly): no terms
     binomials = np.where(slots.ravel() <= 2, np.inf, binomials).astype(np.float32)
     binomials = binomials.reshape((_SUMMED_TERMS + 1,) + slots.shape)
@@ -133,15 +138,20 @@ def segment_advances(length, slots: np.ndarray):
     s = slots.astype(np.float32)
 
     def more(state):
-        u, beta, total = state                      # beta = beta(s, u)
+        u, beta, total = state  # beta = beta(s, u)
         total = total + jnp.maximum(length - beta, 0.0)
         return u + 1, beta * (s + u + 1) / (u + 1), total
 
     _, _, total = lax.while_loop(
-        lambda state: jnp.any(state[1] < length), more,
-        (jnp.float32(_SUMMED_TERMS), binomials[_SUMMED_TERMS], total))
-    return jnp.where(slots == 1, _advances_one_slot(length),
-                     jnp.where(slots == 2, _advances_two_slots(length), total))
+        lambda state: jnp.any(state[1] < length),
+        more,
+        (jnp.float32(_SUMMED_TERMS), binomials[_SUMMED_TERMS], total),
+    )
+    return jnp.where(
+        slots == 1,
+        _advances_one_slot(length),
+        jnp.where(slots == 2, _advances_two_slots(length), total),
+    )
 
 
 def _advances_two_slots(length):
@@ -185,7 +195,8 @@ def revolve_split(length, slots):
 
     zero, one = jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
     v, a_count, _, _, _, a_prev, b_prev = lax.while_loop(
-        cond, body, (zero, zero, zero, one, one, zero, zero))
+        cond, body, (zero, zero, zero, one, one, zero, zero)
+    )
     # count_a(v) = beta(s-1, v-1) = A(v) - A(v-1) for v >= 2, none below
     count_a = jnp.where(v >= 2, a_count - a_prev, 0.0)
     taken = a_prev + jnp.minimum(count_a, k - a_prev - b_prev)
@@ -218,23 +229,29 @@ def _closed_evictions(positions, c: int):
     """
     if c < 3:
         return jnp.float32(jnp.inf), jnp.int32(0)
-    n = c - 1                                           # closed segments 0..c-2
+    n = c - 1  # closed segments 0..c-2
     j, k = np.arange(n), np.arange(1, n)
     lengths = (positions[1:] - positions[:-1]).astype(jnp.float32)
     # own slots (c - j), one more (c - j + 1), segments k-1 and k merged (c - k + 1)
-    costs = segment_advances(jnp.concatenate([lengths, lengths, lengths[:-1] + lengths[1:]]),
-                             np.concatenate([c - j, c - j + 1, c - k + 1]))
+    costs = segment_advances(
+        jnp.concatenate([lengths, lengths, lengths[:-1] + lengths[1:]]),
+        np.concatenate([c - j, c - j + 1, c - k + 1]),
+    )
 
     def rank(i, state):
         later, best, index = state
         k = (n - 1 - i).astype(jnp.int32)
         cost = costs[2 * n + k - 1] - costs[k - 1] - costs[k] + later
         better = cost <= best
-        return (later + costs[n + k] - costs[k], jnp.where(better, cost, best),
-                jnp.where(better, k, index))
+        return (
+            later + costs[n + k] - costs[k],
+            jnp.where(better, cost, best),
+            jnp.where(better, k, index),
+        )
 
-    _, best, index = lax.fori_loop(0, n - 1, rank,
-                                   (jnp.float32(0), jnp.float32(jnp.inf), jnp.int32(0)))
+    _, best, index = lax.fori_loop(
+        0, n - 1, rank, (jnp.float32(0), jnp.float32(jnp.inf), jnp.int32(0))
+    )
     return best, index
 
 
@@ -250,11 +267,17 @@ def _place(i, placement, c: int):
     if c >= 2:
         length = (i - positions[c - 1]).astype(jnp.float32)
         last_closed = (positions[c - 1] - positions[c - 2]).astype(jnp.float32)
-        merge_newest = (_advances_two_slots(last_closed + length)
-                        - _advances_two_slots(last_closed) - _advances_two_slots(length))
+        merge_newest = (
+            _advances_two_slots(last_closed + length)
+            - _advances_two_slots(last_closed)
+            - _advances_two_slots(length)
+        )
         best_closed = placement["eviction_cost"]
-        stored = (_advances_two_slots(length) + _advances_one_slot(length + 1)
-                  + jnp.minimum(best_closed, merge_newest))
+        stored = (
+            _advances_two_slots(length)
+            + _advances_one_slot(length + 1)
+            + jnp.minimum(best_closed, merge_newest)
+        )
         evict_now = (~free) & (stored < _advances_one_slot(2 * length + 1))
         evict = jnp.where(best_closed <= merge_newest, placement["eviction_index"], c - 1)
     else:
@@ -266,8 +289,11 @@ def _place(i, placement, c: int):
 
     def append(placement):
         appended = placement["positions"].at[jnp.minimum(count, c - 1)].set(i)
-        return {**placement, "positions": jnp.where(free, appended, placement["positions"]),
-                "count": count + free.astype(jnp.int32)}
+        return {
+            **placement,
+            "positions": jnp.where(free, appended, placement["positions"]),
+            "count": count + free.astype(jnp.int32),
+        }
 
     def rearrange(placement):
         # free: append at `count`; evicting k: shift k+1.. left, the new one last, in k's
@@ -276,12 +302,18 @@ def _place(i, placement, c: int):
         shifted = jnp.minimum(idx + 1, c - 1)
         new_index = jnp.where(free, count, c - 1)
         moved = (idx >= removed) & (idx < new_index)
-        new_positions = jnp.where(idx == new_index, i,
-                                  jnp.where(moved, positions[shifted], positions))
+        new_positions = jnp.where(
+            idx == new_index, i, jnp.where(moved, positions[shifted], positions)
+        )
         new_order = jnp.where(idx == new_index, slot, jnp.where(moved, order[shifted], order))
         cost, index = _closed_evictions(new_positions, c)
-        return {"positions": new_positions, "order": new_order, "count": jnp.int32(c),
-                "eviction_cost": cost, "eviction_index": index}
+        return {
+            "positions": new_positions,
+            "order": new_order,
+            "count": jnp.int32(c),
+            "eviction_cost": cost,
+            "eviction_index": index,
+        }
 
     placement = lax.cond(evict_now | (free & (count == c - 1)), rearrange, append, placement)
     return store, slot, placement
@@ -297,8 +329,9 @@ def _run(loop, consts, cond_consts, carry):
         i, carry = state
         return i + 1, loop.step(carry, [], consts)[0]
 
-    return lax.while_loop(lambda s: loop.keep_going(s[0], s[1], cond_consts), body,
-                          (jnp.int32(0), carry))[1]
+    return lax.while_loop(
+        lambda s: loop.keep_going(s[0], s[1], cond_consts), body, (jnp.int32(0), carry)
+    )[1]
 
 
 def _run_fwd(loop, consts, cond_consts, carry):
@@ -316,7 +349,8 @@ def _run_fwd(loop, consts, cond_consts, carry):
         return i + 1, loop.step(carry, [], consts)[0], buffers, placement
 
     trips, carry, buffers, placement = lax.while_loop(
-        lambda s: loop.keep_going(s[0], s[1], cond_consts), body,
+        lambda s: loop.keep_going(s[0], s[1], cond_consts),
+        body,
         (jnp.int32(0), carry, buffers, _initial_placement(c)),
     )
     stack = (placement["positions"], placement["order"], placement["count"])
@@ -329,8 +363,10 @@ def _run_bwd(loop, residuals, ct_carry):
     consts_perturbed, n_cond, carry_perturbed, carry_mask = perturbed.value
     c = loop.n_checkpoints
     taped = _TapedStep(loop, _entry(buffers), [], consts, carry_mask, (), consts_perturbed)
-    ct_carry = [_entry_zeros(buf) if is_zero(ct) else ct
-                for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))]
+    ct_carry = [
+        _entry_zeros(buf) if is_zero(ct) else ct
+        for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))
+    ]
     ct_consts = typed_zeros(select(consts, taped.const_mask))
 
     def split_at(held, r, top):
@@ -338,8 +374,9 @@ def _run_bwd(loop, residuals, ct_carry):
         slots = c - top + 1
         length = r + 1 - held
         can = (slots >= 2) & (length >= 2) & (top < c)
-        return jnp.where(can, held + revolve_split(jnp.maximum(length, 2),
-                                                   jnp.maximum(slots, 2)), r + 1)
+        return jnp.where(
+            can, held + revolve_split(jnp.maximum(length, 2), jnp.maximum(slots, 2)), r + 1
+        )
 
     def push(carry, buffers, positions, top, at, do):
         slot = jnp.minimum(top, c - 1)
@@ -366,11 +403,9 @@ def _run_bwd(loop, residuals, ct_carry):
             held, carry, buffers, positions, top = inner
             push_at = split_at(held, r, top)
             target = jnp.minimum(push_at, r)
-            _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance,
-                                         (held, carry, target - 1))
+            _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance, (held, carry, target - 1))
             carry = loop.step(carry, [], consts)[0]
-            return (target, carry, *push(carry, buffers, positions, top, target,
-                                         push_at <= r))
+            return (target, carry, *push(carry, buffers, positions, top, target, push_at <= r))
 
         def sweep_step(inner):
             i, carry, buffers, positions, top = inner
@@ -380,10 +415,14 @@ def _run_bwd(loop, residuals, ct_carry):
         # Splits until the slots cover the steps left, then one step and one push per
         # iteration up to r (once sweeping, revolve keeps sweeping). Two loops in a
         # row, not a lax.cond: a cond would copy the slot buffers.
-        inner = lax.while_loop(lambda inner: (inner[0] < r) & ~sweeping(inner[0], inner[4]),
-                               to_split, (held, carry, buffers, positions, top))
+        inner = lax.while_loop(
+            lambda inner: (inner[0] < r) & ~sweeping(inner[0], inner[4]),
+            to_split,
+            (held, carry, buffers, positions, top),
+        )
         _, carry, buffers, positions, top = lax.while_loop(
-            lambda inner: inner[0] < r, sweep_step, inner)
+            lambda inner: inner[0] < r, sweep_step, inner
+        )
         ct_carry, ct_x, ct_k = taped(carry, [], consts, ct_carry, [])
         del ct_x
         ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
@@ -391,7 +430,8 @@ def _run_bwd(loop, residuals, ct_carry):
         return r - 1, ct_carry, ct_consts, buffers, positions, top
 
     _, ct_carry, ct_consts, _, _, _ = lax.while_loop(
-        lambda state: state[0] >= 0, reverse_step,
+        lambda state: state[0] >= 0,
+        reverse_step,
         (trips - 1, ct_carry, ct_consts, buffers, positions, count),
     )
 

@@ -30,8 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-__all__ = ["Static", "unwrap", "select", "fill", "cotangents", "is_zero", "dense",
-           "is_differentiable", "add"]
+__all__ = [
+    "Static",
+    "unwrap",
+    "select",
+    "fill",
+    "cotangents",
+    "is_zero",
+    "dense",
+    "is_differentiable",
+    "add",
+]
 
 
 @jax.tree_util.register_static
@@ -88,7 +97,9 @@ def dense(ct: Any, like: Any = None) -> Any:
         )
     return jax.tree.map(
         lambda c, x: jnp.zeros(np.shape(x), jnp.result_type(x)) if is_zero(c) else c,
-        ct, like, is_leaf=is_zero,
+        ct,
+        like,
+        is_leaf=is_zero,
     )
 
 

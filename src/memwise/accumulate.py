@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-
 from jax.sharding import PartitionSpec as P
 
 from memwise import knobs
@@ -37,8 +36,7 @@ def _batch_size(batch: Any) -> int:
     if None in sizes or len(sizes) != 1:
         shapes = [jnp.shape(leaf) for leaf in leaves]
         raise ValueError(
-            "every leaf of batch needs the same leading (example) axis, got shapes "
-            f"{shapes}"
+            f"every leaf of batch needs the same leading (example) axis, got shapes {shapes}"
         )
     n = sizes.pop()
     if n == 0:
@@ -138,7 +136,8 @@ def accumulate_grad(
             raise TypeError(
                 f"params{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}: "
                 "every leaf of params is differentiated, so each must be a float array; "
-                "keep integer state (step counters) out of params, e.g. in a closure")
+                "keep integer state (step counters) out of params, e.g. in a closure"
+            )
     split = None if axis_name is not None else row_sharding(batch, None, None, "batch")
     if split is not None:
         # Data parallel: every device accumulates over its own examples, then one pmean.
@@ -148,8 +147,9 @@ def accumulate_grad(
         count = _resolve_microbatches(microbatches, local_n)
 
         def local(params, batch):
-            return accumulate_grad(loss_fn, params, batch, microbatches=count,
-                                   axis_name=axes, has_aux=has_aux)
+            return accumulate_grad(
+                loss_fn, params, batch, microbatches=count, axis_name=axes, has_aux=has_aux
+            )
 
         # aux: every device's micro-batches, device by device (D x microbatches).
         out_specs = ((P(), P(axes)), P()) if has_aux else (P(), P())
@@ -166,7 +166,9 @@ def accumulate_grad(
         grad_sum = jax.tree_util.tree_map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
         return (loss_sum + loss.astype(loss_sum.dtype), grad_sum), aux
 
-    loss_shape = jax.eval_shape(lambda: value_and_grad(params, jax.tree_util.tree_map(lambda a: a[0], stacked)))
+    loss_shape = jax.eval_shape(
+        lambda: value_and_grad(params, jax.tree_util.tree_map(lambda a: a[0], stacked))
+    )
     (loss_struct, _), grad_struct = (
         loss_shape if has_aux else ((loss_shape[0], None), loss_shape[1])
     )

@@ -32,7 +32,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -59,8 +58,7 @@ def _full_rank(arr: jax.Array, name: str, batch: tuple, lq: int, lk: int) -> jax
         full = jnp.broadcast_shapes(arr.shape, batch + (lq, lk))
     except ValueError as e:
         raise ValueError(
-            f"{name} of shape {arr.shape} does not broadcast to (..., Lq, Lk) = "
-            f"{batch + (lq, lk)}"
+            f"{name} of shape {arr.shape} does not broadcast to (..., Lq, Lk) = {batch + (lq, lk)}"
         ) from e
     if full != batch + (lq, lk):
         raise ValueError(f"{name} of shape {arr.shape} would enlarge the output shape")
@@ -177,13 +175,13 @@ def attention(
         (2, 4, 100, 16)
     """
     if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a Python bool (it decides which tiles run), got "
-                        f"{causal!r}; under jit pass it as a static argument")
+        raise TypeError(
+            f"causal must be a Python bool (it decides which tiles run), got "
+            f"{causal!r}; under jit pass it as a static argument"
+        )
     q, k, v = (jnp.asarray(a) for a in (q, k, v))
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
-        raise ValueError(
-            f"q, k, v need shape (..., L, d); got {q.shape}, {k.shape}, {v.shape}"
-        )
+        raise ValueError(f"q, k, v need shape (..., L, d); got {q.shape}, {k.shape}, {v.shape}")
     batch = q.shape[:-2]
     if k.shape[:-2] != batch or v.shape[:-2] != batch:
         raise ValueError(
@@ -211,8 +209,10 @@ def attention(
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.dtype == jnp.bool_:
-            raise TypeError("bias must be a float array added to the scores, got a boolean "
-                            "array; pass boolean masks as mask=")
+            raise TypeError(
+                "bias must be a float array added to the scores, got a boolean "
+                "array; pass boolean masks as mask="
+            )
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             bias = bias.astype(dtype)
         bias = _full_rank(bias, "bias", batch, lq, lk)
@@ -226,16 +226,20 @@ def attention(
     sharding = _attention_sharding(q, mesh, axis_name, shard_dim)
     if sharding is None:
         if ring:
-            raise ValueError("ring=True needs the queries split over devices: pass mesh= "
-                             "(and axis_name=), shard q, or call under jax.set_mesh")
+            raise ValueError(
+                "ring=True needs the queries split over devices: pass mesh= "
+                "(and axis_name=), shard q, or call under jax.set_mesh"
+            )
         return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, None)
     mesh, spec = sharding
     row_axes = spec[-2]
     ringed = None
     if row_axes is not None:
         if ring and (mask is not None or bias is not None):
-            raise ValueError("ring=True does not support mask or bias yet: pass ring=False "
-                             "(k and v whole on every device) or fold the mask into causal")
+            raise ValueError(
+                "ring=True does not support mask or bias yet: pass ring=False "
+                "(k and v whole on every device) or fold the mask into causal"
+            )
         if mask is None and bias is None and use_ring(ring, k, lk, mesh, row_axes, "k"):
             ringed = Ring(row_axes, devices(mesh, row_axes))
     elif ring:
@@ -250,12 +254,13 @@ def attention(
         if row_axes is not None:
             # Causal masking compares global positions: this device's first query.
             offset = lax.axis_index(row_axes).astype(jnp.int32) * q.shape[-2]
-        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, offset,
-                                ringed)
+        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, offset, ringed)
 
     kv_spec = P(*spec[:-2], row_axes if ringed else None, None)
     in_specs = (
-        P(*spec), kv_spec, kv_spec,
+        P(*spec),
+        kv_spec,
+        kv_spec,
         P() if mask is None else pair_spec(mask),
         P() if bias is None else pair_spec(bias),
         P(),
@@ -271,8 +276,10 @@ def _check_scale(scale: Any, d: int) -> jax.Array:
     if isinstance(scale, (bool, np.bool_)):
         raise TypeError(f"scale must be a real scalar, got {scale!r}")
     scale = jnp.asarray(scale)
-    if scale.ndim != 0 or not jnp.issubdtype(scale.dtype, jnp.number) or jnp.issubdtype(
-        scale.dtype, jnp.complexfloating
+    if (
+        scale.ndim != 0
+        or not jnp.issubdtype(scale.dtype, jnp.number)
+        or jnp.issubdtype(scale.dtype, jnp.complexfloating)
     ):
         raise TypeError(
             f"scale must be a real scalar (a float or a 0-d array), got shape {scale.shape} "
@@ -290,8 +297,7 @@ def _pair_bytes(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
     return per_head * int(np.prod(q.shape[:-2], dtype=np.int64))
 
 
-def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset,
-                     ring=None):
+def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset, ring=None):
     """Attention on one device (or per device inside shard_map); ``row_offset`` is the
     global position of the first query (None: 0); with a ``ring``, k and v are this
     device's block."""
@@ -332,7 +338,16 @@ def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset,
 
     tiles = tiling(lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v))
     out, _ = tiled_reduce(
-        tile_fn, q, {"k": k, "v": v}, reduce="softmax", tiles=tiles, pairs=pairs,
-        consts=consts, batch=batch, upcast=True, live=live if causal else None, ring=ring,
+        tile_fn,
+        q,
+        {"k": k, "v": v},
+        reduce="softmax",
+        tiles=tiles,
+        pairs=pairs,
+        consts=consts,
+        batch=batch,
+        upcast=True,
+        live=live if causal else None,
+        ring=ring,
     )
     return out.astype(dtype)

@@ -96,7 +96,8 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list):
             lambda y, a: jnp.sum(
                 jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, 0), 0, dtype=a.dtype
             ),
-            ys, acc,
+            ys,
+            acc,
         )
         return jax.tree.map(jnp.add, acc, ys), None
 
@@ -204,9 +205,7 @@ def _empty_result(f, xs, kind):
 def _prepare_1d(f, xs, chunk_size, kind):
     n = leading_length(xs, "xs")
     try:
-        converted, consts, (xs,), vary_consts = convert(
-            f, (xs,), lambda d: (first_items(d[0]),)
-        )
+        converted, consts, (xs,), vary_consts = convert(f, (xs,), lambda d: (first_items(d[0]),))
     except Exception as e:
         raise _items_failed(xs, e) from e
     chunks = chunking(n, chunk_size, item_bytes=lambda: item_bytes(f, first_items(xs)))
@@ -228,6 +227,7 @@ def _chunked_1d(f, xs, chunk_size, kind, mesh, axis_name, *, follow_data=True):
         return _map_core(spec, xs_leaves, consts)
     mesh, axes = sharded
     check_divisible(leading_length(xs, "xs"), mesh, axes, "xs")
+
     # f is traced inside the shard_map (see pairwise_reduce): the arrays it closes over
     # enter as replicated values.
     def local(xs_local):
@@ -351,6 +351,7 @@ def over_row_chunks(fn: Callable, x_rows: Any, row_tiles: Chunking) -> Any:
         return fn(jax.tree.map(lambda a: row_tiles.block(a, start), x_rows))
 
     # A loop over indices: it never follows a mesh (the rows it slices decide that).
-    blocks = _chunked_1d(one, jnp.arange(row_tiles.n_chunks), 1, "map", None, None,
-                         follow_data=False)
+    blocks = _chunked_1d(
+        one, jnp.arange(row_tiles.n_chunks), 1, "map", None, None, follow_data=False
+    )
     return row_tiles.merge(blocks)

@@ -107,8 +107,15 @@ def _demo_row(name: str, size: str) -> dict:
 def _print_demo_table(rows: Sequence[dict]) -> None:
     from memwise.measure import format_bytes
 
-    header = ("scenario", "naive peak", "memwise peak", "ratio", "constants naive/memwise",
-              "agree", "wall s")
+    header = (
+        "scenario",
+        "naive peak",
+        "memwise peak",
+        "ratio",
+        "constants naive/memwise",
+        "agree",
+        "wall s",
+    )
     cells = [
         (
             r["scenario"],
@@ -139,10 +146,20 @@ def _plot_demo(rows: Sequence[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 1.5 + 0.6 * len(rows)))
     names = [r["scenario"] for r in rows][::-1]
     positions = range(len(names))
-    ax.barh([p + 0.2 for p in positions], [r["naive_peak"] / 2**20 for r in rows][::-1],
-            height=0.4, label="naive JAX", color="tab:gray")
-    ax.barh([p - 0.2 for p in positions], [r["memwise_peak"] / 2**20 for r in rows][::-1],
-            height=0.4, label="memwise", color="tab:blue")
+    ax.barh(
+        [p + 0.2 for p in positions],
+        [r["naive_peak"] / 2**20 for r in rows][::-1],
+        height=0.4,
+        label="naive JAX",
+        color="tab:gray",
+    )
+    ax.barh(
+        [p - 0.2 for p in positions],
+        [r["memwise_peak"] / 2**20 for r in rows][::-1],
+        height=0.4,
+        label="memwise",
+        color="tab:blue",
+    )
     ax.set_yticks(list(positions), names)
     ax.set_xscale("log")
     ax.set_xlabel("compiled peak memory (MiB, log scale)")
@@ -162,9 +179,12 @@ def demo(names: Sequence[str], size: str, plot: str | None) -> int:
             f"unknown scenario(s) {unknown}; choose from {', '.join(scenarios.available())}"
         )
     _check_plot_path(plot)
-    print(f"memwise demo: {len(chosen)} scenario(s) at size {size!r}; compiled peaks from "
-          "XLA memory_analysis() (arrays baked into a program as constants are listed "
-          "apart), results checked against the naive program", flush=True)
+    print(
+        f"memwise demo: {len(chosen)} scenario(s) at size {size!r}; compiled peaks from "
+        "XLA memory_analysis() (arrays baked into a program as constants are listed "
+        "apart), results checked against the naive program",
+        flush=True,
+    )
     rows = []
     for i, name in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {name} ...", flush=True)
@@ -201,10 +221,14 @@ def load_factory(spec: str) -> tuple[Any, tuple, dict]:
             module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         missing = error.name or str(error)
-        fix = ("run memwise from the folder that holds it, or pass path/to/file.py:FACTORY"
-               if module_name.split(".")[0] == missing.split(".")[0]
-               else f"{module_name} imports it: install it")
-        raise UsageError(f"cannot import {module_name!r}: no module named {missing!r}; {fix}") from None
+        fix = (
+            "run memwise from the folder that holds it, or pass path/to/file.py:FACTORY"
+            if module_name.split(".")[0] == missing.split(".")[0]
+            else f"{module_name} imports it: install it"
+        )
+        raise UsageError(
+            f"cannot import {module_name!r}: no module named {missing!r}; {fix}"
+        ) from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise UsageError(f"{module_name} has no function {factory_name!r}")
@@ -222,8 +246,10 @@ def _static_options(args: tuple, kwargs: dict) -> dict:
     import jax
 
     def holds_array(value: Any) -> bool:
-        return any(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-                   for leaf in jax.tree_util.tree_leaves(value))
+        return any(
+            hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+            for leaf in jax.tree_util.tree_leaves(value)
+        )
 
     return {
         "static_argnums": tuple(i for i, a in enumerate(args) if not holds_array(a)),
@@ -231,8 +257,14 @@ def _static_options(args: tuple, kwargs: dict) -> dict:
     }
 
 
-def report(spec: str, grad: bool, as_json: bool, plot: str | None,
-           budget: str | None = None, timeline: bool = False) -> int:
+def report(
+    spec: str,
+    grad: bool,
+    as_json: bool,
+    plot: str | None,
+    budget: str | None = None,
+    timeline: bool = False,
+) -> int:
     from memwise.fit import MemoryBudgetError, fit
     from memwise.measure import memory_report, parse_budget
 
@@ -304,24 +336,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p_demo = commands.add_parser("demo", help="naive JAX vs memwise on every scenario")
     p_demo.add_argument("names", nargs="*", help="scenarios (default: all)")
-    p_demo.add_argument("--size", choices=("default", "report", "seed"), default="default",
-                        help="'report' (or its older name 'seed') uses the sizes of the "
-                             "original user reports (slow)")
+    p_demo.add_argument(
+        "--size",
+        choices=("default", "report", "seed"),
+        default="default",
+        help="'report' (or its older name 'seed') uses the sizes of the "
+        "original user reports (slow)",
+    )
     p_demo.add_argument("--plot", metavar="PATH", help="write a bar chart of the table")
 
     p_report = commands.add_parser("report", help="memory report of MODULE:FACTORY")
-    p_report.add_argument("factory", metavar="MODULE:FACTORY",
-                          help="zero-argument function returning (fn, args) or (fn, args, "
-                               "kwargs); arguments that hold no arrays are static")
+    p_report.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="zero-argument function returning (fn, args) or (fn, args, "
+        "kwargs); arguments that hold no arrays are static",
+    )
     p_report.add_argument("--grad", action="store_true", help="report jax.grad(fn)")
     p_report.add_argument("--json", action="store_true", help="print JSON")
-    p_report.add_argument("--plot", metavar="PATH", help="bar chart of the largest residuals "
-                                                         "(with --timeline: the timeline)")
-    p_report.add_argument("--timeline", action="store_true",
-                          help="live memory along the compiled schedule: the peak step and "
-                               "the buffers alive there")
-    p_report.add_argument("--budget", help="fit fn's 'auto' knobs to this budget "
-                                           "(e.g. 2GiB, '2.5 GB', 1e9)")
+    p_report.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="bar chart of the largest residuals (with --timeline: the timeline)",
+    )
+    p_report.add_argument(
+        "--timeline",
+        action="store_true",
+        help="live memory along the compiled schedule: the peak step and the buffers alive there",
+    )
+    p_report.add_argument(
+        "--budget", help="fit fn's 'auto' knobs to this budget (e.g. 2GiB, '2.5 GB', 1e9)"
+    )
 
     p_bench = commands.add_parser("bench", help="run benchmarks/ and regenerate BENCHMARKS.md")
     p_bench.add_argument("names", nargs="*", help="benchmarks (default: all)")
@@ -332,8 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return demo(args.names, args.size, args.plot)
         if args.command == "report":
-            return report(args.factory, args.grad, args.json, args.plot, args.budget,
-                          args.timeline)
+            return report(args.factory, args.grad, args.json, args.plot, args.budget, args.timeline)
         return bench(args.names, args.quick)
     except UsageError as error:
         print(f"memwise {args.command}: {error}", file=sys.stderr)

@@ -121,7 +121,7 @@ def _measure(repeats: int) -> Machine:
             return v * 0.999 + jnp.sum(jnp.exp(v - top), axis=1, keepdims=True) * 1e-6
 
         run = jax.jit(lambda v, n=passes, f=reduce_rows: lax.fori_loop(0, n, f, v))
-        seconds = _best_time(lambda: run(block), repeats)
+        seconds = _best_time(lambda run=run, block=block: run(block), repeats)
         bandwidth.append((size, 3 * size * passes / seconds))
 
     # A loop body like a tile step (slice a block by the loop index, a small product, a
@@ -140,8 +140,9 @@ def _measure(repeats: int) -> Machine:
     loop = jax.jit(lambda carry: lax.fori_loop(0, 2048, step, carry))
     body_ops = _operations(jax.jit(step).lower(0, data).compile())
     overhead = _best_time(lambda: loop(data), repeats) / 2048 / body_ops
-    return Machine(f"{jax.default_backend()}/{device.device_kind}", flops_per_s,
-                   tuple(bandwidth), overhead)
+    return Machine(
+        f"{jax.default_backend()}/{device.device_kind}", flops_per_s, tuple(bandwidth), overhead
+    )
 
 
 _MACHINES: dict[str, Machine] = {}
@@ -170,9 +171,12 @@ def machine() -> Machine:
         try:
             with open(path) as f:
                 data = json.load(f)
-            found = Machine(data["key"], float(data["flops_per_s"]),
-                            tuple((int(s), float(r)) for s, r in data["bandwidth"]),
-                            float(data["op_overhead_s"]))
+            found = Machine(
+                data["key"],
+                float(data["flops_per_s"]),
+                tuple((int(s), float(r)) for s, r in data["bandwidth"]),
+                float(data["op_overhead_s"]),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             found = None  # an unreadable cache is measured again and rewritten
     if found is None:
@@ -191,9 +195,15 @@ def machine() -> Machine:
 def _operations(compiled: Any) -> int:
     """Instructions of a compiled program's entry computation (its launches per call)."""
     text = compiled.as_text() or ""
-    entry = text[text.find("\nENTRY"):] if "\nENTRY" in text else text
-    return max(1, sum(1 for line in entry.splitlines() if " = " in line and
-                      " parameter(" not in line and " constant(" not in line))
+    entry = text[text.find("\nENTRY") :] if "\nENTRY" in text else text
+    return max(
+        1,
+        sum(
+            1
+            for line in entry.splitlines()
+            if " = " in line and " parameter(" not in line and " constant(" not in line
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,11 +232,18 @@ def compiled_cost(fn: Callable, *args: Any) -> Cost:
         analysis = analysis[0] if analysis else {}
     analysis = analysis or {}
     memory = compiled.memory_analysis()
-    working_set = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                   + memory.temp_size_in_bytes) if memory is not None else 0
+    working_set = (
+        (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes)
+        if memory is not None
+        else 0
+    )
     bytes_accessed = float(analysis.get("bytes accessed", 0.0))
-    return Cost(float(analysis.get("flops", 0.0)), bytes_accessed, _operations(compiled),
-                float(working_set or bytes_accessed))
+    return Cost(
+        float(analysis.get("flops", 0.0)),
+        bytes_accessed,
+        _operations(compiled),
+        float(working_set or bytes_accessed),
+    )
 
 
 def tile_time(cost: Cost, tiles: int, machine: Machine) -> float:

@@ -123,7 +123,7 @@ class _TileSpec:
 
     def tile(self, leaves: Sequence[list], row_ids, col_ids):
         rows, cols, pairs, consts = (
-            jax.tree.unflatten(t, l) for t, l in zip(self.trees, leaves)
+            jax.tree.unflatten(tree, flat) for tree, flat in zip(self.trees, leaves)
         )
         return self.tile_fn(rows, cols, pairs, consts, row_ids, col_ids)
 
@@ -154,8 +154,9 @@ def _expand(a: jax.Array, ndim: int) -> jax.Array:
     return a.reshape(a.shape + (1,) * (ndim - a.ndim))
 
 
-def _pair_blocks(rows: Chunking, cols: Chunking, pairs: list, i_start, j_start,
-                 lead: Sequence[int] | None = None) -> list:
+def _pair_blocks(
+    rows: Chunking, cols: Chunking, pairs: list, i_start, j_start, lead: Sequence[int] | None = None
+) -> list:
     """The tile of each pair operand at ``(i_start, j_start)``, no copy.
 
     A pair's row and column axes sit after its ``lead`` batch dims; an axis of size 1
@@ -206,8 +207,7 @@ def _finish(reduce: str, first, stats):
     return (out.astype(v_type.dtype), lse.astype(s_type.dtype)), (out, lse)
 
 
-def _row_pass(spec: _TileSpec, first, rows, cols_c, col_ids, col_valid, pairs, consts,
-              row_ids):
+def _row_pass(spec: _TileSpec, first, rows, cols_c, col_ids, col_valid, pairs, consts, row_ids):
     """Reduce one row block over all column tiles (the forward pass of one row block).
 
     ``first`` is the tile's output type. Returns the statistics :func:`_finish` turns
@@ -261,28 +261,28 @@ def _row_pass(spec: _TileSpec, first, rows, cols_c, col_ids, col_valid, pairs, c
             s, vals = out
             # Widened inside the fused exp/sum only; the tile itself stays as produced.
             s = jnp.where(c_valid[None, :], s, -jnp.inf).astype(acc_dtype)
-            m, l, acc = state
+            m, denom, acc = state
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             shift = _safe_max(m_new)
             p = jnp.exp(s - shift[:, None])
             scale = jnp.exp(m - shift)
-            l = l * scale + jnp.sum(p, axis=1)
+            denom = denom * scale + jnp.sum(p, axis=1)
             acc = acc * _expand(scale, acc.ndim).astype(acc.dtype) + jnp.tensordot(
                 p, vals.astype(acc.dtype), 1
             )
-            return (m_new, l, acc)
+            return (m_new, denom, acc)
         s = out
         valid = _expand(c_valid[None, :], s.ndim)
         if reduce == "sum":
             return state + jnp.sum(jnp.where(valid, s, 0), axis=1, dtype=acc_dtype)
         if reduce == "logsumexp":
-            m, l = state
+            m, denom = state
             s = jnp.where(valid, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1).astype(acc_dtype))
             shift = _safe_max(m_new)
             p = jnp.exp(s.astype(acc_dtype) - jnp.expand_dims(shift, 1))
-            l = l * jnp.exp(m - shift) + jnp.sum(p, axis=1)
-            return (m_new, l)
+            denom = denom * jnp.exp(m - shift) + jnp.sum(p, axis=1)
+            return (m_new, denom)
         m, arg = state
         s = jnp.where(valid, s, -jnp.inf)
         # jnp.argmax / jnp.max semantics: the first NaN wins and propagates.
@@ -296,11 +296,11 @@ def _row_pass(spec: _TileSpec, first, rows, cols_c, col_ids, col_valid, pairs, c
     if reduce in ("sum", "max"):
         return state
     if reduce == "logsumexp":
-        m, l = state
-        return _safe_max(m) + jnp.log(l)
-    m, l, acc = state
-    lse = _safe_max(m) + jnp.log(l)
-    return acc / _expand(jnp.where(l > 0, l, 1.0), acc.ndim), lse
+        m, denom = state
+        return _safe_max(m) + jnp.log(denom)
+    m, denom, acc = state
+    lse = _safe_max(m) + jnp.log(denom)
+    return acc / _expand(jnp.where(denom > 0, denom, 1.0), acc.ndim), lse
 
 
 def _problem_forward(spec: _TileSpec, first, rows, cols, pairs, consts):
@@ -313,8 +313,7 @@ def _problem_forward(spec: _TileSpec, first, rows, cols, pairs, consts):
 
     def one_row_block(inp):
         row_blk, r_ids = inp
-        return _row_pass(spec, first, row_blk, cols_c, col_ids, col_valid, pairs, consts,
-                         r_ids)
+        return _row_pass(spec, first, row_blk, cols_c, col_ids, col_valid, pairs, consts, r_ids)
 
     out = lax.map(one_row_block, (rows_c, jnp.asarray(R.ids())))
     return R.merge(out)
@@ -399,7 +398,7 @@ def _backward(spec, values, residual, flags, ct, running=None):
     # ...) copied q once more), and cotangents are written in place into padded carries;
     # slots past the end are masked (zero cotangent), then sliced off.
     def padded(a, chunks, dtype):
-        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1:]
+        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1 :]
         return vary(jnp.zeros(shape, dtype), axes)
 
     def pair_accumulator(p, k):
@@ -508,15 +507,16 @@ def _backward(spec, values, residual, flags, ct, running=None):
         return d_rows, d_cols, d_pairs, d_consts
 
     def finish(cts, primal_group):
-        return [c.astype(p.dtype) for c, p in zip(psum_replicated(cts, primal_group),
-                                                  primal_group)]
+        return [c.astype(p.dtype) for c, p in zip(psum_replicated(cts, primal_group), primal_group)]
 
-    d_rows = finish([lax.slice_in_dim(a, 0, R.length, axis=nb) for a in d_rows],
-                    select(primals[0], row_f))
-    d_cols = finish([lax.slice_in_dim(a, 0, C.length, axis=nb) for a in d_cols],
-                    select(primals[1], col_f))
+    d_rows = finish(
+        [lax.slice_in_dim(a, 0, R.length, axis=nb) for a in d_rows], select(primals[0], row_f)
+    )
+    d_cols = finish(
+        [lax.slice_in_dim(a, 0, C.length, axis=nb) for a in d_cols], select(primals[1], col_f)
+    )
     d_pairs = [
-        lax.slice(a, (0,) * a.ndim, p.shape[:k] + p.shape[k:k + 2] + a.shape[k + 2:])
+        lax.slice(a, (0,) * a.ndim, p.shape[:k] + p.shape[k : k + 2] + a.shape[k + 2 :])
         for a, p, k in zip(d_pairs, select(pairs, pair_f), select(lead, pair_f))
     ]
     primal_pairs = select(primals[2], pair_f)
@@ -640,8 +640,9 @@ def _combine(reduce: str, a, b):
         (va, ia), (vb, ib) = a, b
         # jnp.max/argmax over the union: the larger value, the first index on ties, and
         # the first NaN wins (blocks arrive in ring order, not column order).
-        better = (vb > va) | ((vb == va) & (ib < ia)) | (
-            jnp.isnan(vb) & (~jnp.isnan(va) | (ib < ia)))
+        better = (
+            (vb > va) | ((vb == va) & (ib < ia)) | (jnp.isnan(vb) & (~jnp.isnan(va) | (ib < ia)))
+        )
         return jnp.where(better, vb, va), jnp.where(better, ib, ia)
     (oa, la), (ob, lb) = a, b
     lse = jnp.logaddexp(la, lb)
@@ -698,7 +699,7 @@ def _ring_core_bwd(spec, ring, res, ct):
     block_flags = (row_f, col_f, pair_f, const_f + (False,))
 
     def padded(a, chunks):
-        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1:]
+        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1 :]
         return jnp.zeros(shape, accumulation_dtype(a.dtype))
 
     def step(carry, i):
@@ -708,7 +709,11 @@ def _ring_core_bwd(spec, ring, res, ct):
         # The global argmax as an index into this block (out of range: another block's).
         res_b = residual - offset if spec.reduce == "max" else residual
         d_rows, d_blk, _, d_consts = _backward(
-            spec, (rows, blk, pairs, [*consts, offset]), res_b, block_flags, ct,
+            spec,
+            (rows, blk, pairs, [*consts, offset]),
+            res_b,
+            block_flags,
+            ct,
             running=(d_rows, d_blk, [], d_consts),
         )
         return (in_flight, _rotate(d_blk, ring), d_rows, d_consts), None  # d_blk follows
@@ -726,8 +731,12 @@ def _ring_core_bwd(spec, ring, res, ct):
             cts = [lax.slice_in_dim(c, 0, chunks.length, axis=nb) for c in cts]
         return cotangents(f, [c.astype(p.dtype) for c, p in zip(cts, select(group, f))])
 
-    return (finish(d_rows, rows, row_f, R), finish(d_blk, cols, col_f, C),
-            cotangents(pair_f, []), finish(d_consts, consts, const_f))
+    return (
+        finish(d_rows, rows, row_f, R),
+        finish(d_blk, cols, col_f, C),
+        cotangents(pair_f, []),
+        finish(d_consts, consts, const_f),
+    )
 
 
 _ring_core.defvjp(_ring_core_fwd, _ring_core_bwd, symbolic_zeros=True)
@@ -741,8 +750,7 @@ def _item_length(tree: Any, batch: tuple, arg: str) -> int:
             raise ValueError(
                 f"every leaf of {arg} needs leading batch dims {batch}, got {np.shape(leaf)}"
             )
-    items = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[nb:], jnp.result_type(a)),
-                         tree)
+    items = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[nb:], jnp.result_type(a)), tree)
     return leading_length(items, arg)
 
 
@@ -840,13 +848,21 @@ def tiled_reduce(
         pair_batch.append(ps[:nb])
     flat = [jax.tree.flatten(t) for t in (rows, cols, pairs, consts)]
     spec = _TileSpec(
-        tile_fn, reduce, tiles, tuple(tree for _, tree in flat), batch, tuple(pair_batch),
-        upcast, vary_consts, live,
+        tile_fn,
+        reduce,
+        tiles,
+        tuple(tree for _, tree in flat),
+        batch,
+        tuple(pair_batch),
+        upcast,
+        vary_consts,
+        live,
     )
     leaves = [[jnp.asarray(a) for a in lv] for lv, _ in flat]
     if ring is None:
         return _tiled_core(spec, *leaves)
     if leaves[2]:
-        raise ValueError("pairs (masks, biases) are not supported with a ring; replicate "
-                         "the columns instead")
+        raise ValueError(
+            "pairs (masks, biases) are not supported with a ring; replicate the columns instead"
+        )
     return _ring_core(_ring_spec(spec), ring, *leaves)

@@ -80,8 +80,12 @@ _POLICY_COST = (1.0, 1.15, 1.2, 1.34)
 def _with_policy(f: Callable, label: str, source: str | None = None) -> Callable:
     """``f`` under the remat policy a plan gives the knob ``label`` (a ``policy`` knob)."""
     choice = knobs.auto(
-        "policy", candidates=tuple(POLICIES), cost=_POLICY_COST,
-        default="everything_saveable", label=label, source=source,
+        "policy",
+        candidates=tuple(POLICIES),
+        cost=_POLICY_COST,
+        default="everything_saveable",
+        label=label,
+        source=source,
     )
     return _apply_policy(f, choice)
 
@@ -235,7 +239,7 @@ def _pressure_levels(
 
 # Compiled memory of every plan tried, per function and argument signature, shared by all
 # fits of the same function: a plan verified under one budget serves every larger budget.
-_MEMORY: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
+_MEMORY: weakref.WeakKeyDictionary[Callable, dict] = weakref.WeakKeyDictionary()
 
 
 def _memory_cache(fn: Callable, key: Any) -> dict[tuple[int, ...], measure.CompiledMemory]:
@@ -247,7 +251,7 @@ def _memory_cache(fn: Callable, key: Any) -> dict[tuple[int, ...], measure.Compi
 
 
 def _where(fn: Callable) -> str:
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
     return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
@@ -258,10 +262,16 @@ def _check_reached(found: Sequence[knobs.Knob], reached: Sequence[knobs.Knob]) -
 _SAME_KNOBS_FIX = (
     "fn must reach the same 'auto' knobs, from the same lines, on every trace: do not "
     "choose them from Python state that changes between calls, nor cache their results "
-    "outside JAX (functools.cache)." + ("" if knobs.CACHES_KEYED_ON_PLAN else (
-        f" jax {jax.__version__} has no jax.make_user_context, so a jax.jit or "
-        "jax.checkpoint helper traced earlier keeps the knobs of that trace: upgrade jax, "
-        "or call the helper's undecorated function inside fn."))
+    "outside JAX (functools.cache)."
+    + (
+        ""
+        if knobs.CACHES_KEYED_ON_PLAN
+        else (
+            f" jax {jax.__version__} has no jax.make_user_context, so a jax.jit or "
+            "jax.checkpoint helper traced earlier keeps the knobs of that trace: upgrade jax, "
+            "or call the helper's undecorated function inside fn."
+        )
+    )
 )
 
 
@@ -304,8 +314,11 @@ class _Signature:
         if indices not in self.trials:
             peak = self.memory[indices].peak_bytes
             self.trials[indices] = Trial(
-                indices, tuple(k.candidates[i] for k, i in zip(self.layout, indices)), peak,
-                _predicted_cost(self.layout, indices), peak <= self.budget_bytes,
+                indices,
+                tuple(k.candidates[i] for k, i in zip(self.layout, indices)),
+                peak,
+                _predicted_cost(self.layout, indices),
+                peak <= self.budget_bytes,
             )
             if self.verbose:
                 self.say(self.trials[indices], "compiled" if compiled_now else "known")
@@ -315,10 +328,13 @@ class _Signature:
         """One line per plan for ``fit(verbose=True)``: knobs, peak vs budget, cost."""
         knob_text = ", ".join(f"{k.kind}={v!s}" for k, v in zip(self.layout, trial.values))
         verdict = "fits" if trial.fits else "over"
-        print(f"mw.fit: {how} plan {self.compilations}/{self.max_compilations}: "
-              f"{knob_text or 'no knobs'} -> peak {measure.format_bytes(trial.peak_bytes)} "
-              f"vs budget {measure.format_bytes(self.budget_bytes)} ({verdict}), "
-              f"predicted time {trial.cost:.2f}x", flush=True)
+        print(
+            f"mw.fit: {how} plan {self.compilations}/{self.max_compilations}: "
+            f"{knob_text or 'no knobs'} -> peak {measure.format_bytes(trial.peak_bytes)} "
+            f"vs budget {measure.format_bytes(self.budget_bytes)} ({verdict}), "
+            f"predicted time {trial.cost:.2f}x",
+            flush=True,
+        )
 
     def tuning_candidates(self, count: int) -> list[tuple[int, ...]]:
         """The ``count`` fastest predicted plans among those known to fit and the leaner
@@ -328,7 +344,7 @@ class _Signature:
         pool = {t.indices: t.cost for t in self.trials.values() if t.fits}
         for k, knob in enumerate(self.layout):
             for index in range(best.indices[k] + 1, len(knob.candidates)):
-                candidate = best.indices[:k] + (index,) + best.indices[k + 1:]
+                candidate = best.indices[:k] + (index,) + best.indices[k + 1 :]
                 if candidate not in self.trials:
                     pool[candidate] = _predicted_cost(self.layout, candidate)
         return sorted(pool, key=lambda i: (pool[i], i))[:count]
@@ -404,8 +420,20 @@ class _Signature:
 class Fitted:
     """``fn`` with its ``"auto"`` knobs chosen to meet a memory budget. See :func:`fit`."""
 
-    def __init__(self, fn, budget, argnums, grad, policies, max_compilations, static,
-                 verbose=False, tune=False, tune_plans=3, tune_runs=5):
+    def __init__(
+        self,
+        fn,
+        budget,
+        argnums,
+        grad,
+        policies,
+        max_compilations,
+        static,
+        verbose=False,
+        tune=False,
+        tune_plans=3,
+        tune_runs=5,
+    ):
         self.fn = fn
         self.verbose = verbose
         self.tune, self.tune_plans, self.tune_runs = tune, tune_plans, tune_runs
@@ -430,8 +458,11 @@ class Fitted:
     # the program under a plan ---------------------------------------------------------
 
     def _program(
-        self, indices: Sequence[int] | None, layout: Sequence[knobs.Knob] | None = None,
-        sink: list | None = None, cache_key: Any = None,
+        self,
+        indices: Sequence[int] | None,
+        layout: Sequence[knobs.Knob] | None = None,
+        sink: list | None = None,
+        cache_key: Any = None,
     ) -> Callable:
         """``fn`` under a plan; ``cache_key=None`` traces every helper again (see knobs)."""
         fn, policies = self.fn, self.policies
@@ -454,8 +485,12 @@ class Fitted:
         found: list[knobs.Knob] = []
         # Checks the arguments (static ones, argnums) before anything is compiled.
         program, args, kwargs, _ = _arguments.prepare(
-            self._program(None, None, found), args, kwargs, grad=self.grad,
-            argnums=self.argnums, **self._static,
+            self._program(None, None, found),
+            args,
+            kwargs,
+            grad=self.grad,
+            argnums=self.argnums,
+            **self._static,
         )
         with _arguments.static_hint(self.fn):
             jax.eval_shape(program, *args, **kwargs)
@@ -468,8 +503,12 @@ class Fitted:
         for attempt in range(attempts):
             reached: list[knobs.Knob] = []
             memory = measure.compiled_memory(
-                self._program(indices, state.layout, reached), *state.args, grad=self.grad,
-                argnums=self.argnums, **self._static, **state.kwargs,
+                self._program(indices, state.layout, reached),
+                *state.args,
+                grad=self.grad,
+                argnums=self.argnums,
+                **self._static,
+                **state.kwargs,
             )
             if _check_reached(state.layout, reached):
                 return memory
@@ -478,8 +517,7 @@ class Fitted:
         missing = {k.source for k in state.layout} - {k.source for k in reached}
         raise RuntimeError(
             f"mw.fit could not apply its plan: the 'auto' knobs at {sorted(missing)} were "
-            f"reached when fn was first traced but not when it was traced again. "
-            + _SAME_KNOBS_FIX
+            f"reached when fn was first traced but not when it was traced again. " + _SAME_KNOBS_FIX
         )
 
     def _planned_program(self, state: _Signature) -> Callable:
@@ -519,8 +557,11 @@ class Fitted:
         if state is None:
             abstract_args, abstract_kwargs = _arguments.abstract(args, kwargs, *static)
             state = _Signature(
-                abstract_args, abstract_kwargs, self._knobs_of(abstract_args, abstract_kwargs),
-                self.budget_bytes, self.max_compilations,
+                abstract_args,
+                abstract_kwargs,
+                self._knobs_of(abstract_args, abstract_kwargs),
+                self.budget_bytes,
+                self.max_compilations,
                 _memory_cache(self.fn, (key, self.grad, self.argnums, self.policies)),
                 verbose=self.verbose,
             )
@@ -536,8 +577,16 @@ class Fitted:
                 PlanEntry(k.kind, k.label, k.source, k.candidates[i], i, len(k.candidates))
                 for k, i in zip(state.layout, chosen.indices)
             )
-            state.plan = Plan(entries, chosen.peak_bytes, chosen.cost, self.budget_bytes,
-                              state.compilations, timed, tuning_compilations, runs)
+            state.plan = Plan(
+                entries,
+                chosen.peak_bytes,
+                chosen.cost,
+                self.budget_bytes,
+                state.compilations,
+                timed,
+                tuning_compilations,
+                runs,
+            )
         self._last = state
         return state
 
@@ -548,20 +597,25 @@ class Fitted:
         ``tune_runs`` times after a warm-up, the plans interleaved round by round.
         """
         static_positions, static_names = _arguments.static_arguments(
-            self.fn, args, kwargs, **self._static)
+            self.fn, args, kwargs, **self._static
+        )
         data_args, data_kwargs = _example_data(args, kwargs, static_positions, static_names)
         executables, compilations = {}, 0
         for indices in state.tuning_candidates(self.tune_plans):
             compiled, memory = measure.compile_measured(
-                self._program(indices, state.layout), *args, grad=self.grad,
-                argnums=self.argnums, **self._static, **kwargs,
+                self._program(indices, state.layout),
+                *args,
+                grad=self.grad,
+                argnums=self.argnums,
+                **self._static,
+                **kwargs,
             )
             compilations += 1
             if memory.peak_bytes <= state.budget_bytes:
                 executables[indices] = compiled
                 if indices not in state.memory:
                     state.memory[indices] = memory
-                    state.trial(indices, lambda _: memory)
+                    state.trial(indices, lambda _, memory=memory: memory)
         samples: dict[tuple, list[float]] = {i: [] for i in executables}
         runs = 0
         for round_ in range(self.tune_runs + 1):  # round 0 warms up
@@ -578,8 +632,10 @@ class Fitted:
         timed = tuple((state.trials[i].values, medians[i]) for i in ranked)
         if self.verbose:
             for values, seconds in timed:
-                print(f"mw.fit: timed {values}: {seconds * 1e3:.2f} ms (median of "
-                      f"{self.tune_runs})", flush=True)
+                print(
+                    f"mw.fit: timed {values}: {seconds * 1e3:.2f} ms (median of {self.tune_runs})",
+                    flush=True,
+                )
         return state.trials[ranked[0]], timed, compilations, runs
 
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
@@ -598,8 +654,11 @@ class Fitted:
         detail = f"{dominant} ({measure.format_bytes(parts[dominant])})"
         if self.grad and dominant != "arguments":
             residuals = measure.residuals(  # traced, not compiled
-                self._program(leanest, state.layout), *state.args, argnums=self.argnums,
-                **self._static, **state.kwargs,
+                self._program(leanest, state.layout),
+                *state.args,
+                argnums=self.argnums,
+                **self._static,
+                **state.kwargs,
             )
             if residuals:
                 top = residuals[0]
@@ -607,8 +666,12 @@ class Fitted:
                     f"; the largest residual is {measure.format_bytes(top.nbytes)} "
                     f"({top.dtype}{list(top.shape)}) from {top.source}"
                 )
-        knob_text = ", ".join(f"{k.kind}={k.candidates[i]!s} at {k.source}"
-                              for k, i in zip(state.layout, leanest)) or "no 'auto' knobs"
+        knob_text = (
+            ", ".join(
+                f"{k.kind}={k.candidates[i]!s} at {k.source}" for k, i in zip(state.layout, leanest)
+            )
+            or "no 'auto' knobs"
+        )
         budget, peak = self.budget_bytes, memory.peak_bytes
         raise MemoryBudgetError(
             f"no plan fits the budget of {measure.format_bytes(budget)} ({budget:,} B): the "
@@ -646,8 +709,9 @@ class Fitted:
     def report_for(self, *args: Any, **kwargs: Any) -> measure.MemoryReport:
         """Memory report of the chosen program for arguments of these shapes."""
         program = self._planned_program(self._planned(args, kwargs))
-        return measure.memory_report(program, *args, grad=self.grad, argnums=self.argnums,
-                                     **self._static, **kwargs)
+        return measure.memory_report(
+            program, *args, grad=self.grad, argnums=self.argnums, **self._static, **kwargs
+        )
 
     def plan_text(self, *args: Any, **kwargs: Any) -> str:
         """The plan for arguments of these shapes, as text."""
@@ -671,10 +735,10 @@ def _example_data(args: tuple, kwargs: dict, static_positions, static_names):
             return jax.random.normal(sub, shape, dtype)
         return jnp.zeros(shape, dtype)
 
-    data_args = tuple(None if i in static_positions else jax.tree.map(concrete, a)
-                      for i, a in enumerate(args))
-    data_kwargs = {k: jax.tree.map(concrete, v) for k, v in kwargs.items()
-                   if k not in static_names}
+    data_args = tuple(
+        None if i in static_positions else jax.tree.map(concrete, a) for i, a in enumerate(args)
+    )
+    data_kwargs = {k: jax.tree.map(concrete, v) for k, v in kwargs.items() if k not in static_names}
     return data_args, data_kwargs
 
 
@@ -738,12 +802,19 @@ def fit(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    for name, flag in (("grad", grad), ("policies", policies), ("verbose", verbose),
-                       ("tune", tune)):
+    for name, flag in (
+        ("grad", grad),
+        ("policies", policies),
+        ("verbose", verbose),
+        ("tune", tune),
+    ):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if (isinstance(max_compilations, bool) or not isinstance(max_compilations, int)
-            or max_compilations < 2):
+    if (
+        isinstance(max_compilations, bool)
+        or not isinstance(max_compilations, int)
+        or max_compilations < 2
+    ):
         raise ValueError(f"max_compilations must be an int >= 2, got {max_compilations!r}")
     nums = _arguments.index_tuple(argnums, "argnums")
     if not nums:
@@ -757,5 +828,6 @@ def fit(
         )
     static = {"static_argnums": static_argnums, "static_argnames": static_argnames}
     argnums = argnums if isinstance(argnums, int) else nums
-    return Fitted(fn, budget, argnums, grad, policies, max_compilations, static,
-                  verbose=verbose, tune=tune)
+    return Fitted(
+        fn, budget, argnums, grad, policies, max_compilations, static, verbose=verbose, tune=tune
+    )

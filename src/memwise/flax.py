@@ -41,8 +41,7 @@ def _collections(filter_: Any) -> tuple[str, ...]:
     if isinstance(filter_, (tuple, list)) and all(isinstance(c, str) for c in filter_):
         return tuple(filter_)
     raise TypeError(
-        f"variable_broadcast must be a collection name or a tuple of names, got "
-        f"{filter_!r}"
+        f"variable_broadcast must be a collection name or a tuple of names, got {filter_!r}"
     )
 
 
@@ -78,21 +77,19 @@ def _core_scan(
     def axes_for(args):
         axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
         if len(axes) != len(args):
-            raise ValueError(
-                f"in_axes has {len(axes)} entries for {len(args)} scanned arguments"
-            )
+            raise ValueError(f"in_axes has {len(axes)} entries for {len(args)} scanned arguments")
         for axis in axes:
             if axis is not axes_scan.broadcast and not isinstance(axis, int):
                 raise TypeError(
-                    f"in_axes entries must be ints or nn.broadcast (one per argument), "
-                    f"got {axis!r}"
+                    f"in_axes entries must be ints or nn.broadcast (one per argument), got {axis!r}"
                 )
         return axes
 
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, init, *args):
         axes = axes_for(args)
         scanned = tuple(
-            None if axis is axes_scan.broadcast
+            None
+            if axis is axes_scan.broadcast
             else jax.tree_util.tree_map(lambda a, ax=axis: jnp.moveaxis(a, ax, 0), arg)
             for arg, axis in zip(args, axes)
         )
@@ -125,8 +122,14 @@ def _core_scan(
             return carry, y
 
         carry, ys = _mw_scan(
-            body, init, (scanned, split), length=n, checkpoints=checkpoints,
-            schedule=schedule, reverse=reverse, unroll=unroll,
+            body,
+            init,
+            (scanned, split),
+            length=n,
+            checkpoints=checkpoints,
+            schedule=schedule,
+            reverse=reverse,
+            unroll=unroll,
         )
         if not isinstance(out_axes, int):
             raise TypeError(f"out_axes must be an int, got {out_axes!r}")

@@ -182,7 +182,8 @@ def recording(
     token = _RECORDER.set(recorder)
     keyed = (
         _PLAN_CONTEXT(fresh_cache_key() if cache_key is None else cache_key)
-        if _PLAN_CONTEXT is not None else contextlib.nullcontext()
+        if _PLAN_CONTEXT is not None
+        else contextlib.nullcontext()
     )
     try:
         with keyed:

@@ -42,26 +42,41 @@ def _parser() -> argparse.ArgumentParser:
         "over 127.0.0.1).",
     )
     p.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
-    p.add_argument("--cpu-devices", type=int, default=None,
-                   help="host (CPU) devices per process (XLA_FLAGS); default: XLA's own")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="host (CPU) devices per process (XLA_FLAGS); default: XLA's own",
+    )
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds before every process is stopped (exit status 124)")
-    p.add_argument("--init-timeout", type=int, default=60,
-                   help="seconds each process waits for the others to join")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds before every process is stopped (exit status 124)",
+    )
+    p.add_argument(
+        "--init-timeout",
+        type=int,
+        default=60,
+        help="seconds each process waits for the others to join",
+    )
     p.add_argument("script", help="the Python program every process runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     return p
 
 
-def _child(process_id: int, n: int, address: str, init_timeout: int, script: str,
-           args: list[str]) -> None:
+def _child(
+    process_id: int, n: int, address: str, init_timeout: int, script: str, args: list[str]
+) -> None:
     import jax
 
     # Collectives between CPU processes (accelerators use their own).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=address, num_processes=n, process_id=process_id,
+        coordinator_address=address,
+        num_processes=n,
+        process_id=process_id,
         initialization_timeout=init_timeout,
     )
     sys.argv = [script, *args]
@@ -101,15 +116,24 @@ def main(argv: list[str] | None = None) -> int:
         if opts.cpu_devices < 1:
             raise SystemExit("memwise.launch: --cpu-devices must be >= 1")
         env["XLA_FLAGS"] = (
-            env.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={opts.cpu_devices}"
+            env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={opts.cpu_devices}"
         ).strip()
         env.setdefault("JAX_PLATFORMS", "cpu")
     address = f"127.0.0.1:{opts.port or _free_port()}"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "memwise.launch", "--child", str(i), str(opts.processes),
-             address, str(opts.init_timeout), opts.script, *opts.args],
+            [
+                sys.executable,
+                "-m",
+                "memwise.launch",
+                "--child",
+                str(i),
+                str(opts.processes),
+                address,
+                str(opts.init_timeout),
+                opts.script,
+                *opts.args,
+            ],
             env=env,
         )
         for i in range(opts.processes)

@@ -104,8 +104,9 @@ class _Apply:
         return of_diff
 
 
-def _convert(f: Callable, point: _Skeleton, point_leaves: list, inputs: _Skeleton,
-             input_leaves: list) -> tuple[Callable, list]:
+def _convert(
+    f: Callable, point: _Skeleton, point_leaves: list, inputs: _Skeleton, input_leaves: list
+) -> tuple[Callable, list]:
     """``f`` as a function of (point leaves, operands) and its closed-over arrays
     (``jax.closure_convert``, as every memwise custom VJP does)."""
 
@@ -144,10 +145,7 @@ def _value(spec: _Apply, point_leaves, new_leaves, operands):
 def _check_new_params(point: _Skeleton, point_leaves: list, new_params: Any) -> list:
     """The array leaves of ``new_params``, checked against the expansion point's."""
     new_leaves, new_static = _split(new_params)
-    if (
-        new_static.treedef != point.treedef
-        or new_static.is_dynamic != point.is_dynamic
-    ):
+    if new_static.treedef != point.treedef or new_static.is_dynamic != point.is_dynamic:
         raise ValueError(
             "new_params must have the structure of the linearization point: expected "
             f"{point.treedef}, got {new_static.treedef}"
@@ -165,9 +163,7 @@ def _check_new_params(point: _Skeleton, point_leaves: list, new_params: Any) -> 
         for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]
         if not _is_array(leaf)
     ]
-    for path, old, new in zip(
-        static_paths, point.static_leaves, new_static.static_leaves
-    ):
+    for path, old, new in zip(static_paths, point.static_leaves, new_static.static_leaves):
         if not _same_static(old, new):
             raise ValueError(
                 f"new_params{path} is {new!r} where the linearization point has "
@@ -190,11 +186,11 @@ def _apply_fwd(spec, point_leaves, new_leaves, operands):
     if any(point_flags) or any(operand_flags):
         # The point, the inputs or arrays f closes over are differentiated too: the
         # exact vjp of the jvp.
-        out, full_vjp = jax.vjp(functools.partial(_value, spec), point_leaves, new_leaves,
-                                operands)
+        out, full_vjp = jax.vjp(functools.partial(_value, spec), point_leaves, new_leaves, operands)
         return out, (Static(True), full_vjp)
     return _value(spec, point_leaves, new_leaves, operands), (
-        Static(False), (point_leaves, operands)
+        Static(False),
+        (point_leaves, operands),
     )
 
 
@@ -205,8 +201,7 @@ def _apply_bwd(spec, residuals, cotangent):
         return data(cotangent)
     point_leaves, operands = data
     # lin is linear in new_params: its vjp is J^T ct at the linearization point.
-    _, f_vjp = jax.vjp(spec.of_point(point_leaves, operands),
-                       select(point_leaves, spec.diff_mask))
+    _, f_vjp = jax.vjp(spec.of_point(point_leaves, operands), select(point_leaves, spec.diff_mask))
     (diff_cotangent,) = f_vjp(cotangent)
     return (
         [None] * len(point_leaves),
@@ -373,18 +368,21 @@ class TaylorExpanded:
         point = self._leaves
         primal = select(point, diff_mask)
         # The tangent in the parameters' own dtype, as the jvp requires.
-        tangent = [jnp.asarray(n, p.dtype) - p for n, p in zip(select(new_leaves, diff_mask), primal)]
+        tangent = [
+            jnp.asarray(n, p.dtype) - p for n, p in zip(select(new_leaves, diff_mask), primal)
+        ]
 
         def g(diff_leaves):
-            return self.f(self._static.rebuild(fill(point, diff_mask, diff_leaves)), *inputs,
-                          **kwargs)
+            return self.f(
+                self._static.rebuild(fill(point, diff_mask, diff_leaves)), *inputs, **kwargs
+            )
 
         terms = _taylor_terms(g, primal, tangent, self.degree)
         total = terms[0]
         for order, term in enumerate(terms[1:], start=1):
             scale = 1.0 / math.factorial(order)
             total = jax.tree_util.tree_map(
-                lambda a, b: a + (b * scale).astype(b.dtype), total, term
+                lambda a, b, scale=scale: a + (b * scale).astype(b.dtype), total, term
             )
         return total
 

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise import _arguments, _jax_private, timeline as _timeline
+from memwise import _arguments, _jax_private
+from memwise import timeline as _timeline
 from memwise._display import _pyplot, check_plot_path, format_bytes  # noqa: F401 - re-exported
 
 __all__ = [
@@ -146,8 +147,9 @@ def compile_measured(
     the program is also to be run, so it is compiled once. ``static_argnums`` and
     ``static_argnames`` are those of ``jax.jit``.
     """
-    lowered, constant_bytes = _lower(fn, args, kwargs, grad, argnums, static_argnums,
-                                     static_argnames)
+    lowered, constant_bytes = _lower(
+        fn, args, kwargs, grad, argnums, static_argnums, static_argnames
+    )
     return _compile(lowered, constant_bytes)
 
 
@@ -161,7 +163,12 @@ def _compile(lowered: Any, constant_bytes: int) -> tuple[Any, CompiledMemory]:
 def _lower(fn, args, kwargs, grad, argnums, static_argnums, static_argnames):
     """(``jax.stages.Lowered``, bytes of baked-in constants) of the measured program."""
     fn, args, kwargs, nums = _arguments.prepare(
-        fn, args, kwargs, grad=grad, argnums=argnums, static_argnums=static_argnums,
+        fn,
+        args,
+        kwargs,
+        grad=grad,
+        argnums=argnums,
+        static_argnums=static_argnums,
         static_argnames=static_argnames,
     )
     with _arguments.static_hint(fn):
@@ -199,8 +206,13 @@ def compiled_memory(
         True
     """
     return compile_measured(
-        fn, *args, grad=grad, argnums=argnums, static_argnums=static_argnums,
-        static_argnames=static_argnames, **kwargs,
+        fn,
+        *args,
+        grad=grad,
+        argnums=argnums,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        **kwargs,
     )[1]
 
 
@@ -292,7 +304,9 @@ def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
         groups.setdefault(source, []).append((aval, what))
     residuals = []
     for source, members in groups.items():
-        sizes = [int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a, _ in members]
+        sizes = [
+            int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a, _ in members
+        ]
         largest = members[int(np.argmax(sizes))][0]
         whats = sorted({w for _, w in members if w})
         residuals.append(
@@ -330,7 +344,12 @@ def residuals(
         [('cos', (8,), 32)]
     """
     fn, args, kwargs, nums = _arguments.prepare(
-        fn, args, kwargs, grad=True, argnums=argnums, static_argnums=static_argnums,
+        fn,
+        args,
+        kwargs,
+        grad=True,
+        argnums=argnums,
+        static_argnums=static_argnums,
         static_argnames=static_argnames,
     )
     with _arguments.static_hint(fn):
@@ -340,17 +359,34 @@ def residuals(
 # ----------------------------------------------------------------------------------------
 # Budgets
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
-_BUDGET_FORMS = ("bytes as an int (1 << 30) or a string ('8GiB', '2.5 GB', '512MB', '1e9', "
-         "'1,000,000', '1_000_000'), or a fraction of device memory in (0, 1] such as 0.8")
+_BUDGET_FORMS = (
+    "bytes as an int (1 << 30) or a string ('8GiB', '2.5 GB', '512MB', '1e9', "
+    "'1,000,000', '1_000_000'), or a fraction of device memory in (0, 1] such as 0.8"
+)
 
 # A number (thousands separated by ',' or '_' allowed, decimals, an exponent), then a unit.
 _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+(?:_\d+)*)(?:\.\d*)?|\.\d+"
-_BUDGET_RE = re.compile(rf"\s*(?P<sign>[+-]?)\s*(?P<number>(?:{_NUMBER})(?:[eE][+-]?\d+)?)"
-                        r"\s*(?P<unit>[a-zA-Z]*)\s*")
+_BUDGET_RE = re.compile(
+    rf"\s*(?P<sign>[+-]?)\s*(?P<number>(?:{_NUMBER})(?:[eE][+-]?\d+)?)"
+    r"\s*(?P<unit>[a-zA-Z]*)\s*"
+)
 
 
 def host_memory_bytes() -> int:
@@ -477,8 +513,11 @@ class MemoryReport(CompiledMemory):
 
     def to_dict(self) -> dict:
         """JSON-ready dict of every field."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if not f.name.startswith("_")}
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not f.name.startswith("_")
+        }
         out["residuals"] = [dataclasses.asdict(r) for r in self.residuals]
         out["residual_bytes"] = self.residual_bytes
         return out
@@ -526,8 +565,11 @@ class MemoryReport(CompiledMemory):
                 ]
                 header = ("kept", "n", "largest", "op", "source")
                 widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-                fmt = "  {:>%d}  {:>%d}  {:<%d}  {:<%d}  {}" % tuple(widths[:4])
-                lines.append(f"  residuals kept for the backward pass ({format_bytes(self.residual_bytes)} in all):")
+                a, b, c, d = widths[:4]
+                fmt = f"  {{:>{a}}}  {{:>{b}}}  {{:<{c}}}  {{:<{d}}}  {{}}"
+                lines.append(
+                    f"  residuals kept for the backward pass ({format_bytes(self.residual_bytes)} in all):"
+                )
                 lines.append(fmt.format(*header))
                 lines.extend(fmt.format(*row) for row in rows)
                 hidden = len(self.residuals) - max_rows
@@ -597,8 +639,9 @@ def memory_report(
         >>> print(report.to_text())  # doctest: +SKIP
     """
     static = {"static_argnums": static_argnums, "static_argnames": static_argnames}
-    lowered, constant_bytes = _lower(fn, args, kwargs, grad, argnums, static_argnums,
-                                     static_argnames)
+    lowered, constant_bytes = _lower(
+        fn, args, kwargs, grad, argnums, static_argnums, static_argnames
+    )
     memory = _compile(lowered, constant_bytes)[1]
     return MemoryReport(
         name=getattr(fn, "__name__", type(fn).__name__),

@@ -137,7 +137,10 @@ def _cosine(xi: Array, yj: Array) -> Array:
 
 
 _BUILTIN_COSTS: dict[str, CostFn] = {
-    "sqeuclidean": _sqeuclidean, "euclidean": _euclidean, "cosine": _cosine}
+    "sqeuclidean": _sqeuclidean,
+    "euclidean": _euclidean,
+    "cosine": _cosine,
+}
 _COSTS = tuple(_BUILTIN_COSTS)
 
 
@@ -177,8 +180,10 @@ _reverse_only_p = Primitive("memwise_ot_reverse_only")
 _reverse_only_p.def_impl(lambda value: value)
 _reverse_only_p.def_abstract_eval(lambda value: value)
 mlir.register_lowering(_reverse_only_p, lambda ctx, value: [value])
-batching.primitive_batchers[_reverse_only_p] = (
-    lambda args, dims: (_reverse_only_p.bind(*args), dims[0]))
+batching.primitive_batchers[_reverse_only_p] = lambda args, dims: (
+    _reverse_only_p.bind(*args),
+    dims[0],
+)
 ad.primitive_jvps[_reverse_only_p] = lambda primals, tangents: (
     _reverse_only_p.bind(primals[0]),
     tangents[0] if type(tangents[0]) is ad.Zero else _tangent_p.bind(tangents[0]),
@@ -231,21 +236,37 @@ def _placement(x: Array, y: Array, tiles: Tiling) -> _Placed:
         raise ValueError(
             "mw.ot does not run split over a mesh with Explicit axes yet: make the mesh "
             "with Auto axes (jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))) "
-            "and place x and y on it with jax.device_put(x, NamedSharding(mesh, P(axis)))")
+            "and place x and y on it with jax.device_put(x, NamedSharding(mesh, P(axis)))"
+        )
     if x.shape[0] % devices(mesh, axes) or y.shape[0] % devices(mesh, axes):
         return _Placed(tiles)
     return _Placed(tiles, mesh, axes)
 
 
-def _softmin(cost: CostFn, consts: tuple, x: Array, y: Array, log_weights: Array,
-             eps: Array, chunk_size: Any, *, axis: int = 1) -> Array:
+def _softmin(
+    cost: CostFn,
+    consts: tuple,
+    x: Array,
+    y: Array,
+    log_weights: Array,
+    eps: Array,
+    chunk_size: Any,
+    *,
+    axis: int = 1,
+) -> Array:
     """``-eps log sum_j exp(log_weights_j - C(x_i, y_j) / eps)`` for every ``i``.
 
     ``axis=0`` reduces over ``i`` instead (``log_weights`` then index ``x``).
     """
-    return -eps * pairwise_reduce(lambda xi, yj: -cost(xi, yj, *consts) / eps, x, y,
-                                  reduce="logsumexp", weights=log_weights,
-                                  axis=axis, **_placed(chunk_size))
+    return -eps * pairwise_reduce(
+        lambda xi, yj: -cost(xi, yj, *consts) / eps,
+        x,
+        y,
+        reduce="logsumexp",
+        weights=log_weights,
+        axis=axis,
+        **_placed(chunk_size),
+    )
 
 
 def _safe_log(weights: Array) -> Array:
@@ -262,6 +283,7 @@ def _default_epsilon(cost, consts, x, y, chunk_size) -> Array:
     the costs stays about 1e-4 of epsilon. With every cost equal (one point, or all
     points in one place) any epsilon gives the exact answer, ``C``; OTT's 0 gives NaN.
     """
+
     def mean_over_pairs(fn):
         total = pairwise_reduce(fn, x, y, reduce="sum", **_placed(chunk_size))
         return jnp.sum(total) / float(x.shape[0] * y.shape[0])
@@ -280,20 +302,25 @@ def _kernel_apply(cost, consts, x, y, eps, chunk_size, left, right, vector, *, a
     cannot weigh. Their exponents are <= ~0; the clip at 80 only keeps the extension of
     a potential to zero-weight points from overflowing.
     """
+
     def entry(xi, yj):
         exponent = xi[1] + yj[1] - cost(xi[0], yj[0], *consts) / eps
         return jnp.exp(jnp.minimum(exponent, 80.0))
 
-    return pairwise_reduce(entry, (x, left), (y, right), reduce="sum", weights=vector,
-                           axis=axis, **_placed(chunk_size))
+    return pairwise_reduce(
+        entry, (x, left), (y, right), reduce="sum", weights=vector, axis=axis, **_placed(chunk_size)
+    )
 
 
 def _start_epsilon(cost, consts, x, y, chunk_size, scaling) -> Array | None:
     """Where epsilon annealing starts: the largest cost (None: no annealing)."""
     if scaling is None:
         return None
-    return jnp.max(pairwise_reduce(lambda xi, yj: cost(xi, yj, *consts), x, y,
-                                   reduce="max", **_placed(chunk_size)))
+    return jnp.max(
+        pairwise_reduce(
+            lambda xi, yj: cost(xi, yj, *consts), x, y, reduce="max", **_placed(chunk_size)
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -322,21 +349,28 @@ def _marginal_error(weights, log_ratio):
     return jnp.where(jnp.all(jnp.isfinite(log_ratio)), error, jnp.nan)
 
 
-def _loop(body, f, g, g_next, eps, eps_start, scaling, threshold,
-          max_iterations) -> _Loop:
+def _loop(body, f, g, g_next, eps, eps_start, scaling, threshold, max_iterations) -> _Loop:
     """Run ``body`` until converged at the target epsilon, NaN, or max_iterations."""
+
     def keep_going(state: _Loop):
         at_target = _schedule(state.iteration - 1, eps, eps_start, scaling) <= eps
         converged = at_target & (state.error < threshold) & (state.iteration > 0)
         return (state.iteration < max_iterations) & ~converged & ~jnp.isnan(state.error)
 
-    init = _Loop(jnp.zeros((), jnp.int32), f, g, g_next, jnp.asarray(jnp.inf, f.dtype),
-                 -jnp.ones((max_iterations,), f.dtype))
+    init = _Loop(
+        jnp.zeros((), jnp.int32),
+        f,
+        g,
+        g_next,
+        jnp.asarray(jnp.inf, f.dtype),
+        -jnp.ones((max_iterations,), f.dtype),
+    )
     return jax.lax.while_loop(keep_going, body, init)
 
 
-def _solve(cost, consts, x, y, a, b, eps, g_init, *, chunk_size, max_iterations,
-           threshold, scaling):
+def _solve(
+    cost, consts, x, y, a, b, eps, g_init, *, chunk_size, max_iterations, threshold, scaling
+):
     """Alternating log-domain updates; returns ``(f, g, errors, n_iterations, error,
     mass)``, ``mass`` the total mass of the plan of the returned ``(f, g)``.
 
@@ -354,17 +388,20 @@ def _solve(cost, consts, x, y, a, b, eps, g_init, *, chunk_size, max_iterations,
         g_next = _softmin(cost, consts, x, y, log_a + f / eps_k, eps_k, chunk_size, axis=0)
         # A traced epsilon <= 0 cannot be rejected up front: it shows as a NaN error.
         error = jnp.where(eps > 0, _marginal_error(b, (g - g_next) / eps_k), jnp.nan)
-        return _Loop(state.iteration + 1, f, g, g_next, error,
-                     state.errors.at[state.iteration].set(error))
+        return _Loop(
+            state.iteration + 1, f, g, g_next, error, state.errors.at[state.iteration].set(error)
+        )
 
-    out = _loop(body, jnp.zeros_like(a), g_init, g_init, eps, eps_start, scaling,
-                threshold, max_iterations)
+    out = _loop(
+        body, jnp.zeros_like(a), g_init, g_init, eps, eps_start, scaling, threshold, max_iterations
+    )
     mass = jnp.sum(a)  # f = T_b(g) exactly: the plan's rows sum to a
     return out.f, out.g, out.errors, out.iteration, out.error, mass
 
 
-def _solve_symmetric(cost, consts, x, a, eps, f_init, *, chunk_size, max_iterations,
-                     threshold, scaling):
+def _solve_symmetric(
+    cost, consts, x, a, eps, f_init, *, chunk_size, max_iterations, threshold, scaling
+):
     """Averaged updates ``f <- (f + T_a(f)) / 2`` for OT(a, a) (Feydy et al. Eq. 25).
 
     The error is the L1 error of both marginals of ``(f, f)`` (as OTT-JAX measures
@@ -382,16 +419,36 @@ def _solve_symmetric(cost, consts, x, a, eps, f_init, *, chunk_size, max_iterati
         # g carries the row mass of (f, f), needed for reg_ot_cost when the loop stops.
         mass = jnp.sum(jnp.where(a > 0, a * jnp.exp((f - t) / eps_k), 0.0))
         f_next = jnp.where(done, f, 0.5 * (f + t))
-        return _Loop(state.iteration + 1, f_next, jnp.broadcast_to(mass, (1,)), t, error,
-                     state.errors.at[state.iteration].set(error))
+        return _Loop(
+            state.iteration + 1,
+            f_next,
+            jnp.broadcast_to(mass, (1,)),
+            t,
+            error,
+            state.errors.at[state.iteration].set(error),
+        )
 
-    out = _loop(body, f_init, jnp.zeros((1,), a.dtype), f_init, eps, eps_start, scaling,
-                threshold, max_iterations)
+    out = _loop(
+        body,
+        f_init,
+        jnp.zeros((1,), a.dtype),
+        f_init,
+        eps,
+        eps_start,
+        scaling,
+        threshold,
+        max_iterations,
+    )
     converged_at_stop = out.error < threshold
     # When the loop ran out of iterations the last f was averaged after its mass was
     # measured; the mass of the returned f is then only known to within the error.
-    return out.f, out.errors, out.iteration, out.error, jnp.where(
-        converged_at_stop, out.g[0], jnp.sum(a))
+    return (
+        out.f,
+        out.errors,
+        out.iteration,
+        out.error,
+        jnp.where(converged_at_stop, out.g[0], jnp.sum(a)),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -430,8 +487,17 @@ def _reg_ot_cost_bwd(cost, chunk_size, residuals, cotangent):
     # vector that keep its total are meaningful, and the potentials' free additive
     # constant would otherwise leak into the gradient. Centring projects onto them.
     zeros = jnp.zeros_like
-    return (dx, dy, da - jnp.mean(da), db - jnp.mean(db), deps, dconsts, zeros(f),
-            zeros(g), zeros(mass))
+    return (
+        dx,
+        dy,
+        da - jnp.mean(da),
+        db - jnp.mean(db),
+        deps,
+        dconsts,
+        zeros(f),
+        zeros(g),
+        zeros(mass),
+    )
 
 
 _reg_ot_cost.defvjp(_reg_ot_cost_fwd, _reg_ot_cost_bwd)
@@ -466,8 +532,10 @@ def _potentials_bwd(cost, chunk_size, max_steps, residuals, cotangents):
     log_a, log_b = _safe_log(a), _safe_log(b)
 
     def transport(x, y, eps, consts):  # (T_b(g), T_a(f)) as functions of the data
-        return (_softmin(cost, consts, x, y, log_b + g / eps, eps, chunk_size),
-                _softmin(cost, consts, x, y, log_a + f / eps, eps, chunk_size, axis=0))
+        return (
+            _softmin(cost, consts, x, y, log_b + g / eps, eps, chunk_size),
+            _softmin(cost, consts, x, y, log_a + f / eps, eps, chunk_size, axis=0),
+        )
 
     (t_b, t_a), pullback = jax.vjp(transport, x, y, eps, consts)
     kernel = functools.partial(_kernel_apply, cost, consts, x, y, eps, chunk_size)
@@ -478,26 +546,30 @@ def _potentials_bwd(cost, chunk_size, max_steps, residuals, cotangents):
     v_f, v_g = v_f - nu * a, v_g + nu * b
     on_a, on_b = a > 0, b > 0
     out_f, out_g = jnp.where(on_a, 0.0, v_f), jnp.where(on_b, 0.0, v_g)
-    rhs = (jnp.where(on_a, v_f - kernel(log_pf, t_a / eps, out_g, axis=1), 0.0),  # S^T
-           jnp.where(on_b, v_g - kernel(t_b / eps, log_pg, out_f, axis=0), 0.0))  # R^T
+    rhs = (
+        jnp.where(on_a, v_f - kernel(log_pf, t_a / eps, out_g, axis=1), 0.0),  # S^T
+        jnp.where(on_b, v_g - kernel(t_b / eps, log_pg, out_f, axis=0), 0.0),
+    )  # R^T
 
     def plan_system(w):
-        return (r * w[0] + kernel(log_pf, log_pg, w[1], axis=1),
-                c * w[1] + kernel(log_pf, log_pg, w[0], axis=0))
+        return (
+            r * w[0] + kernel(log_pf, log_pg, w[1], axis=1),
+            c * w[1] + kernel(log_pf, log_pg, w[0], axis=0),
+        )
 
     def jacobi(w):
         return jnp.where(r > 0, w[0] / r, 0.0), jnp.where(c > 0, w[1] / c, 0.0)
 
-    (w_f, w_g), _ = cg(plan_system, rhs, M=jacobi, maxiter=max_steps,
-                       tol=_CG_RTOL[jnp.dtype(f.dtype).name])
+    (w_f, w_g), _ = cg(
+        plan_system, rhs, M=jacobi, maxiter=max_steps, tol=_CG_RTOL[jnp.dtype(f.dtype).name]
+    )
     lam_f, lam_g = jnp.where(on_a, r * w_f, v_f), jnp.where(on_b, c * w_g, v_g)
     dx, dy, deps, dconsts = pullback((lam_f, lam_g))
     # d T_a(f)_j / d a_i = -eps exp((f_i + T_a(f)_j - C_ij) / eps), finite at a_i = 0.
     da = -eps * kernel(f / eps, t_a / eps, lam_g, axis=1) - nu * f
     db = -eps * kernel(t_b / eps, g / eps, lam_f, axis=0) + nu * g
     zeros = jnp.zeros_like
-    return (dx, dy, da - jnp.mean(da), db - jnp.mean(db), deps, dconsts, zeros(f),
-            zeros(g))
+    return (dx, dy, da - jnp.mean(da), db - jnp.mean(db), deps, dconsts, zeros(f), zeros(g))
 
 
 _potentials.defvjp(_potentials_fwd, _potentials_bwd)
@@ -522,14 +594,14 @@ class _Problem(NamedTuple):
     mass_rtol: float  # relative mismatch of sum(a), sum(b) that is only rounding
 
 
-def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
-             epsilon_scaling) -> _Problem:
+def _prepare(
+    x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling
+) -> _Problem:
     _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
     x, y = _check_points("x", x), _check_points("y", y)
     where = (x, y)  # before the casts: the inputs' own sharding decides the placement
     if x.shape[1] != y.shape[1]:
-        raise ValueError(
-            f"x and y must have the same dimension: x is {x.shape}, y is {y.shape}")
+        raise ValueError(f"x and y must have the same dimension: x is {x.shape}, y is {y.shape}")
     dtype = jnp.result_type(x.dtype, y.dtype)
     # Half-precision potentials cannot resolve C / epsilon (bfloat16 keeps 8 bits):
     # solve in float32, return in `dtype`.
@@ -547,19 +619,27 @@ def _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
             raise ValueError(
                 f"a and b must have the same total for balanced OT, got sum(a) = "
                 f"{total_a:.6g} and sum(b) = {total_b:.6g}; normalise both (a / a.sum(), "
-                "b / b.sum()), or leave them None for uniform weights")
+                "b / b.sum()), or leave them None for uniform weights"
+            )
     cost_fn, consts = _resolve_cost(cost, x, y)
     # One tiling (one "auto" knob for memwise.fit) serves every pass of the call: the
     # solves, the backward and the divergence's self terms (their sizes clipped).
-    chunk = _placement(*where, tiling(
-        x.shape[0], y.shape[0], chunk_size,
-        pair_bytes=lambda: item_bytes(lambda xi, yj: cost_fn(xi, yj, *consts),
-                                      first_items(x), first_items(y)),
-    ))
+    chunk = _placement(
+        *where,
+        tiling(
+            x.shape[0],
+            y.shape[0],
+            chunk_size,
+            pair_bytes=lambda: item_bytes(
+                lambda xi, yj: cost_fn(xi, yj, *consts), first_items(x), first_items(y)
+            ),
+        ),
+    )
     if epsilon is None:
         stopped = jax.lax.stop_gradient((consts, x, y))
         eps = jax.lax.stop_gradient(
-            _default_epsilon(cost_fn, stopped[0], stopped[1], stopped[2], chunk))
+            _default_epsilon(cost_fn, stopped[0], stopped[1], stopped[2], chunk)
+        )
     else:
         eps = jnp.asarray(epsilon, work)
     x, y, a, b, consts, eps = _reverse_mode_only((x, y, a, b, consts, eps))
@@ -576,16 +656,19 @@ def _check_options(epsilon, max_iterations, threshold, epsilon_scaling):
         if eps_value.shape != () or not np.isfinite(eps_value) or eps_value <= 0:
             raise ValueError(
                 f"epsilon must be a positive finite scalar (or None for 0.05 x std of the "
-                f"cost matrix), got {epsilon!r}")
+                f"cost matrix), got {epsilon!r}"
+            )
     if not isinstance(max_iterations, (int, np.integer)) or max_iterations < 1:
         raise ValueError(f"max_iterations must be an int >= 1, got {max_iterations!r}")
     if not np.isscalar(threshold) or not threshold > 0:
         raise ValueError(f"threshold must be a positive float, got {threshold!r}")
     if epsilon_scaling is not None and not (
-            np.isscalar(epsilon_scaling) and 0 < epsilon_scaling < 1):
+        np.isscalar(epsilon_scaling) and 0 < epsilon_scaling < 1
+    ):
         raise ValueError(
             "epsilon_scaling must be None (plain Sinkhorn) or a float in (0, 1), the "
-            f"factor epsilon shrinks by per iteration (e.g. 0.5); got {epsilon_scaling!r}")
+            f"factor epsilon shrinks by per iteration (e.g. 0.5); got {epsilon_scaling!r}"
+        )
 
 
 def _check_points(name: str, points: Any) -> Array:
@@ -593,13 +676,14 @@ def _check_points(name: str, points: Any) -> Array:
     if points.ndim != 2:
         raise ValueError(
             f"{name} must be a [num_points, dim] array, got shape {points.shape}; "
-            f"reshape 1-D data with {name}[:, None]")
+            f"reshape 1-D data with {name}[:, None]"
+        )
     if points.shape[0] == 0:
         raise ValueError(f"{name} has no points (shape {points.shape})")
     if not jnp.issubdtype(points.dtype, jnp.floating):
         raise TypeError(
-            f"{name} must hold floats, got {points.dtype}; convert with "
-            f"{name}.astype(jnp.float32)")
+            f"{name} must hold floats, got {points.dtype}; convert with {name}.astype(jnp.float32)"
+        )
     if _is_concrete(points) and not np.all(np.isfinite(np.asarray(points))):
         raise ValueError(f"{name} contains NaN or infinite coordinates; drop those points")
     return points
@@ -611,7 +695,8 @@ def _check_weights(name: str, weights: Any, size: int, dtype) -> Array:
     weights = jnp.asarray(weights)
     if weights.shape != (size,):
         raise ValueError(
-            f"{name} must have shape ({size},) (one weight per point), got {weights.shape}")
+            f"{name} must have shape ({size},) (one weight per point), got {weights.shape}"
+        )
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         raise TypeError(f"{name} must hold floats, got {weights.dtype}")
     if _is_concrete(weights):
@@ -639,11 +724,13 @@ def _resolve_cost(cost: str | CostFn, x: Array, y: Array) -> tuple[Callable, tup
     except Exception as err:  # re-raised with the contract
         raise TypeError(
             "cost must be a function of two points (arrays of shape [dim]) returning a "
-            f"scalar; calling it on x[0], y[0] failed: {err}") from err
+            f"scalar; calling it on x[0], y[0] failed: {err}"
+        ) from err
     if getattr(out, "shape", None) != ():
         raise TypeError(
             f"cost must return a scalar for two points, it returned shape "
-            f"{getattr(out, 'shape', type(out))}")
+            f"{getattr(out, 'shape', type(out))}"
+        )
     # Closed-over arrays (a learned metric, ...) become explicit arguments, so the
     # custom vjp can return their gradient and the solver loop can stop it.
     converted, consts = jax.closure_convert(cost, x[0], y[0])
@@ -655,10 +742,18 @@ def _resolve_cost(cost: str | CostFn, x: Array, y: Array) -> tuple[Callable, tup
 
 
 def sinkhorn(
-    x: Array, y: Array, a: Array | None = None, b: Array | None = None, *,
-    epsilon: float | Array | None = None, cost: str | CostFn = "sqeuclidean",
-    chunk_size: ChunkSize = "auto", max_iterations: int = 2000, threshold: float = 1e-3,
-    epsilon_scaling: float | None = None, init: tuple[Array, Array] | None = None,
+    x: Array,
+    y: Array,
+    a: Array | None = None,
+    b: Array | None = None,
+    *,
+    epsilon: float | Array | None = None,
+    cost: str | CostFn = "sqeuclidean",
+    chunk_size: ChunkSize = "auto",
+    max_iterations: int = 2000,
+    threshold: float = 1e-3,
+    epsilon_scaling: float | None = None,
+    init: tuple[Array, Array] | None = None,
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds, in chunked memory.
 
@@ -711,8 +806,7 @@ def sinkhorn(
         True
         >>> grad_x = jax.grad(lambda x: mw.ot.sinkhorn(x, y, epsilon=0.1).reg_ot_cost)(x)
     """
-    p = _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
-                 epsilon_scaling)
+    p = _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling)
     n, m = p.x.shape[0], p.y.shape[0]
     if init is None:
         g_init = jnp.zeros((m,), p.x.dtype)
@@ -721,14 +815,22 @@ def sinkhorn(
         if jnp.shape(f0) != (n,) or jnp.shape(g_init) != (m,):
             raise ValueError(
                 f"init must be (f, g) of shapes ({n},), ({m},), got "
-                f"{jnp.shape(f0)}, {jnp.shape(g_init)}")
+                f"{jnp.shape(f0)}, {jnp.shape(g_init)}"
+            )
         g_init = jnp.asarray(g_init, p.x.dtype)
-    return _in_dtype(_sinkhorn(p, g_init, max_iterations=max_iterations,
-                               threshold=threshold, epsilon_scaling=epsilon_scaling), p.dtype)
+    return _in_dtype(
+        _sinkhorn(
+            p,
+            g_init,
+            max_iterations=max_iterations,
+            threshold=threshold,
+            epsilon_scaling=epsilon_scaling,
+        ),
+        p.dtype,
+    )
 
 
-def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold,
-              epsilon_scaling) -> SinkhornResult:
+def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold, epsilon_scaling) -> SinkhornResult:
     # Unequal totals have no balanced plan: traced weights (concrete ones raised in
     # _prepare) make the problem NaN, so it reports converged=False. A rounding-level
     # mismatch would keep the column error from falling below it: b takes a's total.
@@ -738,27 +840,48 @@ def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold,
     eps = jnp.where(balanced & (p.eps > 0), p.eps, jnp.nan)
     b = p.b * jax.lax.stop_gradient(total_a / total_b)
     sx, sy, sa, sb, seps, sconsts, sg = jax.lax.stop_gradient(
-        (p.x, p.y, p.a, b, eps, p.consts, g_init))
+        (p.x, p.y, p.a, b, eps, p.consts, g_init)
+    )
     f, g, errors, n_iterations, error, mass = _solve(
-        p.cost, sconsts, sx, sy, sa, sb, seps, sg, chunk_size=p.chunk,
-        max_iterations=max_iterations, threshold=threshold, scaling=epsilon_scaling)
+        p.cost,
+        sconsts,
+        sx,
+        sy,
+        sa,
+        sb,
+        seps,
+        sg,
+        chunk_size=p.chunk,
+        max_iterations=max_iterations,
+        threshold=threshold,
+        scaling=epsilon_scaling,
+    )
     # The potentials' free constant (f + t, g - t) is fixed by <a, f> = <b, g>: so they
     # are a function of the inputs, with a derivative.
     shift = (jnp.sum(sb * g) - jnp.sum(sa * f)) / (jnp.sum(sa) + jnp.sum(sb))
     f, g = f + shift, g - shift
     reg = _reg_ot_cost(p.cost, p.chunk, p.x, p.y, p.a, b, eps, p.consts, f, g, mass)
-    f, g = _potentials(p.cost, p.chunk, max_iterations, p.x, p.y, p.a, b, eps, p.consts,
-                       f, g)
+    f, g = _potentials(p.cost, p.chunk, max_iterations, p.x, p.y, p.a, b, eps, p.consts, f, g)
     return _result(p, f, g, reg, error, threshold, n_iterations, errors)
 
 
-def _self_transport(p: _Problem, x, a, *, max_iterations, threshold,
-                    epsilon_scaling) -> SinkhornResult:
+def _self_transport(
+    p: _Problem, x, a, *, max_iterations, threshold, epsilon_scaling
+) -> SinkhornResult:
     """OT(a, a) of the points x (one of p.x, p.y) with their weights a."""
     sx, sa, seps, sconsts = jax.lax.stop_gradient((x, a, p.eps, p.consts))
     f, errors, n_iterations, error, mass = _solve_symmetric(
-        p.cost, sconsts, sx, sa, seps, jnp.zeros_like(sa), chunk_size=p.chunk,
-        max_iterations=max_iterations, threshold=threshold, scaling=epsilon_scaling)
+        p.cost,
+        sconsts,
+        sx,
+        sa,
+        seps,
+        jnp.zeros_like(sa),
+        chunk_size=p.chunk,
+        max_iterations=max_iterations,
+        threshold=threshold,
+        scaling=epsilon_scaling,
+    )
     reg = _reg_ot_cost(p.cost, p.chunk, x, x, a, a, p.eps, p.consts, f, f, mass)
     f, g = _potentials(p.cost, p.chunk, max_iterations, x, x, a, a, p.eps, p.consts, f, f)
     return _result(p, f, g, reg, error, threshold, n_iterations, errors)
@@ -766,20 +889,31 @@ def _self_transport(p: _Problem, x, a, *, max_iterations, threshold,
 
 def _result(p, f, g, reg, error, threshold, n_iterations, errors) -> SinkhornResult:
     converged = (error < threshold) & ~jnp.any(jnp.isnan(errors))
-    return SinkhornResult(f, g, reg, converged, n_iterations, errors,
-                          jax.lax.stop_gradient(p.eps))
+    return SinkhornResult(f, g, reg, converged, n_iterations, errors, jax.lax.stop_gradient(p.eps))
 
 
 def _in_dtype(result: SinkhornResult, dtype) -> SinkhornResult:
-    return result._replace(**{name: getattr(result, name).astype(dtype) for name in (
-        "f", "g", "reg_ot_cost", "errors", "epsilon")})
+    return result._replace(
+        **{
+            name: getattr(result, name).astype(dtype)
+            for name in ("f", "g", "reg_ot_cost", "errors", "epsilon")
+        }
+    )
 
 
 def sinkhorn_divergence(
-    x: Array, y: Array, a: Array | None = None, b: Array | None = None, *,
-    epsilon: float | Array | None = None, cost: str | CostFn = "sqeuclidean",
-    chunk_size: ChunkSize = "auto", max_iterations: int = 2000, threshold: float = 1e-3,
-    epsilon_scaling: float | None = None, return_results: bool = False,
+    x: Array,
+    y: Array,
+    a: Array | None = None,
+    b: Array | None = None,
+    *,
+    epsilon: float | Array | None = None,
+    cost: str | CostFn = "sqeuclidean",
+    chunk_size: ChunkSize = "auto",
+    max_iterations: int = 2000,
+    threshold: float = 1e-3,
+    epsilon_scaling: float | None = None,
+    return_results: bool = False,
 ) -> Array | tuple[Array, tuple[SinkhornResult, SinkhornResult, SinkhornResult]]:
     """Sinkhorn divergence between two weighted point clouds, in chunked memory.
 
@@ -815,15 +949,20 @@ def sinkhorn_divergence(
     """
     if not isinstance(return_results, (bool, np.bool_)):
         raise TypeError(f"return_results must be True or False, got {return_results!r}")
-    p = _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold,
-                 epsilon_scaling)
-    options = {"max_iterations": max_iterations, "threshold": threshold,
-               "epsilon_scaling": epsilon_scaling}
+    p = _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling)
+    options = {
+        "max_iterations": max_iterations,
+        "threshold": threshold,
+        "epsilon_scaling": epsilon_scaling,
+    }
     xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.x.dtype), **options)
     xx = _self_transport(p, p.x, p.a, **options)
     yy = _self_transport(p, p.y, p.b, **options)
-    divergence = (xy.reg_ot_cost - 0.5 * (xx.reg_ot_cost + yy.reg_ot_cost)
-                  + 0.5 * jax.lax.stop_gradient(p.eps) * (jnp.sum(p.a) - jnp.sum(p.b)) ** 2)
+    divergence = (
+        xy.reg_ot_cost
+        - 0.5 * (xx.reg_ot_cost + yy.reg_ot_cost)
+        + 0.5 * jax.lax.stop_gradient(p.eps) * (jnp.sum(p.a) - jnp.sum(p.b)) ** 2
+    )
     divergence = divergence.astype(p.dtype)
     if return_results:
         return divergence, tuple(_in_dtype(r, p.dtype) for r in (xy, xx, yy))

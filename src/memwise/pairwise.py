@@ -150,9 +150,7 @@ def pairwise_reduce(
     y = jax.tree.map(jnp.asarray, y)
     if weights is not None:
         if reduce not in ("sum", "logsumexp"):
-            raise ValueError(
-                f"weights are not supported with reduce={reduce!r}; fold them into fn"
-            )
+            raise ValueError(f"weights are not supported with reduce={reduce!r}; fold them into fn")
         if weights.ndim < 1 or weights.shape[0] != m:
             raise ValueError(
                 f"weights must have shape ({m},) + trailing (one per point of {reduced}), "
@@ -187,7 +185,8 @@ def pairwise_reduce(
         if ring:
             raise ValueError(
                 "ring=True needs the points split over devices: pass mesh= (and "
-                "axis_name=), shard x, or call under jax.set_mesh")
+                "axis_name=), shard x, or call under jax.set_mesh"
+            )
         out = _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim)
         return _index_only(out, reduce)
     ringed = None
@@ -205,6 +204,7 @@ def pairwise_reduce(
         # the result be).
         if not has_explicit_axes(mesh) and use_ring(ring, x, n, mesh, axes, kept):
             row_shard, ringed = col_shard, Ring(axes, devices(mesh, axes))
+
     # fn is traced inside the shard_map: a jaxpr traced outside would carry the
     # caller's mesh context into the per-device program. The arrays it closes over
     # enter as replicated values; their gradients are all-reduced once by the
@@ -289,9 +289,7 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
         cols["w"] = weights
 
     def tile_fn(xb, cb, _pairs, k, _rids, _cids):
-        s = jax.vmap(jax.vmap(lambda a, b: converted(a, b, *k), (None, 0)), (0, None))(
-            xb, cb["y"]
-        )
+        s = jax.vmap(jax.vmap(lambda a, b: converted(a, b, *k), (None, 0)), (0, None))(xb, cb["y"])
         s = s.reshape(s.shape[:2] + (1,) * (out_ndim - (s.ndim - 2)) + s.shape[2:])
         if "w" in cb:
             w = cb["w"]
@@ -300,11 +298,19 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
         return -s if sign < 0 else s
 
     tiles = tiling(
-        leading_length(x, "x"), leading_length(y, "y"), chunk_size,
+        leading_length(x, "x"),
+        leading_length(y, "y"),
+        chunk_size,
         pair_bytes=lambda: item_bytes(converted, first_items(x), first_items(y), *consts),
     )
     out = tiled_reduce(
-        tile_fn, x, cols, reduce=engine, tiles=tiles, consts=consts, vary_consts=vary_consts,
+        tile_fn,
+        x,
+        cols,
+        reduce=engine,
+        tiles=tiles,
+        consts=consts,
+        vary_consts=vary_consts,
         ring=ring,
     )
     if engine != "max":

@@ -238,8 +238,7 @@ def _loop_body(flat: Callable, carry: list, xs: list, read_only: list):
 
     def step(loop_carry, x):
         new_carry, y = flat(fill(carry, moving, loop_carry), x)
-        return [vary(a, varying_axes(c))
-                for a, c in zip(select(new_carry, moving), loop_carry)], y
+        return [vary(a, varying_axes(c)) for a, c in zip(select(new_carry, moving), loop_carry)], y
 
     loop_carry = select(carry, moving)
     body, consts = jax.closure_convert(step, loop_carry, first_items(xs))
@@ -350,12 +349,12 @@ def scan(
 def _nested_plan(n: int, checkpoints: Any) -> schedule_lib.NestedSchedule:
     if checkpoints is None:
         return schedule_lib.nested(n, 2)
-    if isinstance(checkpoints, str) or isinstance(checkpoints, bool) or not isinstance(
-        checkpoints, (int, np.integer)
+    if (
+        isinstance(checkpoints, str)
+        or isinstance(checkpoints, bool)
+        or not isinstance(checkpoints, (int, np.integer))
     ):
-        raise ValueError(
-            f"schedule='nested' takes checkpoints=None or an int, got {checkpoints!r}"
-        )
+        raise ValueError(f"schedule='nested' takes checkpoints=None or an int, got {checkpoints!r}")
     if checkpoints < 1:
         raise ValueError(f"checkpoints={checkpoints} must be >= 1")
     fewest = None
@@ -393,9 +392,7 @@ def _nested_scan(f, init, xs, plan, reverse, unroll):
         ys_main = jax.tree_util.tree_map(lambda a: a.reshape((q * k,) + a.shape[2:]), ys_main)
         if ys_rest is None:
             return carry, ys_main
-        return carry, jax.tree_util.tree_map(
-            lambda a, b: jnp.concatenate([a, b]), ys_main, ys_rest
-        )
+        return carry, jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), ys_main, ys_rest)
 
     return run(init, xs, plan)
 
@@ -420,8 +417,12 @@ def _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only):
     body, consts, loop_carry, x_leaves = _loop_body(flat, carry_leaves, x_leaves, read_only)
     y_def = y_def_box[0]
     loop = _binomial.Loop(
-        body=body, schedule=schedule_lib.binomial(n, c), reverse=reverse, unroll=unroll,
-        forward_mode_error=_SCAN_FORWARD_MODE, second_order_error=_SCAN_SECOND_ORDER,
+        body=body,
+        schedule=schedule_lib.binomial(n, c),
+        reverse=reverse,
+        unroll=unroll,
+        forward_mode_error=_SCAN_FORWARD_MODE,
+        second_order_error=_SCAN_SECOND_ORDER,
     )
     carry_out, ys = _binomial.run(loop, consts, loop_carry, x_leaves)
     carry_out = fill(carry_leaves, [not r for r in read_only], carry_out)
@@ -493,8 +494,7 @@ def while_loop(
     if max_steps is not None:
         if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)):
             raise TypeError(
-                f"max_steps must be None (no bound) or an int >= 1, got "
-                f"{type(max_steps).__name__}"
+                f"max_steps must be None (no bound) or an int >= 1, got {type(max_steps).__name__}"
             )
         if max_steps < 1:
             raise ValueError(
@@ -510,9 +510,7 @@ def while_loop(
                 "or pass max_steps= to size None/'auto'/'all' from it"
             )
         c = resolve_checkpoints(checkpoints, 1 << 30)
-    init, read_only = _strong_carry(
-        lambda c, _: (body_fun(c), None), init, None, name="body_fun"
-    )
+    init, read_only = _strong_carry(lambda c, _: (body_fun(c), None), init, None, name="body_fun")
     pred = jax.eval_shape(cond_fun, init)
     if getattr(pred, "shape", None) != () or pred.dtype != jnp.bool_:
         raise TypeError(
@@ -536,8 +534,12 @@ def while_loop(
     # The predicate is not differentiated: its closed-over arrays need no cotangent.
     cond_consts = [lax.stop_gradient(a) for a in cond_consts]
     loop = _online.OnlineLoop(
-        body=body_conv, cond=cond_conv, n_checkpoints=c, max_steps=max_steps,
-        forward_mode_error=_WHILE_FORWARD_MODE, second_order_error=_WHILE_SECOND_ORDER,
+        body=body_conv,
+        cond=cond_conv,
+        n_checkpoints=c,
+        max_steps=max_steps,
+        forward_mode_error=_WHILE_FORWARD_MODE,
+        second_order_error=_WHILE_SECOND_ORDER,
     )
     out = _online.run(loop, body_consts, cond_consts, loop_carry)
     return jax.tree_util.tree_unflatten(carry_def, fill(carry_leaves, moving, out))

@@ -146,8 +146,7 @@ def _check_counts(n: int, checkpoints: int, *, allow_zero_steps: bool = False) -
         raise ValueError(f"n (the number of steps) must be a positive int, got {n!r}")
     if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 1:
         raise ValueError(
-            f"checkpoints must be an int >= 1 (the number of stored carries), got "
-            f"{checkpoints!r}"
+            f"checkpoints must be an int >= 1 (the number of stored carries), got {checkpoints!r}"
         )
 
 
@@ -389,8 +388,10 @@ def nested(n: int, levels: int) -> NestedSchedule:
     n_chunks, rest = divmod(n, chunk)
     inner = nested(chunk, levels - 1)
     remainder_inner = nested(rest, levels - 1) if rest else None
-    carries = n_chunks + (1 if rest else 0) + max(
-        inner.carries, remainder_inner.carries if remainder_inner else 0
+    carries = (
+        n_chunks
+        + (1 if rest else 0)
+        + max(inner.carries, remainder_inner.carries if remainder_inner else 0)
     )
     return NestedSchedule(
         n_steps=n,
@@ -445,8 +446,9 @@ def reversal_advances(positions, n: int, checkpoints: int) -> int:
             f"positions {positions} do not fit {checkpoints} checkpoints and {n} steps"
         )
     bounds = positions + [n]
-    return sum(_segment_advances(bounds[k + 1] - bounds[k], checkpoints - k)
-               for k in range(len(positions)))
+    return sum(
+        _segment_advances(bounds[k + 1] - bounds[k], checkpoints - k) for k in range(len(positions))
+    )
 
 
 class OnlineCheckpointer:
@@ -495,8 +497,7 @@ class OnlineCheckpointer:
         """x_i is in hand (offers come in order, i >= 1): store it? Returns True if stored."""
         c, positions = self.n_checkpoints, self.positions
         if i <= positions[-1]:
-            raise ValueError(f"offers must come in increasing order, got {i} after "
-                             f"{positions[-1]}")
+            raise ValueError(f"offers must come in increasing order, got {i} after {positions[-1]}")
         if len(positions) < c:
             positions.append(i)
             self._eviction = self._closed_evictions()
@@ -506,11 +507,17 @@ class OnlineCheckpointer:
         length = i - positions[-1]
         last_closed = positions[-1] - positions[-2]
         # Evicting the newest carry merges the open segment into the last closed one.
-        merge_newest = (_segment_advances(last_closed + length, 2)
-                        - _segment_advances(last_closed, 2) - _segment_advances(length, 2))
+        merge_newest = (
+            _segment_advances(last_closed + length, 2)
+            - _segment_advances(last_closed, 2)
+            - _segment_advances(length, 2)
+        )
         best_closed, closed_index = self._eviction
-        stored = (_segment_advances(length, 2) + _segment_advances(length + 1, 1)
-                  + min(best_closed, merge_newest))
+        stored = (
+            _segment_advances(length, 2)
+            + _segment_advances(length + 1, 1)
+            + min(best_closed, merge_newest)
+        )
         if not stored < _segment_advances(2 * length + 1, 1):
             return False
         evict = closed_index if best_closed <= merge_newest else c - 1

@@ -72,9 +72,7 @@ def vary(tree: Any, axes: frozenset) -> Any:
 
 def typed_zeros(values: Sequence[Any]) -> list:
     """Zeros with the shape, dtype and varying mesh axes of each value (loop carries)."""
-    return [
-        vary(jnp.zeros(jnp.shape(v), jnp.result_type(v)), varying_axes(v)) for v in values
-    ]
+    return [vary(jnp.zeros(jnp.shape(v), jnp.result_type(v)), varying_axes(v)) for v in values]
 
 
 def psum_replicated(cts: Sequence[Any], primals: Sequence[Any]) -> list:
@@ -219,7 +217,8 @@ def auto_split(tree: Any, dim: int = 0):
     if mesh is None or not mesh.axis_names:
         return None
     auto = tuple(
-        name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types)
         if kind == jax.sharding.AxisType.Auto and mesh.shape[name] > 1
     )
     if not auto:
@@ -260,7 +259,10 @@ def sharded_call(local: Callable, mesh: Any, in_specs: tuple, out_specs: Any, *a
             args = tuple(
                 jax.tree.map(
                     lambda a, spec=spec: jax.sharding.reshard(
-                        a, jax.sharding.NamedSharding(mesh, spec)), arg)
+                        a, jax.sharding.NamedSharding(mesh, spec)
+                    ),
+                    arg,
+                )
                 for spec, arg in zip(in_specs, args)
             )
         return mapped(*args)

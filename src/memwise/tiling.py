@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,9 +116,7 @@ class Chunking:
 
     def merge(self, tree: Any) -> Any:
         """``(n_chunks, size, ...)`` leaves -> ``(length, ...)`` (padding dropped)."""
-        return jax.tree.map(
-            lambda a: a.reshape((self.padded,) + a.shape[2:])[: self.length], tree
-        )
+        return jax.tree.map(lambda a: a.reshape((self.padded,) + a.shape[2:])[: self.length], tree)
 
     def ids(self) -> np.ndarray:
         """Global index of every slot, ``(n_chunks, size)`` int32 (padding >= length)."""
@@ -182,18 +180,21 @@ class Tiling:
         rule in the new orientation (half the new rows).
         """
         backward = self._backward()
-        return tiling(self.cols.length, self.rows.length, (self.cols.size, self.rows.size),
-                      backward=None if backward is None else backward[::-1])
+        return tiling(
+            self.cols.length,
+            self.rows.length,
+            (self.cols.size, self.rows.size),
+            backward=None if backward is None else backward[::-1],
+        )
 
 
-ChunkSize = Union[int, tuple, str, Tiling]
+ChunkSize = int | tuple | str | Tiling
 
 
 def _check_positive_int(value: Any, arg: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(
-            f"{arg} must be a positive int, a (rows, cols) tuple of them, or 'auto'; "
-            f"got {value!r}"
+            f"{arg} must be a positive int, a (rows, cols) tuple of them, or 'auto'; got {value!r}"
         )
     if value <= 0:
         raise ValueError(f"{arg} must be >= 1, got {value}; pass e.g. {arg}=1024 or 'auto'")
@@ -227,8 +228,7 @@ class ItemBytes(int):
     examples: tuple
     key: str
 
-    def __new__(cls, nbytes: int, fn: Callable | None = None, examples: tuple = (),
-                key: str = ""):
+    def __new__(cls, nbytes: int, fn: Callable | None = None, examples: tuple = (), key: str = ""):
         out = super().__new__(cls, nbytes)
         out.fn, out.examples, out.key = fn, examples, key
         return out
@@ -299,10 +299,13 @@ def _tile_body(fn: Callable, n_cols: int | None) -> Callable:
             out = jax.vmap(lambda a: fn(a, *consts))(rows)
         else:
             out = jax.vmap(jax.vmap(lambda a, b: fn(a, b, *consts), (None, 0)), (0, None))(
-                rows, cols)
+                rows, cols
+            )
         leaves = [jnp.real(leaf).astype(jnp.float32) for leaf in jax.tree.leaves(out)]
-        return sum(leaf.reshape(leaf.shape[: 1 if n_cols is None else 2] + (-1,)).sum(-1)
-                   for leaf in leaves)
+        return sum(
+            leaf.reshape(leaf.shape[: 1 if n_cols is None else 2] + (-1,)).sum(-1)
+            for leaf in leaves
+        )
 
     def body(rows, cols, consts):
         s = scores(rows, cols, consts)
@@ -318,8 +321,9 @@ def _batched(tree: Any, size: int) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct((size,) + tuple(a.shape), a.dtype), tree)
 
 
-def _tile_cost(profile: ItemBytes, shape: tuple[int, ...], tile: tuple[int, ...]
-               ) -> costmodel.Cost | None:
+def _tile_cost(
+    profile: ItemBytes, shape: tuple[int, ...], tile: tuple[int, ...]
+) -> costmodel.Cost | None:
     """XLA's cost of one tile body of ``tile``, from the body compiled at two sizes.
 
     A tile body's flops and bytes are an affine function of its pairs (items): each pair
@@ -328,8 +332,10 @@ def _tile_cost(profile: ItemBytes, shape: tuple[int, ...], tile: tuple[int, ...]
     candidate is read off the line through them: two compilations per function and
     shapes instead of one per candidate.
     """
-    references = [tuple(min(n, r) for n, r in zip(shape, (64,) * len(shape))),
-                  tuple(min(n, r) for n, r in zip(shape, (256,) * len(shape)))]
+    references = [
+        tuple(min(n, r) for n, r in zip(shape, (64,) * len(shape))),
+        tuple(min(n, r) for n, r in zip(shape, (256,) * len(shape))),
+    ]
     costs = [_compiled_tile(profile, *ref, *((None,) * (2 - len(ref)))) for ref in references]
     if any(c is None for c in costs):
         return None
@@ -338,12 +344,14 @@ def _tile_cost(profile: ItemBytes, shape: tuple[int, ...], tile: tuple[int, ...]
     if p_high == p_low:
         return high
     slope = (pairs - p_low) / (p_high - p_low)
+
     def line(field: str) -> float:
         a, b = getattr(low, field), getattr(high, field)
         return max(0.0, a + slope * (b - a))
 
-    return costmodel.Cost(line("flops"), line("bytes_accessed"), high.operations,
-                          line("working_set"))
+    return costmodel.Cost(
+        line("flops"), line("bytes_accessed"), high.operations, line("working_set")
+    )
 
 
 def _compiled_tile(profile: ItemBytes, rows: int, cols: int | None) -> costmodel.Cost | None:
@@ -351,19 +359,25 @@ def _compiled_tile(profile: ItemBytes, rows: int, cols: int | None) -> costmodel
     if key not in _TILE_COSTS:
         two_d = cols is not None
         first, second = profile.examples[0], profile.examples[1] if two_d else None
-        consts = profile.examples[2 if two_d else 1:]
+        consts = profile.examples[2 if two_d else 1 :]
         try:
             _TILE_COSTS[key] = costmodel.compiled_cost(
-                _tile_body(profile.fn, cols), _batched(first, rows),
-                _batched(second, cols) if two_d else None, consts,
+                _tile_body(profile.fn, cols),
+                _batched(first, rows),
+                _batched(second, cols) if two_d else None,
+                consts,
             )
         except Exception:  # noqa: BLE001 - e.g. fn closes over traced values: no model
             _TILE_COSTS[key] = None
     return _TILE_COSTS[key]
 
 
-def _tile_costs(per_item: int, shape: tuple[int, ...], candidates: Sequence[tuple],
-                count_work: Callable[[tuple], float]) -> dict[tuple, float]:
+def _tile_costs(
+    per_item: int,
+    shape: tuple[int, ...],
+    candidates: Sequence[tuple],
+    count_work: Callable[[tuple], float],
+) -> dict[tuple, float]:
     """Relative predicted time of each candidate tile (candidate 0 is 1.0).
 
     The roofline of :mod:`memwise.costmodel` for the tile body of ``per_item``'s
@@ -438,8 +452,9 @@ def chunking(
                 table.update(_tile_costs(per_item, (length,), [(c,) for c in candidates], work))
             return table[(size,)]
 
-        size = knobs.auto("chunk_size", candidates=candidates, cost=cost,
-                          default=min(default, length))
+        size = knobs.auto(
+            "chunk_size", candidates=candidates, cost=cost, default=min(default, length)
+        )
         return Chunking(length, min(int(size), length))
     return Chunking(length, min(_check_positive_int(chunk_size, arg), length))
 
@@ -454,7 +469,9 @@ def _tile_pair(value: Any, arg: str) -> tuple[int, int]:
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise ValueError(f"{arg} as a tuple must be (rows, cols), got {value!r}")
-        return _check_positive_int(value[0], f"{arg}[0]"), _check_positive_int(value[1], f"{arg}[1]")
+        return _check_positive_int(value[0], f"{arg}[0]"), _check_positive_int(
+            value[1], f"{arg}[1]"
+        )
     size = _check_positive_int(value, arg)
     return size, size
 
@@ -529,8 +546,7 @@ def tiling(
     if isinstance(chunk_size, str):
         if chunk_size != "auto":
             raise ValueError(
-                f"{arg} must be a positive int, a (rows, cols) tuple or 'auto', "
-                f"got {chunk_size!r}"
+                f"{arg} must be a positive int, a (rows, cols) tuple or 'auto', got {chunk_size!r}"
             )
         rows, cols = _auto_tile(n, m, _bytes(pair_bytes))
     else:
@@ -541,6 +557,8 @@ def tiling(
     else:
         back_rows, back_cols = _tile_pair(backward, "backward")
     return Tiling(
-        Chunking(n, rows), Chunking(m, cols),
-        Chunking(n, min(back_rows, n)), Chunking(m, min(back_cols, m)),
+        Chunking(n, rows),
+        Chunking(m, cols),
+        Chunking(n, min(back_rows, n)),
+        Chunking(m, min(back_cols, m)),
     )

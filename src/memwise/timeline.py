@@ -98,11 +98,23 @@ class Loop:
 
 
 # HLO element types: (numpy name, bytes per element).
-_DTYPES = {"pred": ("bool", 1), "s8": ("int8", 1), "s16": ("int16", 2), "s32": ("int32", 4),
-           "s64": ("int64", 8), "u8": ("uint8", 1), "u16": ("uint16", 2),
-           "u32": ("uint32", 4), "u64": ("uint64", 8), "f16": ("float16", 2),
-           "bf16": ("bfloat16", 2), "f32": ("float32", 4), "f64": ("float64", 8),
-           "c64": ("complex64", 8), "c128": ("complex128", 16)}
+_DTYPES = {
+    "pred": ("bool", 1),
+    "s8": ("int8", 1),
+    "s16": ("int16", 2),
+    "s32": ("int32", 4),
+    "s64": ("int64", 8),
+    "u8": ("uint8", 1),
+    "u16": ("uint16", 2),
+    "u32": ("uint32", 4),
+    "u64": ("uint64", 8),
+    "f16": ("float16", 2),
+    "bf16": ("bfloat16", 2),
+    "f32": ("float32", 4),
+    "f64": ("float64", 8),
+    "c64": ("complex64", 8),
+    "c128": ("complex128", 16),
+}
 
 
 def _array_type(text: str) -> tuple[tuple[int, ...], str, int]:
@@ -202,8 +214,9 @@ def _source_tables(text: str) -> dict[int, str]:
                 break
         elif current is not None and (m := re.match(r"(\d+) (.*)$", line)):
             current[int(m[1])] = m[2]
-    files = {i: json.loads(v) if v.startswith('"') else v
-             for i, v in tables.get("FileNames", {}).items()}
+    files = {
+        i: json.loads(v) if v.startswith('"') else v for i, v in tables.get("FileNames", {}).items()
+    }
     locations = {}
     for i, v in tables.get("FileLocations", {}).items():
         file_id = re.search(r"file_name_id=(\d+)", v)
@@ -238,7 +251,8 @@ def parse_hlo(text: str) -> dict[str, _Instruction]:
         op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', line)
         source = ""
         if (file_m := re.search(r'source_file="([^"]*)"', line)) and (
-                line_m := re.search(r"source_line=(\d+)", line)):
+            line_m := re.search(r"source_line=(\d+)", line)
+        ):
             source = f"{file_m[1]}:{line_m[1]}"
         elif frame := re.search(r"stack_frame_id=(\d+)", line):
             source = frames.get(int(frame[1]), "")
@@ -247,7 +261,12 @@ def parse_hlo(text: str) -> dict[str, _Instruction]:
         if trip:
             calls["trip_count"] = int(trip[1])
         instructions[m["name"]] = _Instruction(
-            m["opcode"], m["type"], computation, op_name[1] if op_name else "", source, calls,
+            m["opcode"],
+            m["type"],
+            computation,
+            op_name[1] if op_name else "",
+            source,
+            calls,
         )
     return instructions
 
@@ -278,8 +297,9 @@ class Timeline:
     # Buffer name -> (allocation, offset): values sharing a slot while live are one buffer.
     _slot_of: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-    def curve(self, kinds: Sequence[str] = ("argument", "output", "temporary", "constant")
-              ) -> np.ndarray:
+    def curve(
+        self, kinds: Sequence[str] = ("argument", "output", "temporary", "constant")
+    ) -> np.ndarray:
         """Bytes live per step, counting only buffers of these ``kinds``.
 
         ``curve(("argument", "output", "temporary"))`` leaves out XLA's constants (tables
@@ -288,8 +308,10 @@ class Timeline:
         """
         unknown = set(kinds) - {"argument", "output", "temporary", "constant"}
         if unknown:
-            raise ValueError(f"kinds must be among 'argument', 'output', 'temporary', "
-                             f"'constant'; got {sorted(unknown)}")
+            raise ValueError(
+                f"kinds must be among 'argument', 'output', 'temporary', "
+                f"'constant'; got {sorted(unknown)}"
+            )
         chosen = [b for b in self.buffers if b.kind in kinds]
         return _live_bytes(len(self.steps), chosen, self._slots)
 
@@ -342,14 +364,21 @@ class Timeline:
             f"({self.steps[peak]}{self._in_loop(peak)})",
         ]
         rows = [
-            (format_bytes(b.nbytes), f"{b.dtype}{list(b.shape)}", b.kind, b.op,
-             f"{b.start}-{b.end}", b.source)
+            (
+                format_bytes(b.nbytes),
+                f"{b.dtype}{list(b.shape)}",
+                b.kind,
+                b.op,
+                f"{b.start}-{b.end}",
+                b.source,
+            )
             for b in self.at_peak()
         ]
         shown, hidden = rows[:max_rows], rows[max_rows:]
         header = ("bytes", "shape", "kind", "op", "live", "source")
         widths = [max(len(h), *(len(r[i]) for r in shown)) for i, h in enumerate(header)]
-        fmt = "  {:>%d}  {:<%d}  {:<%d}  {:<%d}  {:>%d}  {}" % tuple(widths[:5])
+        a, b, c, d, e = widths[:5]
+        fmt = f"  {{:>{a}}}  {{:<{b}}}  {{:<{c}}}  {{:<{d}}}  {{:>{e}}}  {{}}"
         lines.append("  buffers alive at the peak, largest first:")
         lines.append(fmt.format(*header))
         lines.extend(fmt.format(*r) for r in shown)
@@ -385,7 +414,10 @@ class Timeline:
         plt = _pyplot()
         buffers = self.at_peak()[:top]
         fig, (ax, bars) = plt.subplots(
-            2, 1, figsize=(10, 4.5 + 0.35 * len(buffers)), sharex=True,
+            2,
+            1,
+            figsize=(10, 4.5 + 0.35 * len(buffers)),
+            sharex=True,
             gridspec_kw={"height_ratios": [3, 0.6 + 0.3 * len(buffers)]},
         )
         x = np.arange(len(self.steps))
@@ -394,24 +426,50 @@ class Timeline:
         ax.fill_between(x, mib, step="mid", alpha=0.15, color="tab:blue")
         for i, loop in enumerate(self.loops):
             trips = f" x{loop.trip_count}" if loop.trip_count else ""
-            ax.axvspan(loop.first - 0.5, loop.last + 0.5, color="tab:orange", alpha=0.12,
-                       label="while-loop body (one iteration shown)" if i == 0 else None)
-            ax.text((loop.first + loop.last) / 2, 0.02, f"loop{trips}", ha="center",
-                    va="bottom", fontsize=7, color="tab:orange",
-                    transform=ax.get_xaxis_transform())
+            ax.axvspan(
+                loop.first - 0.5,
+                loop.last + 0.5,
+                color="tab:orange",
+                alpha=0.12,
+                label="while-loop body (one iteration shown)" if i == 0 else None,
+            )
+            ax.text(
+                (loop.first + loop.last) / 2,
+                0.02,
+                f"loop{trips}",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="tab:orange",
+                transform=ax.get_xaxis_transform(),
+            )
         peak = self.peak_step
         ax.plot([peak], [mib[peak]], "o", color="tab:red")
-        ax.annotate(f"peak {format_bytes(self.peak_bytes)}", (peak, mib[peak]),
-                    textcoords="offset points", xytext=(8, -4), color="tab:red", fontsize=9)
+        ax.annotate(
+            f"peak {format_bytes(self.peak_bytes)}",
+            (peak, mib[peak]),
+            textcoords="offset points",
+            xytext=(8, -4),
+            color="tab:red",
+            fontsize=9,
+        )
         ax.set_ylabel("live MiB")
         ax.set_title(f"{self.name}: live memory along the compiled schedule")
         if self.loops:
             ax.legend(loc="upper left", fontsize=8)
         for row, b in enumerate(buffers):
-            bars.barh(row, b.end - b.start + 1, left=b.start - 0.5, height=0.6,
-                      color="tab:red" if row == 0 else "tab:gray", alpha=0.7)
-            label = f"{format_bytes(b.nbytes)} {b.dtype}{list(b.shape)} {b.op} " \
-                    f"{os.path.basename(b.source) if ':' in b.source else b.source}"
+            bars.barh(
+                row,
+                b.end - b.start + 1,
+                left=b.start - 0.5,
+                height=0.6,
+                color="tab:red" if row == 0 else "tab:gray",
+                alpha=0.7,
+            )
+            label = (
+                f"{format_bytes(b.nbytes)} {b.dtype}{list(b.shape)} {b.op} "
+                f"{os.path.basename(b.source) if ':' in b.source else b.source}"
+            )
             bars.text(b.start, row, " " + label, va="center", fontsize=7)
         bars.set_yticks([])
         bars.invert_yaxis()
@@ -446,11 +504,22 @@ def parse_dump(live_range: str, buffer_assignment: str, hlo: str, *, name: str =
     loops = []
     for instr, info in instructions.items():
         if info.opcode == "while" and instr in step_of:
-            span = [s for key in ("condition", "body")
-                    for s in computation_steps.get(info.calls.get(key, ""), [])]
+            span = [
+                s
+                for key in ("condition", "body")
+                for s in computation_steps.get(info.calls.get(key, ""), [])
+            ]
             if span:
-                loops.append(Loop(instr, min(span), max(span), step_of[instr],
-                                  info.calls.get("trip_count"), info.source))
+                loops.append(
+                    Loop(
+                        instr,
+                        min(span),
+                        max(span),
+                        step_of[instr],
+                        info.calls.get("trip_count"),
+                        info.source,
+                    )
+                )
     loops.sort(key=lambda lp: (lp.first, -lp.last))  # outer loops before inner ones
 
     buffers, slot_of = [], {}
@@ -471,15 +540,33 @@ def parse_dump(live_range: str, buffer_assignment: str, hlo: str, *, name: str =
                 op = "loop carry"
         if not source and inside:  # made by XLA inside a loop: the loop's line
             source = inside[-1].source
-        buffers.append(Buffer(value_name, shape, dtype, size, kind, op, source,
-                              start, end, inside[-1].name if inside else ""))
+        buffers.append(
+            Buffer(
+                value_name,
+                shape,
+                dtype,
+                size,
+                kind,
+                op,
+                source,
+                start,
+                end,
+                inside[-1].name if inside else "",
+            )
+        )
         # Values at the same offset of one allocation, live at once, are one buffer.
-        slot_of[value_name] = ((value.allocation, value.offset) if value
-                               else ("unassigned", value_name))
+        slot_of[value_name] = (
+            (value.allocation, value.offset) if value else ("unassigned", value_name)
+        )
     live = _live_bytes(len(steps), buffers, slot_of)
-    return Timeline(name, tuple(steps), tuple(int(v) for v in live),
-                    tuple(sorted(buffers, key=lambda b: (b.start, b.name))), tuple(loops),
-                    slot_of)
+    return Timeline(
+        name,
+        tuple(steps),
+        tuple(int(v) for v in live),
+        tuple(sorted(buffers, key=lambda b: (b.start, b.name))),
+        tuple(loops),
+        slot_of,
+    )
 
 
 def _entry(instructions: dict[str, _Instruction], steps: Sequence[str]) -> str:
@@ -535,12 +622,18 @@ def of_lowered(lowered: Any, *, name: str = "") -> Timeline:
 
     folder = tempfile.mkdtemp(prefix="memwise-timeline-")
     try:
-        options = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True,
-                   "xla_dump_hlo_module_re": ".*"}
+        options = {
+            "xla_dump_to": folder,
+            "xla_dump_hlo_as_text": True,
+            "xla_dump_hlo_module_re": ".*",
+        }
         with _jax_private.persistent_cache_bypassed():
             lowered.compile(compiler_options=options)
-        return parse_dump(_read(folder, "-live-range.txt"),
-                          _read(folder, "-buffer-assignment.txt"),
-                          _read(folder, ".txt"), name=name)
+        return parse_dump(
+            _read(folder, "-live-range.txt"),
+            _read(folder, "-buffer-assignment.txt"),
+            _read(folder, ".txt"),
+            name=name,
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)

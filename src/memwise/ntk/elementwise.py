@@ -48,8 +48,10 @@ __all__ = [
 
 def _check_finite(layer: str, **values: float) -> None:
     for name, value in values.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-            abs(value) < float("inf")
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not (abs(value) < float("inf"))
         ):
             raise TypeError(f"{layer} {name} must be a finite float, got {value!r}")
 
@@ -155,9 +157,11 @@ class Gelu(Layer):
         nngp = ((cov**2 + prod * delta_squared) / (prod_plus_1 * delta) + cov * angle) / (
             2 * jnp.pi
         ) + 0.25 * cov
-        derivative = 0.25 + angle / (2 * jnp.pi) + (
-            1 / delta_squared + (1 - prod) / prod_plus_1 + 1
-        ) * cov / (2 * jnp.pi * delta)
+        derivative = (
+            0.25
+            + angle / (2 * jnp.pi)
+            + (1 / delta_squared + (1 - prod) / prod_plus_1 + 1) * cov / (2 * jnp.pi * delta)
+        )
         return nngp, _scale_ntk(state.ntk, derivative)
 
 

@@ -148,7 +148,9 @@ def empirical(
         if n1 == 0 or n2 == 0:  # no tile to run: the dense result, empty
             block = jax.eval_shape(one_pair, x_first, x_first)  # (1, *block)
             return jnp.zeros((n1, n2) + block.shape[1:], block.dtype)
-        tiles = tiling(n1, n2, chunk_size, pair_bytes=lambda: item_bytes(one_pair, x_first, x_first))
+        tiles = tiling(
+            n1, n2, chunk_size, pair_bytes=lambda: item_bytes(one_pair, x_first, x_first)
+        )
 
         def block(x_rows):
             column = block_fn(x_rows)
@@ -192,9 +194,9 @@ def empirical(
                 # tr J_i J_j^T = sum_k <J_i^T e_k, J_j^T e_k>: O vjps on each side.
                 _, vjp_i = jax.vjp(lambda p: one(p, xi), params)
                 return jnp.sum(jax.vmap(lambda e: _tree_dot(vjp_i(e)[0], vjp_j(e)[0]))(basis))
-            columns = jax.vmap(
-                lambda e: jax.jvp(lambda p: one(p, xi), (params,), vjp_j(e))[1]
-            )(basis)  # (O_k, *out): column k of the block J_i J_j^T
+            columns = jax.vmap(lambda e: jax.jvp(lambda p: one(p, xi), (params,), vjp_j(e))[1])(
+                basis
+            )  # (O_k, *out): column k of the block J_i J_j^T
             k = jnp.moveaxis(columns.reshape((n_out,) + out.shape), 0, -1)
             return k.reshape(out.shape + out.shape)
 

@@ -125,8 +125,9 @@ class Identity(Layer):
         return state.nngp, state.ntk
 
 
-def _window(name: str, window: Sequence[int], strides: Sequence[int] | None, padding: str,
-            window_arg: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _window(
+    name: str, window: Sequence[int], strides: Sequence[int] | None, padding: str, window_arg: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validated (window, strides) of a conv or pooling layer; strides default to 1."""
     try:
         window = tuple(int(k) for k in window)
@@ -153,8 +154,7 @@ def _check_pixel_axes(name: str, window: tuple[int, ...], layout: _Layout) -> No
         )
 
 
-def _check_fits(name: str, window: tuple[int, ...], pixels: tuple[int, ...],
-                padding: str) -> None:
+def _check_fits(name: str, window: tuple[int, ...], pixels: tuple[int, ...], padding: str) -> None:
     """A VALID window larger than the image leaves no pixel (a NaN mean): say so."""
     if padding == "VALID" and any(w > p for w, p in zip(window, pixels)):
         raise ValueError(
@@ -186,13 +186,16 @@ def _window_mean(
     if not layout.full:
         batch = (1,) * layout.batch_ndim
         total = lax.reduce_window(
-            cov, 0.0, lax.add, batch + filter_shape, batch + strides,
+            cov,
+            0.0,
+            lax.add,
+            batch + filter_shape,
+            batch + strides,
             [(0, 0)] * layout.batch_ndim + list(pads),
         )
         return (total / math.prod(filter_shape)).astype(dtype)
     out_pixels = [
-        (p + lo + hi - k) // s + 1
-        for p, (lo, hi), k, s in zip(pixels, pads, filter_shape, strides)
+        (p + lo + hi - k) // s + 1 for p, (lo, hi), k, s in zip(pixels, pads, filter_shape, strides)
     ]
     pad_config = [(0, 0)] * cov.ndim
     for first in layout.groups():
@@ -208,7 +211,6 @@ def _window_mean(
         term = padded[tuple(index)]
         total = term if total is None else total + term
     return (total / math.prod(filter_shape)).astype(dtype)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +231,9 @@ class Conv(Layer):
     b_std: float | None = None
 
     def __post_init__(self):
-        window, strides = _window("Conv", self.filter_shape, self.strides, self.padding,
-                                  "filter_shape")
+        window, strides = _window(
+            "Conv", self.filter_shape, self.strides, self.padding, "filter_shape"
+        )
         object.__setattr__(self, "filter_shape", window)
         object.__setattr__(self, "strides", strides)
 
@@ -273,8 +276,9 @@ class AvgPool(Layer):
     pools = True
 
     def __post_init__(self):
-        window, strides = _window("AvgPool", self.window_shape, self.strides, self.padding,
-                                  "window_shape")
+        window, strides = _window(
+            "AvgPool", self.window_shape, self.strides, self.padding, "window_shape"
+        )
         object.__setattr__(self, "window_shape", window)
         object.__setattr__(self, "strides", strides)
 
@@ -289,15 +293,17 @@ class AvgPool(Layer):
         window = batch + self.window_shape * 2
         strides = batch + self.strides * 2
         _check_fits("AvgPool", self.window_shape, layout.pixels(state.nngp), self.padding)
-        pads = lax.padtype_to_pads(layout.pixels(state.nngp), self.window_shape, self.strides,
-                                   self.padding)
+        pads = lax.padtype_to_pads(
+            layout.pixels(state.nngp), self.window_shape, self.strides, self.padding
+        )
         padding = [(0, 0)] * layout.batch_ndim + list(pads) * 2
         size = math.prod(self.window_shape) ** 2
 
         def pool(a):
             dtype = a.dtype
-            total = lax.reduce_window(a.astype(accumulation_dtype(dtype)), 0.0, lax.add,
-                                      window, strides, padding)
+            total = lax.reduce_window(
+                a.astype(accumulation_dtype(dtype)), 0.0, lax.add, window, strides, padding
+            )
             return (total / size).astype(dtype)
 
         return pool(state.nngp), _map_ntk(state.ntk, pool)
@@ -413,7 +419,9 @@ class FanOut(Layer):
 
     def __post_init__(self):
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"FanOut n must be a positive int (the number of branches), got {self.n!r}")
+            raise ValueError(
+                f"FanOut n must be a positive int (the number of branches), got {self.n!r}"
+            )
 
     def _leaves(self):
         return iter(())
@@ -477,8 +485,10 @@ class FanInSum(Layer):
 
     def _walk(self, walk, flow):
         if not isinstance(flow, list):
-            raise ValueError("FanInSum() joins branches but gets one input; put FanOut(n) "
-                             "and parallel(...) before it")
+            raise ValueError(
+                "FanInSum() joins branches but gets one input; put FanOut(n) "
+                "and parallel(...) before it"
+            )
         # A branch past the network's last pooling layer is per-pixel; the others may
         # still be pixel-by-pixel, which nothing downstream needs.
         if any(not branch.layout.full for branch in flow):
@@ -592,9 +602,7 @@ class KernelFn(Layer):
         walk = _Walk(self._last_pool, variances)
         flow = self._walk(walk, flow)
         if isinstance(flow, list):
-            raise ValueError(
-                f"the network ends in {len(flow)} branches; join them with FanInSum()"
-            )
+            raise ValueError(f"the network ends in {len(flow)} branches; join them with FanInSum()")
         return flow, walk
 
     def prepare(self, x: jax.Array) -> Prepared:
@@ -682,8 +690,7 @@ def _check_layers(layers: Sequence[Any], where: str) -> None:
     for layer in layers:
         if not isinstance(layer, Layer):
             raise TypeError(
-                f"{where}() takes layers from memwise.ntk.kernels ({_LAYER_NAMES}), got "
-                f"{layer!r}"
+                f"{where}() takes layers from memwise.ntk.kernels ({_LAYER_NAMES}), got {layer!r}"
             )
 
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 
+from memwise.chunked import over_row_chunks
 from memwise.engine import accumulation_dtype
 from memwise.ntk.regression import (
     _check_pair,
@@ -42,7 +43,6 @@ from memwise.ntk.regression import (
     _PairKernel,
     _predict_block,
 )
-from memwise.chunked import over_row_chunks
 from memwise.tiling import ChunkSize
 
 __all__ = ["predict"]

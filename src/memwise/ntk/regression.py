@@ -39,9 +39,9 @@ from jax.sharding import PartitionSpec as P
 
 from memwise.chunked import chunked_map, chunked_sum, over_row_chunks, sum_over_chunks
 from memwise.engine import accumulation_dtype
+from memwise.ntk.kernels import KernelFn
 from memwise.sharding import check_divisible, devices, row_sharding, sharded_call
 from memwise.tiling import Chunking, ChunkSize, Tiling, item_bytes, tiling
-from memwise.ntk.kernels import KernelFn
 
 __all__ = ["kernel_regression", "kip_loss"]
 
@@ -116,8 +116,9 @@ def _matrix(kernel: _PairKernel, p1: Any, p2: Any, rows: Chunking, cols: Chunkin
     return over_row_chunks(block, p1, rows)
 
 
-def _predict_block(kernel: _PairKernel, x_rows: jax.Array, p_train: Any, alpha: jax.Array,
-                   cols: Chunking):
+def _predict_block(
+    kernel: _PairKernel, x_rows: jax.Array, p_train: Any, alpha: jax.Array, cols: Chunking
+):
     """sum_j k(x, x_j) alpha_j for a block of inputs (R, O), summed over train chunks.
 
     In ``alpha``'s dtype (at least float32, see :func:`_solve`) whatever the kernel's.
@@ -162,8 +163,7 @@ def _check_pair(x: Any, y: Any, x_name: str, y_name: str) -> tuple[jax.Array, ja
         raise ValueError(f"{y_name} must be (n,) or (n, outputs), got shape {y.shape}")
     if y.shape[0] != x.shape[0]:
         raise ValueError(
-            f"{x_name} has {x.shape[0]} inputs but {y_name} has {y.shape[0]} rows; "
-            "they must match"
+            f"{x_name} has {x.shape[0]} inputs but {y_name} has {y.shape[0]} rows; they must match"
         )
     if not jnp.issubdtype(x.dtype, jnp.floating) or not jnp.issubdtype(y.dtype, jnp.floating):
         raise TypeError(f"{x_name} and {y_name} must be float arrays, got {x.dtype}, {y.dtype}")
@@ -248,7 +248,9 @@ def kernel_regression(
     x_train, y_train, vector = _check_pair(x_train, y_train, "x_train", "y_train")
     x_test = jnp.asarray(x_test)
     if x_test.ndim < 2:
-        raise ValueError(f"x_test must be (m, ...) with a leading axis of inputs, got {x_test.shape}")
+        raise ValueError(
+            f"x_test must be (m, ...) with a leading axis of inputs, got {x_test.shape}"
+        )
     _check_same_inputs(x_train, x_test, "x_train", "x_test")
     kernel = _PairKernel(kernel_fn, get)
     if x_test.shape[0] == 0:  # no tiles to run: the dense (0, outputs) result
@@ -259,7 +261,8 @@ def kernel_regression(
     p_train = kernel.prepare(x_train, tiles.cols)
     alpha, out_dtype = _solve(kernel, p_train, y_train, ridge, tiles.cols)
     pred = over_row_chunks(
-        lambda block: _predict_block(kernel, block, p_train, alpha, tiles.cols), x_test,
+        lambda block: _predict_block(kernel, block, p_train, alpha, tiles.cols),
+        x_test,
         tiles.rows,
     ).astype(out_dtype)
     return pred[:, 0] if vector else pred

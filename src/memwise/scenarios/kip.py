@@ -46,16 +46,33 @@ def myrtle_kernel_fn() -> kernels.KernelFn:
     """Myrtle-style: Conv Relu Conv Relu AvgPool(2x2) Conv Relu AvgPool(2x2) Flatten Dense."""
     k = kernels
     pool = k.AvgPool((2, 2), strides=(2, 2))
-    return k.serial(k.Conv((3, 3)), k.Relu(), k.Conv((3, 3)), k.Relu(), pool,
-                    k.Conv((3, 3)), k.Relu(), pool, k.Flatten(), k.Dense())
+    return k.serial(
+        k.Conv((3, 3)),
+        k.Relu(),
+        k.Conv((3, 3)),
+        k.Relu(),
+        pool,
+        k.Conv((3, 3)),
+        k.Relu(),
+        pool,
+        k.Flatten(),
+        k.Dense(),
+    )
 
 
 def resnet_kernel_fn() -> kernels.KernelFn:
     """A small residual network: Conv, x + Conv(Relu(x)), Relu, GlobalAvgPool, Dense."""
     k = kernels
     block = k.parallel(k.Identity(), k.serial(k.Relu(), k.Conv((3, 3), W_std=1.4)))
-    return k.serial(k.Conv((3, 3), W_std=1.4, b_std=0.1), k.FanOut(2), block, k.FanInSum(),
-                    k.Relu(), k.GlobalAvgPool(), k.Dense())
+    return k.serial(
+        k.Conv((3, 3), W_std=1.4, b_std=0.1),
+        k.FanOut(2),
+        block,
+        k.FanInSum(),
+        k.Relu(),
+        k.GlobalAvgPool(),
+        k.Dense(),
+    )
 
 
 KERNELS = {"conv": kernel_fn, "myrtle": myrtle_kernel_fn, "resnet": resnet_kernel_fn}
@@ -81,15 +98,17 @@ def data(n_support: int, n_target: int, side: int, classes: int = 10):
     return x_support, one_hot(n_support), x_target, one_hot(n_target)
 
 
-def make(n_support: int, n_target: int, side: int, chunk_size: tuple[int, int],
-         kernel: str = "conv") -> Scenario:
+def make(
+    n_support: int, n_target: int, side: int, chunk_size: tuple[int, int], kernel: str = "conv"
+) -> Scenario:
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     kernel_name, kernel = kernel, KERNELS[kernel]()
 
     def memwise_loss(x_support, y_support, x_target, y_target):
-        return kip_loss(kernel, x_support, y_support, x_target, y_target, ridge=RIDGE,
-                        chunk_size=chunk_size)
+        return kip_loss(
+            kernel, x_support, y_support, x_target, y_target, ridge=RIDGE, chunk_size=chunk_size
+        )
 
     return Scenario(
         name="kip",
@@ -97,8 +116,7 @@ def make(n_support: int, n_target: int, side: int, chunk_size: tuple[int, int],
             f"grad of a KIP loss, {kernel_name} NTK, {n_support} support and {n_target:,} "
             f"target images {side}x{side}x1, tiles {chunk_size}"
         ),
-        naive=jax.value_and_grad(functools.partial(naive_loss, kernel=kernel_name),
-                                 argnums=(0, 1)),
+        naive=jax.value_and_grad(functools.partial(naive_loss, kernel=kernel_name), argnums=(0, 1)),
         memwise=jax.value_and_grad(memwise_loss, argnums=(0, 1)),
         args=data(n_support, n_target, side),
         rtol=1e-3,

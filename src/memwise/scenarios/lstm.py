@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from memwise.scenarios import Scenario
 
 SIZES = {
-    "default": dict(batch=10, seq_length=1000, hidden=32, input_dim=8, output_dim=4,
-                    seq2seq=False),
-    "report": dict(batch=10, seq_length=10_000, hidden=128, input_dim=32, output_dim=4,
-                   seq2seq=True),
+    "default": dict(batch=10, seq_length=1000, hidden=32, input_dim=8, output_dim=4, seq2seq=False),
+    "report": dict(
+        batch=10, seq_length=10_000, hidden=128, input_dim=32, output_dim=4, seq2seq=True
+    ),
 }
 
 KINDS = ("scan", "remat", "memwise")
@@ -54,12 +54,19 @@ def model(
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "memwise":
         lifted = functools.partial(
-            memwise.flax.scan, variable_broadcast="params", in_axes=1, out_axes=1,
-            split_rngs={"params": False}, checkpoints=checkpoints,
+            memwise.flax.scan,
+            variable_broadcast="params",
+            in_axes=1,
+            out_axes=1,
+            split_rngs={"params": False},
+            checkpoints=checkpoints,
         )
     else:
         lifted = functools.partial(
-            nn.scan, variable_broadcast="params", in_axes=1, out_axes=1,
+            nn.scan,
+            variable_broadcast="params",
+            in_axes=1,
+            out_axes=1,
             split_rngs={"params": False},
         )
 
@@ -109,7 +116,8 @@ def loss_fn(net) -> Callable:
     return loss
 
 
-def data(batch, seq_length, input_dim, output_dim, seq2seq, key=jax.random.PRNGKey(1)):
+def data(batch, seq_length, input_dim, output_dim, seq2seq, key=None):
+    key = jax.random.PRNGKey(1) if key is None else key
     key_x, key_y = jax.random.split(key)
     x = jax.random.normal(key_x, (batch, seq_length, input_dim))
     y_shape = (batch, seq_length, output_dim) if seq2seq else (batch, output_dim)

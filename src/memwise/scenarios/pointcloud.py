@@ -43,7 +43,7 @@ def report_clouds(n: int, radius_x: float = 5.0, radius_y: float = 10.0):
 
 
 def _dense_cost(x, y):
-    return (jnp.sum(x**2, 1)[:, None] + jnp.sum(y**2, 1)[None, :] - 2 * x @ y.T)
+    return jnp.sum(x**2, 1)[:, None] + jnp.sum(y**2, 1)[None, :] - 2 * x @ y.T
 
 
 def _dense_reg_ot(x, y, eps, threshold, max_iterations=2000):
@@ -98,9 +98,9 @@ def _dense_reg_ot_self(x, eps, threshold, max_iterations=2000):
 def dense_divergence(x, y, threshold=1e-3):
     """OTT's default epsilon (0.05 x std of the cost matrix) and divergence, dense."""
     eps = jax.lax.stop_gradient(0.05 * jnp.std(_dense_cost(x, y)))
-    return (_dense_reg_ot(x, y, eps, threshold)
-            - 0.5 * (_dense_reg_ot_self(x, eps, threshold)
-                     + _dense_reg_ot_self(y, eps, threshold)))
+    return _dense_reg_ot(x, y, eps, threshold) - 0.5 * (
+        _dense_reg_ot_self(x, eps, threshold) + _dense_reg_ot_self(y, eps, threshold)
+    )
 
 
 def make(n: int, radius_x: float, radius_y: float, threshold: float) -> Scenario:
@@ -110,13 +110,14 @@ def make(n: int, radius_x: float, radius_y: float, threshold: float) -> Scenario
         return jax.value_and_grad(dense_divergence)(x, y, threshold)
 
     def memwise(x, y):
-        return jax.value_and_grad(
-            lambda x: ot.sinkhorn_divergence(x, y, threshold=threshold))(x)
+        return jax.value_and_grad(lambda x: ot.sinkhorn_divergence(x, y, threshold=threshold))(x)
 
     return Scenario(
         name="pointcloud",
-        description=(f"value and x-gradient of the Sinkhorn divergence between {n:,} points "
-                     f"in discs of radius {radius_x:g} and {radius_y:g} (default epsilon)"),
+        description=(
+            f"value and x-gradient of the Sinkhorn divergence between {n:,} points "
+            f"in discs of radius {radius_x:g} and {radius_y:g} (default epsilon)"
+        ),
         naive=naive,
         memwise=memwise,
         args=(x, y),
