@@ -126,7 +126,7 @@ class Chunking:
         """``(n_chunks, size)`` bool: True for real items, False for padding."""
         return self.ids() < self.length
 
-    def block(self, leaf: jax.Array, start: jax.Array, *, axis: int = 0) -> jax.Array:
+    def block(self, leaf: jax.Array, start: int | jax.Array, *, axis: int = 0) -> jax.Array:
         """The ``size`` items from ``start`` along ``axis`` of an unpadded array.
 
         No padded copy of ``leaf`` is made (it may be a large n x m mask or bias): the
@@ -206,9 +206,9 @@ def leading_length(tree: Any, arg: str) -> int:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         raise ValueError(f"{arg} has no arrays: pass an array or a pytree of arrays")
-    lengths = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
-    if None in lengths:
+    if any(np.ndim(leaf) == 0 for leaf in leaves):
         raise ValueError(f"every leaf of {arg} needs a leading axis to chunk over (got a scalar)")
+    lengths = {int(np.shape(leaf)[0]) for leaf in leaves}
     if len(lengths) != 1:
         raise ValueError(
             f"the leaves of {arg} have different leading lengths {sorted(lengths)}; "
@@ -228,7 +228,9 @@ class ItemBytes(int):
     examples: tuple
     key: str
 
-    def __new__(cls, nbytes: int, fn: Callable | None = None, examples: tuple = (), key: str = ""):
+    def __new__(
+        cls, nbytes: int, fn: Callable | None = None, examples: tuple = (), key: str = ""
+    ) -> ItemBytes:
         out = super().__new__(cls, nbytes)
         out.fn, out.examples, out.key = fn, examples, key
         return out
@@ -253,7 +255,7 @@ def item_bytes(fn: Callable, *example_args: Any) -> int:
     total = 0
     for eqn in jaxpr.jaxpr.eqns:
         for var in eqn.outvars:
-            aval = getattr(var, "aval", None)
+            aval: Any = getattr(var, "aval", None)
             if hasattr(aval, "shape") and hasattr(aval, "dtype"):
                 total += int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
     examples = _abstract(example_args)
@@ -336,10 +338,10 @@ def _tile_cost(
         tuple(min(n, r) for n, r in zip(shape, (64,) * len(shape))),
         tuple(min(n, r) for n, r in zip(shape, (256,) * len(shape))),
     ]
-    costs = [_compiled_tile(profile, *ref, *((None,) * (2 - len(ref)))) for ref in references]
-    if any(c is None for c in costs):
+    low, high = (_compiled_tile(profile, *ref, *((None,) * (2 - len(ref)))) for ref in references)
+    if low is None or high is None:
         return None
-    (low, high), (p_low, p_high) = costs, [math.prod(r) for r in references]
+    p_low, p_high = (math.prod(r) for r in references)
     pairs = math.prod(tile)
     if p_high == p_low:
         return high
@@ -356,16 +358,15 @@ def _tile_cost(
 
 def _compiled_tile(profile: ItemBytes, rows: int, cols: int | None) -> costmodel.Cost | None:
     key = (profile.key, rows, cols)
+    if profile.fn is None:
+        return None
     if key not in _TILE_COSTS:
-        two_d = cols is not None
-        first, second = profile.examples[0], profile.examples[1] if two_d else None
-        consts = profile.examples[2 if two_d else 1 :]
+        consts = profile.examples[1 if cols is None else 2 :]
         try:
+            first = _batched(profile.examples[0], rows)
+            second = None if cols is None else _batched(profile.examples[1], cols)
             _TILE_COSTS[key] = costmodel.compiled_cost(
-                _tile_body(profile.fn, cols),
-                _batched(first, rows),
-                _batched(second, cols) if two_d else None,
-                consts,
+                _tile_body(profile.fn, cols), first, second, consts
             )
         except Exception:  # noqa: BLE001 - e.g. fn closes over traced values: no model
             _TILE_COSTS[key] = None
@@ -383,7 +384,7 @@ def _tile_costs(
     The roofline of :mod:`memwise.costmodel` for the tile body of ``per_item``'s
     function; the count model ``count_work`` where that body cannot be compiled.
     """
-    times = None
+    times: list[float] | None = None
     if isinstance(per_item, ItemBytes) and per_item.fn is not None:
         machine = costmodel.machine()
         times = []
