@@ -63,6 +63,9 @@ __all__ = ["REDUCTIONS", "Ring", "accumulation_dtype", "sum_dtype", "tiled_reduc
 
 REDUCTIONS = ("sum", "logsumexp", "max", "softmax")
 
+# The flattened leaves of one pytree operand (rows, cols, pairs or consts).
+_Leaves = list[jax.Array]
+
 
 def accumulation_dtype(dtype: Any) -> np.dtype:
     """The dtype a reduction of ``dtype`` values accumulates in: at least float32 for
@@ -121,13 +124,14 @@ class _TileSpec:
     # -inf (e.g. above a causal diagonal); such tiles are skipped with lax.cond.
     live: Callable | None = None
 
-    def tile(self, leaves: Sequence[list], row_ids, col_ids):
+    def tile(self, leaves: Sequence[list], row_ids: jax.Array, col_ids: jax.Array) -> Any:
         rows, cols, pairs, consts = (
             jax.tree.unflatten(tree, flat) for tree, flat in zip(self.trees, leaves)
         )
         return self.tile_fn(rows, cols, pairs, consts, row_ids, col_ids)
 
-    def is_live(self, row_ids, col_ids, const_leaves) -> jax.Array:
+    def is_live(self, row_ids: jax.Array, col_ids: jax.Array, const_leaves: list) -> jax.Array:
+        assert self.live is not None  # called only for a spec with live
         return self.live(row_ids, col_ids, jax.tree.unflatten(self.trees[3], const_leaves))
 
     def pair_axes(self, level: int) -> list:
@@ -142,7 +146,9 @@ class _TileSpec:
             for p, pb in zip(pairs, self.pair_batch)
         ]
 
-    def over_batch(self, fn: Callable, in_axes: Callable[[int], tuple], out_axes=0):
+    def over_batch(
+        self, fn: Callable, in_axes: Callable[[int], tuple], out_axes: Any = 0
+    ) -> Callable:
         """``fn`` of one problem vmapped over the batch dims, outermost first."""
         for level in reversed(range(len(self.batch))):
             fn = jax.vmap(fn, in_axes=in_axes(level), out_axes=out_axes)
@@ -155,7 +161,12 @@ def _expand(a: jax.Array, ndim: int) -> jax.Array:
 
 
 def _pair_blocks(
-    rows: Chunking, cols: Chunking, pairs: list, i_start, j_start, lead: Sequence[int] | None = None
+    rows: Chunking,
+    cols: Chunking,
+    pairs: list,
+    i_start: int | jax.Array,
+    j_start: int | jax.Array,
+    lead: Sequence[int] | None = None,
 ) -> list:
     """The tile of each pair operand at ``(i_start, j_start)``, no copy.
 
@@ -176,7 +187,9 @@ def _safe_max(m: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def _tile_type(spec: _TileSpec, rows, cols, pairs, consts):
+def _tile_type(
+    spec: _TileSpec, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
+) -> Any:
     """Shapes and dtypes of one tile's output (the first tile of the first problem)."""
     R, C, nb = spec.tiles.rows, spec.tiles.cols, len(spec.batch)
 
@@ -190,7 +203,7 @@ def _tile_type(spec: _TileSpec, rows, cols, pairs, consts):
     return jax.eval_shape(first_tile)
 
 
-def _finish(reduce: str, first, stats):
+def _finish(reduce: str, first: Any, stats: Any) -> tuple[Any, Any]:
     """``(result, residual)`` from the forward's statistics (accumulation dtypes): the
     result in the scores' dtype (``jnp.sum``'s for a sum), the residual what the
     backward needs. Where the dtypes agree they are one buffer."""
@@ -207,7 +220,17 @@ def _finish(reduce: str, first, stats):
     return (out.astype(v_type.dtype), lse.astype(s_type.dtype)), (out, lse)
 
 
-def _row_pass(spec: _TileSpec, first, rows, cols_c, col_ids, col_valid, pairs, consts, row_ids):
+def _row_pass(
+    spec: _TileSpec,
+    first: Any,
+    rows: Any,
+    cols_c: Any,
+    col_ids: jax.Array,
+    col_valid: jax.Array,
+    pairs: _Leaves,
+    consts: _Leaves,
+    row_ids: jax.Array,
+) -> Any:
     """Reduce one row block over all column tiles (the forward pass of one row block).
 
     ``first`` is the tile's output type. Returns the statistics :func:`_finish` turns
@@ -219,6 +242,7 @@ def _row_pass(spec: _TileSpec, first, rows, cols_c, col_ids, col_valid, pairs, c
         pblk = _pair_blocks(spec.tiles.rows, spec.tiles.cols, pairs, row_ids[0], c_ids[0])
         return spec.tile((rows, col_blk, pblk, consts), row_ids, c_ids)
 
+    init: Any
     if reduce == "softmax":
         s_shape, v_shape = first
         acc_dtype = accumulation_dtype(s_shape.dtype)
@@ -303,7 +327,9 @@ def _row_pass(spec: _TileSpec, first, rows, cols_c, col_ids, col_valid, pairs, c
     return acc / _expand(jnp.where(denom > 0, denom, 1.0), acc.ndim), lse
 
 
-def _problem_forward(spec: _TileSpec, first, rows, cols, pairs, consts):
+def _problem_forward(
+    spec: _TileSpec, first: Any, rows: Any, cols: Any, pairs: _Leaves, consts: _Leaves
+) -> Any:
     """The forward statistics of one problem (no batch dims)."""
     R, C = spec.tiles.rows, spec.tiles.cols
     rows_c = R.split(rows)
@@ -319,7 +345,9 @@ def _problem_forward(spec: _TileSpec, first, rows, cols, pairs, consts):
     return R.merge(out)
 
 
-def _statistics(spec: _TileSpec, rows, cols, pairs, consts):
+def _statistics(
+    spec: _TileSpec, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
+) -> tuple[Any, Any]:
     """``(tile type, statistics)`` of the whole batch: each problem vmapped, pairs
     broadcast over the batch dims they lack (never expanded)."""
     pairs = spec.squeeze_pairs(pairs)
@@ -331,14 +359,18 @@ def _statistics(spec: _TileSpec, rows, cols, pairs, consts):
     return first, problem(rows, cols, pairs)
 
 
-def _tiled_forward(spec: _TileSpec, rows, cols, pairs, consts):
+def _tiled_forward(
+    spec: _TileSpec, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
+) -> tuple[Any, Any]:
     """``(result, residual)`` of the whole batch."""
     first, stats = _statistics(spec, rows, cols, pairs, consts)
     return _finish(spec.reduce, first, stats)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tiled_core(spec: _TileSpec, rows, cols, pairs, consts):
+def _tiled_core(
+    spec: _TileSpec, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
+) -> Any:
     return _tiled_forward(spec, rows, cols, pairs, consts)[0]
 
 
@@ -605,6 +637,7 @@ def _ring_spec(spec: _TileSpec) -> _TileSpec:
         return tile_fn(rows, cols, pairs, user, row_ids, col_ids + offset)
 
     def shifted_live(row_ids, col_ids, consts):
+        assert live is not None  # installed only when spec has live
         user, offset = consts
         return live(row_ids, col_ids + offset, user)
 
@@ -623,14 +656,14 @@ def _rotate(tree: Any, ring: Ring) -> Any:
     return jax.tree.map(lambda a: lax.ppermute(a, ring.axes, perm), tree)
 
 
-def _block_offset(ring: Ring, m_local: int, step) -> jax.Array:
+def _block_offset(ring: Ring, m_local: int, step: int | jax.Array) -> jax.Array:
     """The first global column of the block a device holds at ``step``: it started on
     the device ``step`` places before this one."""
     me = lax.axis_index(ring.axes)
     return (((me - step) % ring.size) * m_local).astype(jnp.int32)
 
 
-def _combine(reduce: str, a, b):
+def _combine(reduce: str, a: Any, b: Any) -> Any:
     """The statistics of two column blocks' reductions, merged (associative)."""
     if reduce == "sum":
         return a + b
@@ -651,7 +684,9 @@ def _combine(reduce: str, a, b):
     return oa * wa.astype(oa.dtype) + ob * wb.astype(ob.dtype), lse
 
 
-def _ring_statistics(spec: _TileSpec, ring: Ring, rows, cols, pairs, consts):
+def _ring_statistics(
+    spec: _TileSpec, ring: Ring, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
+) -> tuple[Any, Any]:
     """``(tile type, statistics over every device's columns)``."""
     m_local = cols[0].shape[len(spec.batch)]
 
@@ -675,7 +710,9 @@ def _ring_statistics(spec: _TileSpec, ring: Ring, rows, cols, pairs, consts):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring_core(spec: _TileSpec, ring: Ring, rows, cols, pairs, consts):
+def _ring_core(
+    spec: _TileSpec, ring: Ring, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
+) -> Any:
     return _finish(spec.reduce, *_ring_statistics(spec, ring, rows, cols, pairs, consts))[0]
 
 
