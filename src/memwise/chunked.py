@@ -263,9 +263,10 @@ def chunked_map(
       xs: pytree of arrays with a common leading length ``n`` (``n = 0`` gives empty
         outputs, as ``jax.vmap`` does).
       chunk_size: items per chunk (int >= 1) or ``"auto"``.
-      mesh, axis_name: run sharded, the items of ``xs`` split over mesh axis
+      mesh: run sharded on this mesh, the items of ``xs`` split over mesh axis
         ``axis_name`` (see :func:`pairwise_reduce`); detected from ``xs``'s sharding
-        when it is a concrete array with a ``NamedSharding`` (pass them under ``jit``).
+        when it is a concrete array with a ``NamedSharding`` (pass both under ``jit``).
+      axis_name: the mesh axis (or axes) the items of ``xs`` are split over.
 
     Returns:
       ``f``'s outputs stacked along a new leading axis of length ``n``.
@@ -303,8 +304,8 @@ def chunked_sum(
       xs: pytree of arrays with a common leading length ``n`` (``n = 0`` sums to
         zeros).
       chunk_size: items per chunk (int >= 1) or ``"auto"``.
-      mesh, axis_name: as for :func:`chunked_map`; each device sums its items, then one
-        ``psum``.
+      mesh: as for :func:`chunked_map`; each device sums its items, then one ``psum``.
+      axis_name: as for :func:`chunked_map`.
 
     Example::
 
