@@ -92,15 +92,16 @@ def pairwise_reduce(
         :class:`memwise.tiling.Tiling` that also sets the backward pass's tile (by
         default the forward tile with half the rows).
       axis: 1 to reduce over ``y`` (one result per x), 0 to reduce over ``x``.
-      mesh, axis_name: run on many devices with the points of ``x`` split over mesh axis
+      mesh: run on many devices with the points of ``x`` split over mesh axis
         ``axis_name`` (``shard_map``): each device tiles its own rows, forward and
-        backward. Without these arguments the split follows the data, eagerly and under
-        ``jit``: a ``NamedSharding`` of ``x`` (else ``y``) over its first axis, a type
-        split over Explicit mesh axes, or, on a mesh with Auto axes (the arrays' own, or
-        one set with ``jax.set_mesh``), the points split over all of its devices when
-        they divide evenly. When only ``y``'s points are split, each device reduces its
-        own columns and the partial results are combined (``psum``; ``all_gather`` for
-        max/min and their arg-extremes, as global indices).
+        backward. Without ``mesh`` and ``axis_name`` the split follows the data, eagerly
+        and under ``jit``: a ``NamedSharding`` of ``x`` (else ``y``) over its first
+        axis, a type split over Explicit mesh axes, or, on a mesh with Auto axes (the
+        arrays' own, or one set with ``jax.set_mesh``), the points split over all of its
+        devices when they divide evenly. When only ``y``'s points are split, each device
+        reduces its own columns and the partial results are combined (``psum``;
+        ``all_gather`` for max/min and their arg-extremes, as global indices).
+      axis_name: the axis (or axes) of ``mesh`` that splits the points of ``x``.
       ring: with ``x``'s points split, whether ``y`` is split over the same devices too
         and passed around them (``ppermute``, each block reduced while the next is in
         flight; in the backward each block's gradient travels with it back to its
