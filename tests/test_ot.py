@@ -314,6 +314,15 @@ def test_bad_input_raises_clear_errors():
         ot.sinkhorn(jnp.ones((4, 2), jnp.int32), y, epsilon=0.1)
 
 
+def test_non_real_options_name_the_argument():
+    # A string or complex number is a NumPy scalar, but not a positive float.
+    x, y, _, _ = clouds(8, n=20, m=30)
+    with pytest.raises(ValueError, match="threshold must be a positive float"):
+        ot.sinkhorn(x, y, epsilon=0.1, threshold="1e-3")
+    with pytest.raises(ValueError, match="epsilon_scaling"):
+        ot.sinkhorn_divergence(x, y, epsilon=0.1, epsilon_scaling=0.5j)
+
+
 def test_bad_values_under_jit_report_not_converged_not_silent_nan():
     x, y, a, b = clouds(9, n=20, m=30)
 

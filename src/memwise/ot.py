@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -250,7 +250,7 @@ def _softmin(
     y: Array,
     log_weights: Array,
     eps: Array,
-    chunk_size: Any,
+    chunk_size: _Placed,
     *,
     axis: int = 1,
 ) -> Array:
@@ -275,7 +275,7 @@ def _safe_log(weights: Array) -> Array:
     return jnp.where(positive, jnp.log(jnp.where(positive, weights, 1.0)), -jnp.inf)
 
 
-def _default_epsilon(cost, consts, x, y, chunk_size) -> Array:
+def _default_epsilon(cost: CostFn, consts: tuple, x: Array, y: Array, chunk_size: _Placed) -> Array:
     """0.05 x std of all ``C(x_i, y_j)`` (OTT-JAX 0.6's default), in two chunked passes.
 
     Floored, where OTT's is 0 or degenerate, at 0.05 x (1% of ``|mean(C)|``), or 0.05
@@ -312,7 +312,9 @@ def _kernel_apply(cost, consts, x, y, eps, chunk_size, left, right, vector, *, a
     )
 
 
-def _start_epsilon(cost, consts, x, y, chunk_size, scaling) -> Array | None:
+def _start_epsilon(
+    cost: CostFn, consts: tuple, x: Array, y: Array, chunk_size: _Placed, scaling: float | None
+) -> Array | None:
     """Where epsilon annealing starts: the largest cost (None: no annealing)."""
     if scaling is None:
         return None
@@ -349,10 +351,20 @@ def _marginal_error(weights, log_ratio):
     return jnp.where(jnp.all(jnp.isfinite(log_ratio)), error, jnp.nan)
 
 
-def _loop(body, f, g, g_next, eps, eps_start, scaling, threshold, max_iterations) -> _Loop:
+def _loop(
+    body: Callable[[_Loop], _Loop],
+    f: Array,
+    g: Array,
+    g_next: Array,
+    eps: Array,
+    eps_start: Array | None,
+    scaling: float | None,
+    threshold: float,
+    max_iterations: int,
+) -> _Loop:
     """Run ``body`` until converged at the target epsilon, NaN, or max_iterations."""
 
-    def keep_going(state: _Loop):
+    def keep_going(state: _Loop) -> Array:
         at_target = _schedule(state.iteration - 1, eps, eps_start, scaling) <= eps
         converged = at_target & (state.error < threshold) & (state.iteration > 0)
         return (state.iteration < max_iterations) & ~converged & ~jnp.isnan(state.error)
@@ -595,7 +607,16 @@ class _Problem(NamedTuple):
 
 
 def _prepare(
-    x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling
+    x: Any,
+    y: Any,
+    a: Any,
+    b: Any,
+    cost: str | CostFn,
+    epsilon: Any,
+    chunk_size: ChunkSize,
+    max_iterations: int,
+    threshold: float,
+    epsilon_scaling: float | None,
 ) -> _Problem:
     _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
     x, y = _check_points("x", x), _check_points("y", y)
@@ -650,7 +671,12 @@ def _is_concrete(value: Any) -> bool:
     return not isinstance(value, jax.core.Tracer)
 
 
-def _check_options(epsilon, max_iterations, threshold, epsilon_scaling):
+def _is_real(value: Any) -> TypeGuard[float | np.integer | np.floating]:
+    # np.isscalar also admits strings and complex numbers, which then fail to compare.
+    return isinstance(value, (int, float, np.integer, np.floating))
+
+
+def _check_options(epsilon: Any, max_iterations: Any, threshold: Any, epsilon_scaling: Any) -> None:
     if epsilon is not None and _is_concrete(epsilon):
         eps_value = np.asarray(epsilon)
         if eps_value.shape != () or not np.isfinite(eps_value) or eps_value <= 0:
@@ -660,11 +686,9 @@ def _check_options(epsilon, max_iterations, threshold, epsilon_scaling):
             )
     if not isinstance(max_iterations, (int, np.integer)) or max_iterations < 1:
         raise ValueError(f"max_iterations must be an int >= 1, got {max_iterations!r}")
-    if not np.isscalar(threshold) or not threshold > 0:
+    if not _is_real(threshold) or not threshold > 0:
         raise ValueError(f"threshold must be a positive float, got {threshold!r}")
-    if epsilon_scaling is not None and not (
-        np.isscalar(epsilon_scaling) and 0 < epsilon_scaling < 1
-    ):
+    if epsilon_scaling is not None and not (_is_real(epsilon_scaling) and 0 < epsilon_scaling < 1):
         raise ValueError(
             "epsilon_scaling must be None (plain Sinkhorn) or a float in (0, 1), the "
             f"factor epsilon shrinks by per iteration (e.g. 0.5); got {epsilon_scaling!r}"
@@ -689,7 +713,7 @@ def _check_points(name: str, points: Any) -> Array:
     return points
 
 
-def _check_weights(name: str, weights: Any, size: int, dtype) -> Array:
+def _check_weights(name: str, weights: Any, size: int, dtype: Any) -> Array:
     if weights is None:
         return jnp.full((size,), 1.0 / size, dtype)
     weights = jnp.asarray(weights)
@@ -830,7 +854,14 @@ def sinkhorn(
     )
 
 
-def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold, epsilon_scaling) -> SinkhornResult:
+def _sinkhorn(
+    p: _Problem,
+    g_init: Array,
+    *,
+    max_iterations: int,
+    threshold: float,
+    epsilon_scaling: float | None,
+) -> SinkhornResult:
     # Unequal totals have no balanced plan: traced weights (concrete ones raised in
     # _prepare) make the problem NaN, so it reports converged=False. A rounding-level
     # mismatch would keep the column error from falling below it: b takes a's total.
@@ -866,7 +897,13 @@ def _sinkhorn(p: _Problem, g_init, *, max_iterations, threshold, epsilon_scaling
 
 
 def _self_transport(
-    p: _Problem, x, a, *, max_iterations, threshold, epsilon_scaling
+    p: _Problem,
+    x: Array,
+    a: Array,
+    *,
+    max_iterations: int,
+    threshold: float,
+    epsilon_scaling: float | None,
 ) -> SinkhornResult:
     """OT(a, a) of the points x (one of p.x, p.y) with their weights a."""
     sx, sa, seps, sconsts = jax.lax.stop_gradient((x, a, p.eps, p.consts))
@@ -887,12 +924,21 @@ def _self_transport(
     return _result(p, f, g, reg, error, threshold, n_iterations, errors)
 
 
-def _result(p, f, g, reg, error, threshold, n_iterations, errors) -> SinkhornResult:
+def _result(
+    p: _Problem,
+    f: Array,
+    g: Array,
+    reg: Array,
+    error: Array,
+    threshold: float,
+    n_iterations: Array,
+    errors: Array,
+) -> SinkhornResult:
     converged = (error < threshold) & ~jnp.any(jnp.isnan(errors))
     return SinkhornResult(f, g, reg, converged, n_iterations, errors, jax.lax.stop_gradient(p.eps))
 
 
-def _in_dtype(result: SinkhornResult, dtype) -> SinkhornResult:
+def _in_dtype(result: SinkhornResult, dtype: Any) -> SinkhornResult:
     return result._replace(
         **{
             name: getattr(result, name).astype(dtype)
@@ -950,7 +996,7 @@ def sinkhorn_divergence(
     if not isinstance(return_results, (bool, np.bool_)):
         raise TypeError(f"return_results must be True or False, got {return_results!r}")
     p = _prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling)
-    options = {
+    options: dict[str, Any] = {
         "max_iterations": max_iterations,
         "threshold": threshold,
         "epsilon_scaling": epsilon_scaling,
@@ -965,5 +1011,5 @@ def sinkhorn_divergence(
     )
     divergence = divergence.astype(p.dtype)
     if return_results:
-        return divergence, tuple(_in_dtype(r, p.dtype) for r in (xy, xx, yy))
+        return divergence, (_in_dtype(xy, p.dtype), _in_dtype(xx, p.dtype), _in_dtype(yy, p.dtype))
     return divergence
