@@ -138,7 +138,9 @@ def attention(
     the output is kept for the backward).
 
     Args:
-      q, k, v: queries, keys, values.
+      q: queries, ``(..., Lq, d)``.
+      k: keys, ``(..., Lk, d)``.
+      v: values, ``(..., Lk, dv)``.
       mask: optional boolean array broadcastable to ``(..., Lq, Lk)``. Other dtypes
         raise ``TypeError``: pass additive (0 / -inf) masks as ``bias``.
       bias: optional float array broadcastable to ``(..., Lq, Lk)``, added to the scores
@@ -148,14 +150,16 @@ def attention(
         it gets a gradient); default ``1 / sqrt(d)``.
       chunk_size: tile ``(query rows, key cols)``, an int, ``"auto"``, or a
         :class:`memwise.tiling.Tiling` (which also sets the backward tile).
-      mesh, axis_name: run on many devices (``shard_map``), dim ``shard_dim`` of ``q``
-        split over mesh axis ``axis_name`` (as for :func:`memwise.pairwise_reduce`). With
-        a batch/head dim split, k, v, mask and bias are split the same way and nothing
-        is communicated. With the queries split (``shard_dim=-2``, the default) k and v
-        are split too and passed around the devices (ring attention, see ``ring``).
-        Without these arguments the split follows the data, eagerly and under ``jit``:
-        ``q``'s ``NamedSharding`` or Explicit-axes type (any of its batch/head/query
-        dims), or, on a mesh with Auto axes, dim ``shard_dim`` over all its devices.
+      mesh: run on many devices (``shard_map``), dim ``shard_dim`` of ``q`` split over
+        mesh axis ``axis_name`` (as for :func:`memwise.pairwise_reduce`). With a
+        batch/head dim split, k, v, mask and bias are split the same way and nothing is
+        communicated. With the queries split (``shard_dim=-2``, the default) k and v are
+        split too and passed around the devices (ring attention, see ``ring``). Without
+        ``mesh`` and ``axis_name`` the split follows the data, eagerly and under
+        ``jit``: ``q``'s ``NamedSharding`` or Explicit-axes type (any of its
+        batch/head/query dims), or, on a mesh with Auto axes, dim ``shard_dim`` over all
+        its devices.
+      axis_name: the axis (or axes) of ``mesh`` that splits dim ``shard_dim`` of ``q``.
       shard_dim: the dim of ``q`` that ``axis_name`` splits: ``-2`` (queries) or a
         leading batch/head dim.
       ring: with the queries split, whether k and v are split over the same devices
