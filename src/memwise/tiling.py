@@ -520,7 +520,8 @@ def tiling(
     """Resolve a 2-D ``chunk_size`` into a :class:`Tiling` of an ``n x m`` computation.
 
     Args:
-      n, m: rows and columns (>= 1 each).
+      n: rows (>= 1).
+      m: columns (>= 1).
       chunk_size: an int (square tiles), a ``(rows, cols)`` tuple, a resolved
         :class:`Tiling` (returned as it is; one of another shape lends its tile sizes,
         e.g. per device inside ``shard_map``), or ``"auto"``: a
