@@ -48,7 +48,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -341,6 +341,7 @@ class _Signature:
         single-knob variants of the best (which fit when it does), whatever their
         predicted time: timing is there to correct the prediction."""
         best = self.best()
+        assert best is not None  # tuning follows a search that found a plan
         pool = {t.indices: t.cost for t in self.trials.values() if t.fits}
         for k, knob in enumerate(self.layout):
             for index in range(best.indices[k] + 1, len(knob.candidates)):
@@ -352,6 +353,11 @@ class _Signature:
     def best(self) -> Trial | None:
         fitting = [t for t in self.trials.values() if t.fits]
         return min(fitting, key=lambda t: (t.cost, t.peak_bytes)) if fitting else None
+
+    def chosen(self) -> Plan:
+        """The plan, once searched (see :meth:`Fitted._planned`)."""
+        assert self.plan is not None
+        return self.plan
 
     def leanest(self) -> tuple[int, ...]:
         return _pressure_levels(self.layout)[-1]
@@ -392,9 +398,7 @@ class _Signature:
         moves = []
         for k, knob in enumerate(self.layout):
             for index in range(len(knob.candidates)):
-                candidate = list(current.indices)
-                candidate[k] = index
-                candidate = tuple(candidate)
+                candidate = current.indices[:k] + (index,) + current.indices[k + 1 :]
                 known = self.trials.get(candidate)
                 if index == current.indices[k] or (known is not None and not known.fits):
                     continue
@@ -409,7 +413,9 @@ class _Signature:
         improved = True
         while improved and self.room() > 0:
             improved = False
-            for _, candidate in self._moves(self.best()):
+            best = self.best()
+            assert best is not None  # relaxing starts from a plan that fits
+            for _, candidate in self._moves(best):
                 if candidate not in self.memory and self.room() <= 0:
                     return
                 if self.trial(candidate, compile_plan).fits:
@@ -422,18 +428,18 @@ class Fitted:
 
     def __init__(
         self,
-        fn,
-        budget,
-        argnums,
-        grad,
-        policies,
-        max_compilations,
-        static,
-        verbose=False,
-        tune=False,
-        tune_plans=3,
-        tune_runs=5,
-    ):
+        fn: Callable,
+        budget: int | float | str,
+        argnums: int | tuple[int, ...],
+        grad: bool,
+        policies: bool,
+        max_compilations: int,
+        static: dict[str, Any],
+        verbose: bool = False,
+        tune: bool = False,
+        tune_plans: int = 3,
+        tune_runs: int = 5,
+    ) -> None:
         self.fn = fn
         self.verbose = verbose
         self.tune, self.tune_plans, self.tune_runs = tune, tune_plans, tune_runs
@@ -481,7 +487,7 @@ class Fitted:
 
         return planned
 
-    def _knobs_of(self, args, kwargs) -> list[knobs.Knob]:
+    def _knobs_of(self, args: tuple, kwargs: dict) -> list[knobs.Knob]:
         found: list[knobs.Knob] = []
         # Checks the arguments (static ones, argnums) before anything is compiled.
         program, args, kwargs, _ = _arguments.prepare(
@@ -496,12 +502,13 @@ class Fitted:
             jax.eval_shape(program, *args, **kwargs)
         return found
 
-    def _compile(self, indices, state: _Signature) -> measure.CompiledMemory:
+    def _compile(self, indices: tuple[int, ...], state: _Signature) -> measure.CompiledMemory:
         # Without user contexts (older JAX) a jitted or checkpointed helper may replay a
         # trace made under another plan: clear JAX's caches once and retry.
         attempts = 1 if knobs.CACHES_KEYED_ON_PLAN else 2
+        reached: list[knobs.Knob] = []
         for attempt in range(attempts):
-            reached: list[knobs.Knob] = []
+            reached = []
             memory = measure.compiled_memory(
                 self._program(indices, state.layout, reached),
                 *state.args,
@@ -527,11 +534,12 @@ class Fitted:
         under this plan is reused (its knobs keep the plan's values, unrecorded) and is
         never reused under another plan. The first trace must reach every planned knob.
         """
+        plan = state.chosen()
 
         @functools.wraps(self.fn)
         def checked(*args, **kwargs):
             reached: list[knobs.Knob] = []
-            out = self._program(state.plan.indices, state.layout, reached, state.cache_key)(
+            out = self._program(plan.indices, state.layout, reached, state.cache_key)(
                 *args, **kwargs
             )
             planned, keys = {k.key for k in state.layout}, {k.key for k in reached}
@@ -590,7 +598,9 @@ class Fitted:
         self._last = state
         return state
 
-    def _tune(self, state: _Signature, chosen: Trial, args: tuple, kwargs: dict):
+    def _tune(
+        self, state: _Signature, chosen: Trial, args: tuple, kwargs: dict
+    ) -> tuple[Trial, tuple, int, int]:
         """Times the fastest predicted plans that fit; returns the fastest measured.
 
         Each is compiled (the search's memory results are not executables) and run
@@ -615,7 +625,7 @@ class Fitted:
                 executables[indices] = compiled
                 if indices not in state.memory:
                     state.memory[indices] = memory
-                    state.trial(indices, lambda _, memory=memory: memory)
+                    state.trial(indices, state.memory.__getitem__)
         samples: dict[tuple, list[float]] = {i: [] for i in executables}
         runs = 0
         for round_ in range(self.tune_runs + 1):  # round 0 warms up
@@ -628,7 +638,7 @@ class Fitted:
         medians = {i: statistics.median(v) for i, v in samples.items() if v}
         if not medians:
             return chosen, (), compilations, runs
-        ranked = sorted(medians, key=medians.get)
+        ranked = sorted(medians, key=medians.__getitem__)
         timed = tuple((state.trials[i].values, medians[i]) for i in ranked)
         if self.verbose:
             for values, seconds in timed:
@@ -640,9 +650,9 @@ class Fitted:
 
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for arguments of these shapes (planned on first use, then cached)."""
-        return self._planned(args, kwargs).plan
+        return self._planned(args, kwargs).chosen()
 
-    def _raise_infeasible(self, state: _Signature) -> None:
+    def _raise_infeasible(self, state: _Signature) -> NoReturn:
         leanest = state.leanest()
         memory = state.memory[leanest]
         parts = {
@@ -650,7 +660,7 @@ class Fitted:
             "outputs": memory.output_bytes,
             "temporaries": memory.temp_bytes,
         }
-        dominant = max(parts, key=parts.get)
+        dominant = max(parts, key=parts.__getitem__)
         detail = f"{dominant} ({measure.format_bytes(parts[dominant])})"
         if self.grad and dominant != "arguments":
             residuals = measure.residuals(  # traced, not compiled
@@ -693,7 +703,7 @@ class Fitted:
     @property
     def plan(self) -> Plan:
         """The plan chosen for the most recent arguments."""
-        return self._latest().plan
+        return self._latest().chosen()
 
     @property
     def frontier(self) -> list[Trial]:
@@ -718,7 +728,9 @@ class Fitted:
         return self.plan_for(*args, **kwargs).to_text()
 
 
-def _example_data(args: tuple, kwargs: dict, static_positions, static_names):
+def _example_data(
+    args: tuple, kwargs: dict, static_positions: frozenset[int], static_names: frozenset[str]
+) -> tuple[tuple, dict]:
     """What ``tune`` runs on: the arguments when concrete, else random arrays like them.
 
     Static arguments are left out as the compiled executable expects (None in place of
