@@ -301,7 +301,8 @@ def scan(
         levels), ``"per_step"``
         (``lax.scan(jax.checkpoint(f))``: n carries, 2n evaluations) or ``"none"``
         (plain ``lax.scan``: all residuals, n evaluations).
-      reverse, unroll: as in ``lax.scan`` (``unroll`` applies to the forward pass).
+      reverse: as in ``lax.scan``: run the loop from the last step to the first.
+      unroll: as in ``lax.scan``; applies to the forward pass.
 
     Returns:
       ``(final_carry, ys)`` exactly as ``jax.lax.scan``.
