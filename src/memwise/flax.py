@@ -173,8 +173,11 @@ def scan(
         Default ``{"params": False}``.
       in_axes: per scanned argument, the axis to scan over or ``nn.broadcast``.
       out_axes: axis of the stacked outputs.
-      length, reverse, unroll: as in ``nn.scan``.
-      checkpoints, schedule: as in :func:`memwise.scan`.
+      length: as in ``nn.scan``.
+      reverse: as in ``nn.scan``.
+      unroll: as in ``nn.scan``.
+      checkpoints: as in :func:`memwise.scan`.
+      schedule: as in :func:`memwise.scan`.
       methods: module methods to scan when ``target`` is a class.
 
     Memory/compute: under ``jax.grad`` the loop keeps ``checkpoints`` carries instead of
