@@ -58,7 +58,8 @@ def progress(iterable, **kwargs):
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
         return iterable
-    return tqdm(iterable, file=sys.stderr, leave=False, **kwargs)
+    kwargs.setdefault("leave", False)
+    return tqdm(iterable, file=sys.stderr, **kwargs)
 
 
 def peak_rss_bytes() -> int:

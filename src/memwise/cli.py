@@ -317,8 +317,8 @@ def _benchmarks_dir() -> Path:
         if (candidate / "run.py").exists():
             return candidate
     raise UsageError(
-        "it runs the scripts in a source checkout's benchmarks/ folder; "
-        "run it from a clone of the repository (pip install -e .)"
+        "it is a development command that runs a source checkout's benchmarks/ folder; "
+        "clone the repository and run `python -m benchmarks` (or `memwise bench`) there"
     )
 
 
@@ -368,7 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--budget", help="fit fn's 'auto' knobs to this budget (e.g. 2GiB, '2.5 GB', 1e9)"
     )
 
-    p_bench = commands.add_parser("bench", help="run benchmarks/ and regenerate BENCHMARKS.md")
+    p_bench = commands.add_parser(
+        "bench",
+        help="development: run a source checkout's benchmarks/ and regenerate BENCHMARKS.md",
+    )
     p_bench.add_argument("names", nargs="*", help="benchmarks (default: all)")
     p_bench.add_argument("--quick", action="store_true", help="small sizes, one timing round")
 
