@@ -65,7 +65,9 @@ def _full_rank(arr: jax.Array, name: str, batch: tuple, lq: int, lk: int) -> jax
     return arr.reshape((1,) * (len(full) - arr.ndim) + arr.shape)
 
 
-def _attention_sharding(q: jax.Array, mesh: Any, axis_name: Any, shard_dim: int):
+def _attention_sharding(
+    q: jax.Array, mesh: Any, axis_name: Any, shard_dim: int
+) -> tuple[Any, list] | None:
     """``(mesh, per-dim mesh axes of q)`` when attention is to run sharded, else None.
 
     Explicit ``mesh=``/``axis_name=`` split dim ``shard_dim``; otherwise the split is read
@@ -81,8 +83,10 @@ def _attention_sharding(q: jax.Array, mesh: Any, axis_name: Any, shard_dim: int)
             f"with shape {q.shape}; the feature dim cannot be split"
         )
     if mesh is not None or axis_name is not None:
-        mesh, axes = row_sharding(q, mesh, axis_name, "q")
-        spec = [None] * nd
+        split = row_sharding(q, mesh, axis_name, "q")
+        assert split is not None  # an explicit mesh= or axis_name= decides (or raises)
+        mesh, axes = split
+        spec: list = [None] * nd
         spec[shard_dim % nd] = axes
     else:
         found = [declared_split(q, dim=i) for i in range(nd)]

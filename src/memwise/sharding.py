@@ -31,6 +31,9 @@ from jax import lax
 
 from memwise._jax_private import varying_axes
 
+# Where an axis is split: a mesh (concrete, or abstract under jit) and its axis name(s).
+Split = tuple[Any, Any]
+
 __all__ = [
     "row_sharding",
     "declared_split",
@@ -96,7 +99,9 @@ def first_items(tree: Any) -> Any:
     )
 
 
-def convert(fn: Callable, data: tuple, examples: Callable[[tuple], tuple]):
+def convert(
+    fn: Callable, data: tuple, examples: Callable[[tuple], tuple]
+) -> tuple[Callable, list, tuple, bool]:
     """``jax.closure_convert`` of ``fn`` at example points of ``data``.
 
     Inside a user's ``shard_map`` the traced jaxpr pins which values are replicated, so
@@ -117,7 +122,7 @@ def _axis_names(axes: Any) -> tuple:
     return axes if isinstance(axes, tuple) else (axes,)
 
 
-def row_sharding(tree: Any, mesh: Any, axis_name: Any, arg: str, *, dim: int = 0):
+def row_sharding(tree: Any, mesh: Any, axis_name: Any, arg: str, *, dim: int = 0) -> Split | None:
     """``(mesh, axes)`` when axis ``dim`` of ``tree`` is to be split over a mesh, else None.
 
     In order: explicit ``mesh=``/``axis_name=``; the split the data declares
@@ -144,14 +149,14 @@ def row_sharding(tree: Any, mesh: Any, axis_name: Any, arg: str, *, dim: int = 0
     return declared_split(tree, dim) or auto_split(tree, dim)
 
 
-def _first_leaf(tree: Any):
+def _first_leaf(tree: Any) -> Any:
     leaves = jax.tree.leaves(tree)
     if not leaves or varying_over(leaves):
         return None
     return leaves[0]
 
 
-def declared_split(tree: Any, dim: int = 0):
+def declared_split(tree: Any, dim: int = 0) -> Split | None:
     """``(mesh, axes)`` that axis ``dim`` of ``tree``'s first leaf is declared split over.
 
     A concrete array says it with its ``NamedSharding``; under ``jit`` a value's type
@@ -162,7 +167,7 @@ def declared_split(tree: Any, dim: int = 0):
     if leaf is None:
         return None
     dim = dim % max(np.ndim(leaf), 1)
-    sharding = None
+    sharding: Any = None
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
         sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
@@ -187,8 +192,8 @@ def declared_replicated(tree: Any, dim: int = 0) -> bool:
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
-            spec = sharding.spec
-            return sharding.mesh.size > 1 and (len(spec) <= dim or spec[dim] is None)
+            split = sharding.spec
+            return sharding.mesh.size > 1 and (len(split) <= dim or split[dim] is None)
         return False
     sharding = getattr(jax.typeof(leaf), "sharding", None)
     mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
@@ -198,7 +203,7 @@ def declared_replicated(tree: Any, dim: int = 0) -> bool:
     return explicit and (len(spec) <= dim or spec[dim] is None)
 
 
-def auto_split(tree: Any, dim: int = 0):
+def auto_split(tree: Any, dim: int = 0) -> Split | None:
     """``(mesh, axes)``: axis ``dim`` of ``tree`` split over every Auto axis of the mesh
     its first leaf lives on (under ``jit``, the type's mesh; else the mesh set with
     ``jax.set_mesh``), when its length divides evenly; else None.
@@ -211,7 +216,7 @@ def auto_split(tree: Any, dim: int = 0):
     leaf = _first_leaf(tree)
     if leaf is None or np.ndim(leaf) == 0:
         return None
-    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    mesh: Any = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
     if mesh is None or not mesh.axis_names:
         mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or not mesh.axis_names:
@@ -240,7 +245,7 @@ def devices(mesh: Any, axes: Any) -> int:
     return int(np.prod([mesh.shape[name] for name in _axis_names(axes)]))
 
 
-def sharded_call(local: Callable, mesh: Any, in_specs: tuple, out_specs: Any, *args):
+def sharded_call(local: Callable, mesh: Any, in_specs: tuple, out_specs: Any, *args: Any) -> Any:
     """``shard_map`` of ``local`` (jitted: eager shard_map lacks custom_vjp symbolic zeros).
 
     ``mesh`` may be a ``Mesh`` or, under ``jit``, the ``AbstractMesh`` of the data's type.
