@@ -288,8 +288,10 @@ def kip_loss(
     Args:
       kernel_fn: a :func:`memwise.ntk.kernels.serial` kernel or any
         ``kernel_fn(x1, x2) -> (n1, n2)``.
-      x_support, y_support: the (n_s, ...) support inputs and (n_s,) / (n_s, O) labels.
-      x_target, y_target: the (n_t, ...) target inputs and labels.
+      x_support: the (n_s, ...) support inputs.
+      y_support: their (n_s,) or (n_s, O) labels.
+      x_target: the (n_t, ...) target inputs.
+      y_target: their labels.
       ridge: >= 0, scale-free regulariser.
       chunk_size: ``(rows, cols)``: targets per chunk and support inputs per chunk; an
         int means square tiles (clipped to the support size), ``"auto"`` asks
