@@ -221,7 +221,8 @@ class Conv(Layer):
       filter_shape: window size per pixel axis, e.g. ``(3, 3)``.
       strides: step per pixel axis (default 1).
       padding: ``"SAME"`` or ``"VALID"``.
-      W_std, b_std: weight and bias standard deviations (NTK parameterization).
+      W_std: weight standard deviation (NTK parameterization).
+      b_std: bias standard deviation.
     """
 
     filter_shape: tuple[int, ...]
