@@ -5,7 +5,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest -q -n 2
 
-.PHONY: demo test test-fast lint typecheck docs ci bench clean
+.PHONY: demo test test-fast lint typecheck docs floor ci bench clean
+
+# The oldest JAX release memwise supports: the floor declared in pyproject.toml.
+JAX_FLOOR := $(shell sed -n 's/.*"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+FLOOR_VENV := .venv-floor
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +48,22 @@ typecheck: $(VENV)/.installed-dev
 docs: $(VENV)/.installed-dev
 	$(BIN)/mkdocs build --strict
 
-ci: lint typecheck test docs
+# The fast lane on exactly the floor release of jax and jaxlib.
+$(FLOOR_VENV)/.installed-$(JAX_FLOOR): pyproject.toml
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet "jax==$(JAX_FLOOR)" "jaxlib==$(JAX_FLOOR)" -e ".[test]"
+	touch $@
+
+floor: $(FLOOR_VENV)/.installed-$(JAX_FLOOR)
+	$(FLOOR_VENV)/bin/python -c "import jax; assert jax.__version__ == '$(JAX_FLOOR)', jax.__version__"
+	$(FLOOR_VENV)/bin/python -m pytest -q -n 2 -m "not slow" -p no:cacheprovider tests
+
+ci: lint typecheck test docs floor
 
 bench: $(VENV)/.installed-test
 	$(BIN)/memwise bench
 
 clean:
-	rm -rf $(VENV) build site src/*.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build site src/*.egg-info
