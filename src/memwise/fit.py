@@ -784,9 +784,10 @@ def fit(
       grad: plan for ``jax.grad(fn, argnums)`` (True) or for ``fn`` itself.
       policies: also choose a ``jax.checkpoint`` policy for ``fn`` as a whole.
       max_compilations: compilations allowed to plan one argument signature (>= 2).
-      static_argnums, static_argnames: arguments passed to ``fn`` as Python values, as
-        ``jax.jit`` passes static arguments (hashable; each value is planned on its own).
-        Call ``jax.grad(fitted)`` inside ``jax.jit`` with the same static arguments.
+      static_argnums: arguments passed to ``fn`` as Python values, as ``jax.jit``
+        passes static arguments (hashable; each value is planned on its own). Call
+        ``jax.grad(fitted)`` inside ``jax.jit`` with the same static arguments.
+      static_argnames: the same, by name.
       verbose: print each plan as it is compiled: its knob values, compiled peak against
         the budget and predicted time.
       tune: after the search, compile and run the 3 fastest predicted plans that fit (5
