@@ -32,8 +32,8 @@ def _batch_size(batch: Any) -> int:
     leaves = jax.tree_util.tree_leaves(batch)
     if not leaves:
         raise ValueError("batch has no array leaves; pass the examples, e.g. (images, labels)")
-    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
-    if None in sizes or len(sizes) != 1:
+    sizes = {jnp.shape(leaf)[0] for leaf in leaves if jnp.ndim(leaf)}
+    if any(jnp.ndim(leaf) == 0 for leaf in leaves) or len(sizes) != 1:
         shapes = [jnp.shape(leaf) for leaf in leaves]
         raise ValueError(
             f"every leaf of batch needs the same leading (example) axis, got shapes {shapes}"

@@ -67,15 +67,15 @@ def _chunk_of(chunks: Chunking, leaves: list, index: jax.Array) -> list:
     return [chunks.block(a, index * chunks.size) for a in leaves]
 
 
-def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list):
+def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     chunks = spec.chunks
     indices = jnp.arange(chunks.n_chunks)
     if spec.kind == "map":
 
-        def body(_, i):
+        def one_chunk(_, i):
             return None, spec.chunk_fn(_chunk_of(chunks, xs_leaves, i), consts)
 
-        _, ys = lax.scan(body, None, indices)
+        _, ys = lax.scan(one_chunk, None, indices)
         return chunks.merge(ys)
 
     mask = jnp.asarray(chunks.mask())
@@ -106,7 +106,7 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _map_core(spec: _MapSpec, xs_leaves: list, consts: list):
+def _map_core(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     return _map_forward(spec, xs_leaves, consts)
 
 
@@ -242,7 +242,7 @@ def chunked_map(
     f: Callable,
     xs: Any,
     *,
-    chunk_size: int | str,
+    chunk_size: int | str | Chunking,
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | tuple[str, ...] | None = None,
 ) -> Any:
@@ -262,7 +262,8 @@ def chunked_map(
       f: function of one item of ``xs``, returning a pytree of arrays.
       xs: pytree of arrays with a common leading length ``n`` (``n = 0`` gives empty
         outputs, as ``jax.vmap`` does).
-      chunk_size: items per chunk (int >= 1) or ``"auto"``.
+      chunk_size: items per chunk (int >= 1), ``"auto"``, or a resolved
+        :class:`~memwise.tiling.Chunking` of ``n`` items.
       mesh: run sharded on this mesh, the items of ``xs`` split over mesh axis
         ``axis_name`` (see :func:`pairwise_reduce`); detected from ``xs``'s sharding
         when it is a concrete array with a ``NamedSharding`` (pass both under ``jit``).
@@ -286,7 +287,7 @@ def chunked_sum(
     f: Callable,
     xs: Any,
     *,
-    chunk_size: int | str,
+    chunk_size: int | str | Chunking,
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | tuple[str, ...] | None = None,
 ) -> Any:
@@ -303,7 +304,8 @@ def chunked_sum(
       f: function of one item of ``xs``, returning a pytree of arrays.
       xs: pytree of arrays with a common leading length ``n`` (``n = 0`` sums to
         zeros).
-      chunk_size: items per chunk (int >= 1) or ``"auto"``.
+      chunk_size: items per chunk (int >= 1), ``"auto"``, or a resolved
+        :class:`~memwise.tiling.Chunking` of ``n`` items.
       mesh: as for :func:`chunked_map`; each device sums its items, then one ``psum``.
       axis_name: as for :func:`chunked_map`.
 

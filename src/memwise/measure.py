@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -101,7 +100,9 @@ class CompiledMemory:
         )
 
 
-def _check_differentiable(fn: Callable, args: Sequence[Any], kwargs: dict, argnums):
+def _check_differentiable(
+    fn: Callable, args: Sequence[Any], kwargs: dict, argnums: Sequence[int]
+) -> None:
     out = jax.eval_shape(fn, *args, **kwargs)
     if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(out)) or out.shape != ():
         shapes = [tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(out)]
@@ -287,7 +288,7 @@ def saved_residuals(
         return jax.vjp(selected, *(all_args[i] for i in argnums))
 
     closed, out_shape = jax.make_jaxpr(vjp_of_selected, return_shape=True)(*leaves)
-    n_residuals = jax.tree_util.tree_structure(out_shape[1]).num_leaves
+    n_residuals = len(jax.tree_util.tree_leaves(out_shape[1]))
     debug = _jax_private.debug_info("memory_report", fn, args, kwargs)
     jaxpr = closed.jaxpr.replace(
         outvars=closed.jaxpr.outvars[len(closed.jaxpr.outvars) - n_residuals :],
@@ -428,13 +429,17 @@ def parse_budget(budget: int | float | str) -> int:
         >>> parse_budget("1e9"), parse_budget("1,000"), parse_budget("2.5GiB")
         (1000000000, 1000, 2684354560)
     """
-    if isinstance(budget, bool) or not isinstance(budget, (numbers.Real, str)):
+    # Concrete types rather than numbers.Integral/Real, which type checkers cannot relate
+    # to int and float.
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(
+        budget, (int, np.integer, float, np.floating, str)
+    ):
         raise TypeError(f"budget must be {_BUDGET_FORMS}; got {type(budget).__name__} {budget!r}")
-    if isinstance(budget, numbers.Integral):
+    if isinstance(budget, (int, np.integer)):
         if budget <= 0:
             raise ValueError(f"budget must be positive, got {budget}; pass {_BUDGET_FORMS}")
         return int(budget)
-    if isinstance(budget, numbers.Real):
+    if isinstance(budget, (float, np.floating)):
         if not 0 < budget <= 1:  # also rejects NaN
             raise ValueError(
                 f"a float budget is a fraction of device memory in (0, 1], got {budget!r}; "
@@ -638,7 +643,7 @@ def memory_report(
         >>> report = mw.memory_report(loss, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
         >>> print(report.to_text())  # doctest: +SKIP
     """
-    static = {"static_argnums": static_argnums, "static_argnames": static_argnames}
+    static: dict[str, Any] = {"static_argnums": static_argnums, "static_argnames": static_argnames}
     lowered, constant_bytes = _lower(
         fn, args, kwargs, grad, argnums, static_argnums, static_argnames
     )

@@ -15,7 +15,7 @@ devices every device tiles its own rows (:mod:`memwise.sharding`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +138,8 @@ def pairwise_reduce(
         y_shard = row_sharding(y, None, None, "y")
     else:  # y's points split over the same axis: say so, for axis=0 to keep them split
         declared = declared_split(y)
-        y_shard = x_shard if declared is not None and declared[1] == x_shard[1] else None
+        same = declared is not None and x_shard is not None and declared[1] == x_shard[1]
+        y_shard = x_shard if same else None
     if axis in (0, -2):
         x_shard, y_shard = y_shard, x_shard
         x, y = y, x  # reduce over the points of x: the engine always reduces columns
@@ -198,6 +199,7 @@ def pairwise_reduce(
         if use_ring(ring, y, m, mesh, axes, reduced):
             ringed = Ring(axes, devices(mesh, axes))
     else:
+        assert col_shard is not None  # both None was handled above
         mesh, axes = col_shard
         check_divisible(m, mesh, axes, reduced)
         # Split the kept points too, and pass the reduced ones around a ring; not on
@@ -224,7 +226,7 @@ def pairwise_reduce(
     return sharded_call(local, mesh, in_specs, out_specs, x, y, weights)
 
 
-def _combine_over_devices(local: Any, reduce: str, axes: Any, m_local: int):
+def _combine_over_devices(local: Any, reduce: str, axes: Any, m_local: int) -> Any:
     """Combine per-device partial reductions (columns split over ``axes``, ``m_local``
     per device); for the arg-extremes ``local`` is ``(extreme value, local index)``."""
     if reduce == "sum":
@@ -263,7 +265,7 @@ def _empty_result(reduce, n, m, out_shape, dtype, weights, reduced, chunk_size):
     return _no_identity(reduce, reduced)
 
 
-def _no_identity(reduce: str, reduced: str):
+def _no_identity(reduce: str, reduced: str) -> NoReturn:
     raise ValueError(
         f"reduce={reduce!r} over zero points of {reduced} has no value (as jnp.max of an "
         "empty array); pass at least one point, or use 'sum' or 'logsumexp'"

@@ -182,7 +182,9 @@ def _describe(tree: Any) -> str:
     return str(jax.tree_util.tree_map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
 
 
-def _strong_carry(f: Callable, init: Any, x_example: Any, *, name: str = "f"):
+def _strong_carry(
+    f: Callable, init: Any, x_example: Any, *, name: str = "f"
+) -> tuple[Any, list[bool]]:
     """Checks that f keeps the carry's structure, shapes and dtypes: ``(init, read_only)``.
 
     Like ``lax.scan``, a weakly typed init (a Python float) takes the dtype the body
@@ -196,7 +198,7 @@ def _strong_carry(f: Callable, init: Any, x_example: Any, *, name: str = "f"):
     new_carry = out[0]
     in_def = jax.tree_util.tree_structure(init)
     out_def = jax.tree_util.tree_structure(new_carry)
-    if in_def != out_def:
+    if in_def != out_def:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
         raise TypeError(
             f"{name} changed the carry's structure: init is {in_def} but {name} returned "
             f"{out_def}; return a carry with the same pytree structure as init"
@@ -219,7 +221,9 @@ def _strong_carry(f: Callable, init: Any, x_example: Any, *, name: str = "f"):
     return jax.tree_util.tree_unflatten(in_def, fixed), read_only
 
 
-def _loop_body(flat: Callable, carry: list, xs: list, read_only: list):
+def _loop_body(
+    flat: Callable, carry: list, xs: list, read_only: list
+) -> tuple[Callable, list, list, list]:
     """The loop as ``_binomial`` runs it: ``(body, consts, loop_carry, xs)``.
 
     The read-only carry leaves (``flat`` returns them unchanged) leave the loop carry

@@ -50,7 +50,7 @@ class Scenario:
 
         naive_leaves, naive_tree = jax.tree_util.tree_flatten(naive_out)
         memwise_leaves, memwise_tree = jax.tree_util.tree_flatten(memwise_out)
-        if naive_tree != memwise_tree:
+        if naive_tree != memwise_tree:  # type: ignore[operator]  # jaxlib: no PyTreeDef stub
             return False
         return all(
             np.shape(a) == np.shape(b)
