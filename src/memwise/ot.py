@@ -977,7 +977,15 @@ def sinkhorn_divergence(
     about six more passes in all.
 
     Args:
-      x, y, a, b, epsilon, cost, chunk_size, max_iterations, threshold,
+      x: ``[n, d]`` source points.
+      y: ``[m, d]`` target points.
+      a: ``[n]`` source weights, as in :func:`sinkhorn`.
+      b: ``[m]`` target weights, as in :func:`sinkhorn`.
+      epsilon: entropic regularisation, as in :func:`sinkhorn`.
+      cost: as in :func:`sinkhorn`.
+      chunk_size: as in :func:`sinkhorn`.
+      max_iterations: as in :func:`sinkhorn`, for each of the three problems.
+      threshold: as in :func:`sinkhorn`.
       epsilon_scaling: as in :func:`sinkhorn`.
       return_results: also return the three :class:`SinkhornResult` (x-y, x-x, y-y), to
         read their ``converged`` flags and ``errors``.
