@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -55,7 +55,7 @@ from memwise.sharding import typed_zeros, vary
 __all__ = ["Loop", "run"]
 
 
-def replayed_cotangents(mask, cts, *, error: str) -> list:
+def replayed_cotangents(mask: Sequence[bool], cts: Sequence[Any], *, error: str) -> list:
     """A replaying backward rule's cotangent list (``None`` where ``mask`` is off).
 
     The backward pass replays in a while_loop, which has no reverse rule: reverse mode
@@ -133,9 +133,9 @@ def _run_fwd(loop, consts, carry, xs):
     buffers = [
         vary(jnp.zeros((loop.schedule.n_slots,) + a.shape, a.dtype), varying_axes(a)) for a in carry
     ]
-    carry, ys, buffers = _sweep(loop, consts, carry, xs, buffers=buffers)
+    carry, ys, stored = _sweep(loop, consts, carry, xs, buffers=buffers)
     perturbed = Static((consts_perturbed, carry_perturbed, carry_mask, xs_perturbed))
-    return (carry, ys), (consts, xs, buffers, perturbed)
+    return (carry, ys), (consts, xs, stored, perturbed)
 
 
 def _run_bwd(loop, residuals, output_cotangents):
@@ -194,7 +194,9 @@ _run.defvjp(_run_fwd, _run_bwd, symbolic_zeros=True)
 # forward: run the steps, recording the schedule's carries
 
 
-def _sweep(loop: Loop, consts, carry, xs, *, buffers):
+def _sweep(
+    loop: Loop, consts: list, carry: list, xs: Any, *, buffers: list | None
+) -> tuple[list, Any, list | None]:
     """Runs the loop from the start: ``(carry, ys, buffers)``.
 
     With ``buffers`` the carries at the schedule's forward positions are written into
@@ -214,7 +216,7 @@ def _sweep(loop: Loop, consts, carry, xs, *, buffers):
         carry, y = loop.step(carry, x, consts)
         return carry, stored, y
 
-    stored = (buffers, jnp.int32(0)) if record else ()
+    stored: tuple = (buffers, jnp.int32(0)) if record else ()
 
     def scan_body(state, x):
         i, carry, stored = state
@@ -406,7 +408,7 @@ def _store(buffers: list, values: list, slot: Any, do: Any) -> list:
     return out
 
 
-def _int_array(values) -> jax.Array:
+def _int_array(values: Sequence[int]) -> jax.Array:
     arr = np.asarray(values, dtype=np.int64)
     if arr.size == 0:
         arr = np.full((1,), -1, dtype=np.int64)

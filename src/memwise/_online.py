@@ -87,7 +87,7 @@ class OnlineLoop:
     def step(self, carry: list, x: list, consts: list) -> tuple[list, list]:
         return self.body(carry, x, *consts)
 
-    def keep_going(self, i, carry: list, cond_consts: list):
+    def keep_going(self, i: jax.Array, carry: list, cond_consts: list) -> jax.Array:
         go = self.cond(carry, *cond_consts)
         return go if self.max_steps is None else go & (i < self.max_steps)
 
@@ -122,7 +122,7 @@ def run(loop: OnlineLoop, consts: list, cond_consts: list, carry: list) -> list:
 _SUMMED_TERMS = 8
 
 
-def segment_advances(length, slots: np.ndarray):
+def segment_advances(length: jax.Array | int, slots: np.ndarray) -> jax.Array:
     """p(length, slots) elementwise (float32) for static slot counts ``slots`` >= 1:
     ``schedule._segment_advances`` in JAX."""
     slots = np.asarray(slots)
@@ -208,7 +208,7 @@ def revolve_split(length, slots):
 # the forward placement, in JAX: schedule.OnlineCheckpointer.offer
 
 
-def _initial_placement(c: int):
+def _initial_placement(c: int) -> dict[str, jax.Array]:
     return {
         "positions": jnp.zeros((c,), jnp.int32),
         "order": jnp.arange(c, dtype=jnp.int32),
@@ -218,7 +218,7 @@ def _initial_placement(c: int):
     }
 
 
-def _closed_evictions(positions, c: int):
+def _closed_evictions(positions: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
     """(cost, k) of the cheapest eviction k in 1..c-2 once the slots are full.
 
     ``OnlineCheckpointer._closed_evictions``: evicting k merges closed segments k-1 and
@@ -255,7 +255,9 @@ def _closed_evictions(positions, c: int):
     return best, index
 
 
-def _place(i, placement, c: int):
+def _place(
+    i: jax.Array, placement: dict[str, jax.Array], c: int
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Decide for x_i: ``(store, slot, placement)`` (``schedule.OnlineCheckpointer``).
 
     Most steps store nothing or append to a free slot; only an eviction and the store

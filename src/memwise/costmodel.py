@@ -32,6 +32,7 @@ disk under ``$MEMWISE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/memwise`` or
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -120,8 +121,8 @@ def _measure(repeats: int) -> Machine:
             top = jnp.max(v, axis=1, keepdims=True)
             return v * 0.999 + jnp.sum(jnp.exp(v - top), axis=1, keepdims=True) * 1e-6
 
-        run = jax.jit(lambda v, n=passes, f=reduce_rows: lax.fori_loop(0, n, f, v))
-        seconds = _best_time(lambda run=run, block=block: run(block), repeats)
+        run = jax.jit(functools.partial(lax.fori_loop, 0, passes, reduce_rows))
+        seconds = _best_time(functools.partial(run, block), repeats)
         bandwidth.append((size, 3 * size * passes / seconds))
 
     # A loop body like a tile step (slice a block by the loop index, a small product, a

@@ -59,14 +59,17 @@ def _core_scan(
     schedule: str,
 ) -> Callable[..., Any]:
     from flax.core import axes_scan, lift
+    from flax.core.scope import PRNGSequenceFilter
 
     broadcast_collections = _collections(variable_broadcast)
     rng_filters = tuple(split_rngs.keys())
     rng_splits = tuple(bool(split_rngs[k]) for k in rng_filters)
+    # Keyed by flax's PRNG stream filters, of which a stream name is one kind.
+    rng_filter_splits: dict[PRNGSequenceFilter, bool] = {k: s for k, s in split_rngs.items()}
     flax_scan = lift.scan(
         fn,
         variable_broadcast=variable_broadcast,
-        split_rngs=dict(split_rngs),
+        split_rngs=rng_filter_splits,
         in_axes=in_axes,
         out_axes=out_axes,
         length=length,

@@ -132,7 +132,7 @@ def _same_static(old: Any, new: Any) -> bool:
         return False
 
 
-def _value(spec: _Apply, point_leaves, new_leaves, operands):
+def _value(spec: _Apply, point_leaves: list, new_leaves: list, operands: Any) -> Any:
     primal = select(point_leaves, spec.diff_mask)
     # Subtract in the parameters' own dtype: the tangent must match the primal's.
     tangent = [
@@ -175,7 +175,7 @@ def _check_new_params(point: _Skeleton, point_leaves: list, new_params: Any) -> 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _apply(spec: _Apply, point_leaves, new_leaves, operands):
+def _apply(spec: _Apply, point_leaves: list, new_leaves: list, operands: Any) -> Any:
     return _value(spec, point_leaves, new_leaves, operands)
 
 

@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import math
 from array import array
+from collections.abc import Callable, Iterable
 
 __all__ = [
     "Schedule",
@@ -150,7 +151,7 @@ def _check_counts(n: int, checkpoints: int, *, allow_zero_steps: bool = False) -
         )
 
 
-def _merge_split(k: int, count_a, count_b) -> int:
+def _merge_split(k: int, count_a: Callable[[int], int], count_b: Callable[[int], int]) -> int:
     """Take the k smallest increments of two convex sequences; return how many come from a.
 
     ``count_a(v)`` / ``count_b(v)`` give how many increments of value v each sequence has
@@ -269,7 +270,7 @@ class _Builder:
         self.pending = None
 
 
-def _revolve(builder: _Builder, start: int, length: int, slot: int, top: int, c: int):
+def _revolve(builder: _Builder, start: int, length: int, slot: int, top: int, c: int) -> None:
     """Reverse steps start+length-1 .. start from x_start in ``slot``; slots top.. free.
 
     Revolve splits at the optimal j, reverses the suffix with one slot fewer, then the
@@ -424,7 +425,7 @@ def _segment_advances(length: int, slots: int) -> int:
     return t * length - beta * t // (slots + 1)  # beta(slots + 1, t - 1) = beta * t / (s + 1)
 
 
-def reversal_advances(positions, n: int, checkpoints: int) -> int:
+def reversal_advances(positions: Iterable[int], n: int, checkpoints: int) -> int:
     """Backward advances to reverse n steps from the carries a forward pass stored.
 
     ``positions`` (sorted, starting at 0, at most ``checkpoints`` of them) are the steps
