@@ -84,6 +84,7 @@ def test_report_module_factory_with_kwargs(user_file, capsys, monkeypatch):
         (["{file}:missing"], "has no function 'missing'"),
         (["{file}:not_a_tuple"], "must return"),
         (["/nope/x.py:f"], "no such file"),
+        (["{folder}/notes.txt:f"], "cannot load .*notes.txt' as Python code"),
         (["no_such_module_xyz:factory"], "cannot import 'no_such_module_xyz'.*run memwise from"),
         (["{imports_missing}:factory"], "no module named 'no_such_dependency_xyz'.*install it"),
         (["{file}:factory", "--budget", "abc"], "--budget: cannot read budget 'abc'.*'8GiB'"),
@@ -105,6 +106,7 @@ def test_report_module_factory_with_kwargs(user_file, capsys, monkeypatch):
 def test_report_usage_errors_are_one_line_with_status_2(user_file, argv, message, capsys):
     imports_missing = user_file.parent / "imports_missing.py"
     imports_missing.write_text("import no_such_dependency_xyz\n")
+    (user_file.parent / "notes.txt").write_text("def f():\n    pass\n")
     argv = [
         a.format(file=user_file, imports_missing=imports_missing, folder=user_file.parent)
         for a in argv

@@ -213,6 +213,10 @@ def load_factory(spec: str) -> tuple[Any, tuple, dict]:
             if not path.is_file():
                 raise UsageError(f"no such file {module_name!r}; pass path/to/file.py:FACTORY")
             loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+            if loader_spec is None or loader_spec.loader is None:
+                raise UsageError(
+                    f"cannot load {module_name!r} as Python code; pass path/to/file.py:FACTORY"
+                )
             module = importlib.util.module_from_spec(loader_spec)
             sys.modules[path.stem] = module
             loader_spec.loader.exec_module(module)
@@ -268,6 +272,7 @@ def report(
     from memwise.fit import MemoryBudgetError, fit
     from memwise.measure import memory_report, parse_budget
 
+    budget_bytes = None
     if budget is not None:
         try:
             budget_bytes = parse_budget(budget)
@@ -277,7 +282,7 @@ def report(
     fn, args, kwargs = load_factory(spec)
     static = _static_options(args, kwargs)
     try:
-        if budget is not None:
+        if budget_bytes is not None:
             fitted = fit(fn, budget=budget_bytes, grad=grad, **static)
             try:
                 result = fitted.report_for(*args, **kwargs)
