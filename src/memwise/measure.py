@@ -624,9 +624,9 @@ def memory_report(
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``s).
       grad: measure ``jax.grad(fn, argnums)`` and list what its backward pass keeps.
       argnums: the arguments to differentiate with ``grad=True`` (never static ones).
-      static_argnums, static_argnames: arguments passed to ``fn`` as Python values, as
-        ``jax.jit`` passes static arguments: an int used in ``range``, a string option,
-        a function.
+      static_argnums: arguments passed to ``fn`` as Python values, as ``jax.jit``
+        passes static arguments: an int used in ``range``, a string option, a function.
+      static_argnames: the same, by name.
       **kwargs: keyword arguments passed to ``fn``.
 
     Returns:
