@@ -349,7 +349,7 @@ def generate() -> dict[str, str | bytes]:
             path = f"{PLOTS}/{name}{'' if k == 0 else k + 1}.png"
             files[path] = _png(fig)
             plt.close(fig)
-            blocks.append(f"![{caption}]({path}){{ loading=lazy }}\n/// caption\n{caption}\n///")
+            blocks.append(f"![{caption}]({path}){{ loading=lazy }}\n\n*{caption}*")
         if blocks:
             text = _insert_after_first_paragraph(text, "\n\n".join(blocks))
         parts += ["", f"## {name}", text.rstrip()]

@@ -123,6 +123,7 @@ class SphinxToMarkdown(griffe.Extension):
     """Rewrites every docstring of a loaded package (see the module docstring)."""
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        """Griffe 2 calls this once the package is loaded."""
         seen: set[int] = set()
         stack: list[griffe.Object] = [pkg]
         while stack:
@@ -134,3 +135,7 @@ class SphinxToMarkdown(griffe.Extension):
                 obj.docstring.value = rewrite(obj, obj.docstring.value)
                 obj.docstring.__dict__.pop("parsed", None)
             stack.extend(m for m in obj.members.values() if not m.is_alias)
+
+    def on_package_loaded(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        """Griffe 1 calls this once the package is loaded."""
+        self.on_package(pkg=pkg, **kwargs)
