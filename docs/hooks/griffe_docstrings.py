@@ -10,6 +10,9 @@ Sphinx habits that Markdown does not know:
   fenced code block, and a top-level ``Example::`` of doctest lines (``>>>``) as
   Griffe's ``Examples:`` section.
 
+A section item whose description starts with ``>`` or ``<`` (``ridge: >= 0``) is
+escaped, so that Markdown does not read a blockquote.
+
 The source is left as it is (the doctests run on it); only the text the docs site
 renders is rewritten, once per object, before Griffe parses it.
 """
@@ -109,9 +112,15 @@ def _literal_blocks(text: str) -> str:
     return "\n".join(out)
 
 
+# An item of an Args/Returns/Raises section whose description starts with ">" or "<"
+# (``ridge: >= 0, ...``): Markdown would read a blockquote or an HTML tag.
+_ITEM_STARTING_WITH_BRACKET = re.compile(r"^(\s+\*{0,2}\w+(?: \([^)]*\))?: )([<>])", re.M)
+
+
 def rewrite(obj: griffe.Object, text: str) -> str:
     """The Markdown the site renders for ``obj``'s docstring ``text``."""
     text = _literal_blocks(text)
+    text = _ITEM_STARTING_WITH_BRACKET.sub(lambda m: f"{m[1]}\\{m[2]}", text)
     # Roles outside code fences only.
     parts = re.split(r"(```.*?```)", text, flags=re.S)
     for k in range(0, len(parts), 2):
