@@ -113,6 +113,9 @@ def test_residuals_inside_memwise_code_point_at_caller():
     sources = [r.source for r in report.residuals]
     assert f"{__file__}:{line}" in sources, report.to_text()
     assert not any("memwise" in s and "tests" not in s for s in sources), sources
+    # memwise's internal guard primitives are shown as what they hold
+    whats = [r.what for r in report.residuals]
+    assert any("checkpoint" in w for w in whats) and not any("memwise_" in w for w in whats)
 
 
 def test_only_memwise_files_count_as_library_code():

@@ -253,7 +253,10 @@ def _parse_source(description: str) -> tuple[str, str]:
         return description, ""
     where = _WHERE_RE.match(match["where"])
     location = f"{where['file']}:{where['line']}" if where else match["where"]
-    return location, match["what"]
+    # memwise's guard primitives (identities on mw.scan / mw.while_loop checkpoints) are
+    # named for what they hold, not by their internal name
+    what = match["what"]
+    return location, "checkpoint" if what.startswith("memwise_") else what
 
 
 # JAX records the innermost *user* frame of each operation it traces. Counting memwise's
