@@ -25,6 +25,13 @@ def test_version_is_single_sourced():
     assert 'version = {attr = "memwise.__version__"}' in pyproject
 
 
+def test_jax_floor_is_declared_once():
+    from memwise import _jax_private
+
+    floor = ".".join(map(str, _jax_private.MIN_JAX))
+    assert f'"jax>={floor}"' in (ROOT / "pyproject.toml").read_text()
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
