@@ -122,6 +122,8 @@ def test_bad_inputs(problem):
         ntk.empirical(_mlp, params, x1, jnp.ones((2, 4)))
     with pytest.raises(ValueError, match="chunk_size"):
         ntk.empirical(_mlp, params, x1, chunk_size=0)
+    with pytest.raises(ValueError, match="params has no arrays"):
+        ntk.empirical(lambda p, x: x.sum(-1), {}, x1)
 
 
 def test_temp_memory_is_one_tile():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -108,7 +109,7 @@ def _is_zero_ntk(ntk: Any) -> bool:
     return isinstance(ntk, float) and ntk == 0.0
 
 
-def _linear_ntk(ntk: Any, nngp: jax.Array, transform) -> Any:
+def _linear_ntk(ntk: Any, nngp: jax.Array, transform: Callable[[jax.Array], jax.Array]) -> Any:
     """NTK parameterization: a linear layer's own weights add its NNGP to the NTK."""
     if ntk is None:
         return None
@@ -117,14 +118,14 @@ def _linear_ntk(ntk: Any, nngp: jax.Array, transform) -> Any:
     return nngp + transform(ntk)
 
 
-def _map_ntk(ntk: Any, fn) -> Any:
+def _map_ntk(ntk: Any, fn: Callable[[jax.Array], jax.Array]) -> Any:
     """``fn(ntk)`` for a layer without weights; the symbolic zero and None pass through."""
     if ntk is None or _is_zero_ntk(ntk):
         return ntk
     return fn(ntk)
 
 
-def _scale_ntk(ntk: Any, factor) -> Any:
+def _scale_ntk(ntk: Any, factor: Any) -> Any:
     return _map_ntk(ntk, lambda a: a * factor)
 
 
@@ -159,7 +160,7 @@ def _safe_sqrt_jvp(zero_below, primals, tangents):
     return y, jnp.where(positive, t * 0.5 / jnp.where(positive, y, 1.0), 0.0)
 
 
-def _correlation(cov: jax.Array, var1: jax.Array, var2: jax.Array):
+def _correlation(cov: jax.Array, var1: jax.Array, var2: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(sqrt(var1 var2), cos)``, ``cos = cov / sqrt(var1 var2)`` clipped to [-1, 1].
 
     An input of zero variance (an all-zero input with no bias, or a pixel whose whole
@@ -199,7 +200,11 @@ class Layer:
     """
 
     needs_variances = False
-    pools = False
+
+    @property
+    def pools(self) -> bool:
+        """Whether the layer needs the pixel-by-pixel covariance at its input."""
+        return False
 
     def out_layout(self, layout: _Layout) -> _Layout:
         return layout

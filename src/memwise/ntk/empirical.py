@@ -48,7 +48,8 @@ def _tree_dot(a: Any, b: Any) -> jax.Array:
     pairs = list(zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
     dtype = jnp.result_type(*(x for pair in pairs for x in pair))
     acc = accumulation_dtype(dtype)
-    return sum(jnp.sum(x.astype(acc) * y.astype(acc)) for x, y in pairs).astype(dtype)
+    terms = [jnp.sum(x.astype(acc) * y.astype(acc)) for x, y in pairs]
+    return sum(terms[1:], terms[0]).astype(dtype)
 
 
 def _contract_jacobians(j1: Any, j2: Any, out_ndim: int) -> jax.Array:
@@ -57,12 +58,11 @@ def _contract_jacobians(j1: Any, j2: Any, out_ndim: int) -> jax.Array:
     pairs = list(zip(jax.tree_util.tree_leaves(j1), jax.tree_util.tree_leaves(j2)))
     dtype = jnp.result_type(*(x for pair in pairs for x in pair))
     acc = accumulation_dtype(dtype)
-    total = None
+    terms = []
     for a, b in pairs:
         param_axes = list(range(out_ndim, a.ndim))
-        term = jnp.tensordot(a, b, axes=(param_axes, param_axes), preferred_element_type=acc)
-        total = term if total is None else total + term
-    return total.astype(dtype)
+        terms.append(jnp.tensordot(a, b, axes=(param_axes, param_axes), preferred_element_type=acc))
+    return sum(terms[1:], terms[0]).astype(dtype)
 
 
 def empirical(
@@ -114,6 +114,11 @@ def empirical(
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     if not callable(f):
         raise TypeError(f"f must be callable f(params, x), got {type(f).__name__}")
+    if not jax.tree_util.tree_leaves(params):
+        raise ValueError(
+            "params has no arrays, so f has no parameters and its NTK is zero; pass the "
+            "parameter pytree f(params, x) differentiates"
+        )
     if x2 is None:
         x2 = x1
     leaves1, leaves2 = jax.tree_util.tree_leaves(x1), jax.tree_util.tree_leaves(x2)
@@ -146,8 +151,8 @@ def empirical(
             return block_fn(jax.tree_util.tree_map(lambda a: a[None], xi))(xj)
 
         if n1 == 0 or n2 == 0:  # no tile to run: the dense result, empty
-            block = jax.eval_shape(one_pair, x_first, x_first)  # (1, *block)
-            return jnp.zeros((n1, n2) + block.shape[1:], block.dtype)
+            pair = jax.eval_shape(one_pair, x_first, x_first)  # (1, *block)
+            return jnp.zeros((n1, n2) + pair.shape[1:], pair.dtype)
         tiles = tiling(
             n1, n2, chunk_size, pair_bytes=lambda: item_bytes(one_pair, x_first, x_first)
         )

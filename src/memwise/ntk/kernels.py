@@ -243,8 +243,11 @@ class Conv(Layer):
         return layout
 
     def apply(self, state, layout):
+        strides = self.strides
+        assert strides is not None  # resolved in __post_init__
+
         def window(a):
-            return _window_mean(a, layout, self.filter_shape, self.strides, self.padding)
+            return _window_mean(a, layout, self.filter_shape, strides, self.padding)
 
         nngp = self.W_std**2 * window(state.nngp)
         if self.b_std is not None:
@@ -290,6 +293,7 @@ class AvgPool(Layer):
     def apply(self, state, layout):
         if not layout.full:
             raise AssertionError("serial() keeps covariances full before a pooling layer")
+        assert self.strides is not None  # resolved in __post_init__
         batch = (1,) * layout.batch_ndim
         window = batch + self.window_shape * 2
         strides = batch + self.strides * 2
@@ -526,7 +530,7 @@ class Prepared(NamedTuple):
 
 def _check_gets(get: str | Sequence[str]) -> tuple[tuple[str, ...], bool]:
     single = isinstance(get, str)
-    gets = (get,) if single else tuple(get)
+    gets = (get,) if isinstance(get, str) else tuple(get)
     if not gets or any(g not in _GETS for g in gets):
         raise ValueError(f"get must be 'nngp', 'ntk' or a tuple of them, got {get!r}")
     return gets, single
@@ -580,7 +584,7 @@ class KernelFn(Layer):
             raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
         return x
 
-    def _input_covariance(self, x1: jax.Array, x2: jax.Array | None, layout: _Layout):
+    def _input_covariance(self, x1: jax.Array, x2: jax.Array | None, layout: _Layout) -> jax.Array:
         s = layout.spatial_ndim
         letters = "hwdefgijkl"[:s]
         primed = "HWDEFGIJKL"[:s]
@@ -631,7 +635,7 @@ class KernelFn(Layer):
             )
         layout = self._input_layout(x1, 2)
         nngp = self._input_covariance(x1, x2, layout)
-        ntk = 0.0 if "ntk" in gets else None
+        ntk: Any = 0.0 if "ntk" in gets else None  # 0.0: the symbolic zero of _is_zero_ntk
         variances = list(zip(p1.variances, p2.variances))
         flow, _ = self._run(_Flow(nngp, ntk, layout), variances)
         nngp, ntk = flow.nngp, flow.ntk

@@ -58,36 +58,40 @@ class _PairKernel:
         if not callable(kernel_fn):
             raise TypeError(f"kernel_fn must be callable kernel_fn(x1, x2), got {kernel_fn!r}")
         self.kernel_fn = kernel_fn
-        self.structured = isinstance(kernel_fn, KernelFn)
+        # The kernel when it is a KernelFn (evaluated in two steps), else None.
+        self.structured = kernel_fn if isinstance(kernel_fn, KernelFn) else None
         self.kwargs = {} if get is None else {"get": get}
-        if self.structured and get is None:
+        if self.structured is not None and get is None:
             self.kwargs = {"get": "ntk"}
 
-    def prepare(self, x: jax.Array, chunk: Chunking) -> Any:
-        if not self.structured:
+    def prepare(self, x: jax.Array, chunk: int | Chunking) -> Any:
+        structured = self.structured
+        if structured is None:
             return x
 
         def one(xi):
-            p = self.kernel_fn.prepare(xi[None])
+            p = structured.prepare(xi[None])
             return jax.tree_util.tree_map(lambda a: a[0], p)
 
         return chunked_map(one, x, chunk_size=chunk)
 
     def pair(self, p1: Any, p2: Any) -> jax.Array:
         batch = lambda p: jax.tree_util.tree_map(lambda a: a[None], p)  # noqa: E731
-        if self.structured:
-            return self.kernel_fn.cross(batch(p1), batch(p2), **self.kwargs)[0, 0]
+        if self.structured is not None:
+            k = self.structured.cross(batch(p1), batch(p2), **self.kwargs)
+            assert not isinstance(k, tuple)  # one kernel asked for: get is a str
+            return k[0, 0]
         return jnp.reshape(self.kernel_fn(batch(p1), batch(p2), **self.kwargs), ())
 
     def prepare_block(self, x: jax.Array, chunk_size: int | None = None) -> Any:
         """``x`` prepared as one block, or ``chunk_size`` inputs at a time for kernels
         that pool: their variances come from each input's own pixel-by-pixel covariance,
         (H*W)^2 numbers per input (1.2 GiB for a block of 500 28x28 images)."""
-        if not self.structured:
+        if self.structured is None:
             return x
-        if self.kernel_fn.pools and chunk_size is not None and x.shape[0] > chunk_size:
+        if self.structured.pools and chunk_size is not None and x.shape[0] > chunk_size:
             return self.prepare(x, chunk_size)
-        return self.kernel_fn.prepare(x)
+        return self.structured.prepare(x)
 
     def first(self, x: jax.Array) -> Any:
         """The first input of ``x``, prepared: an argument of :meth:`pair`."""
@@ -118,7 +122,7 @@ def _matrix(kernel: _PairKernel, p1: Any, p2: Any, rows: Chunking, cols: Chunkin
 
 def _predict_block(
     kernel: _PairKernel, x_rows: jax.Array, p_train: Any, alpha: jax.Array, cols: Chunking
-):
+) -> jax.Array:
     """sum_j k(x, x_j) alpha_j for a block of inputs (R, O), summed over train chunks.
 
     In ``alpha``'s dtype (at least float32, see :func:`_solve`) whatever the kernel's.
@@ -178,7 +182,9 @@ def _check_same_inputs(a: jax.Array, b: jax.Array, a_name: str, b_name: str) -> 
         )
 
 
-def _solve(kernel: _PairKernel, p_train: Any, y_train: jax.Array, ridge: Any, cols: Chunking):
+def _solve(
+    kernel: _PairKernel, p_train: Any, y_train: jax.Array, ridge: Any, cols: Chunking
+) -> tuple[jax.Array, Any]:
     """alpha = (K + ridge mean(diag K) I)^-1 y via Cholesky, in at least float32.
 
     Returns alpha and the dtype of the dense result ``K @ alpha`` (the kernel's and
