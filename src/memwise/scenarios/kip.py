@@ -89,7 +89,9 @@ def naive_loss(x_support, y_support, x_target, y_target, ridge=RIDGE, kernel="co
     return 0.5 * jnp.mean((pred - y_target) ** 2)
 
 
-def data(n_support: int, n_target: int, side: int, classes: int = 10):
+def data(
+    n_support: int, n_target: int, side: int, classes: int = 10
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Random images standing in for MNIST, one-hot labels (centred as in KIP)."""
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
     x_support = jax.random.normal(keys[0], (n_support, side, side, 1))
@@ -103,20 +105,20 @@ def make(
 ) -> Scenario:
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
-    kernel_name, kernel = kernel, KERNELS[kernel]()
+    kernel_fn = KERNELS[kernel]()
 
     def memwise_loss(x_support, y_support, x_target, y_target):
         return kip_loss(
-            kernel, x_support, y_support, x_target, y_target, ridge=RIDGE, chunk_size=chunk_size
+            kernel_fn, x_support, y_support, x_target, y_target, ridge=RIDGE, chunk_size=chunk_size
         )
 
     return Scenario(
         name="kip",
         description=(
-            f"grad of a KIP loss, {kernel_name} NTK, {n_support} support and {n_target:,} "
+            f"grad of a KIP loss, {kernel} NTK, {n_support} support and {n_target:,} "
             f"target images {side}x{side}x1, tiles {chunk_size}"
         ),
-        naive=jax.value_and_grad(functools.partial(naive_loss, kernel=kernel_name), argnums=(0, 1)),
+        naive=jax.value_and_grad(functools.partial(naive_loss, kernel=kernel), argnums=(0, 1)),
         memwise=jax.value_and_grad(memwise_loss, argnums=(0, 1)),
         args=data(n_support, n_target, side),
         rtol=1e-3,

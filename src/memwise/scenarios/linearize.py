@@ -13,6 +13,8 @@ program size differs (and the naive one grows with the model).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -28,7 +30,7 @@ SIZES = {
 CLASSES = 10
 
 
-def vit(image: int, patch: int, dim: int, depth: int, heads: int, mlp: int):
+def vit(image: int, patch: int, dim: int, depth: int, heads: int, mlp: int) -> Any:
     """A small Flax linen ViT: patch embedding, pre-norm blocks, mean pooling, head."""
     import flax.linen as nn
 
@@ -70,7 +72,9 @@ def closure_linearize(f, params):
     return f_lin
 
 
-def setup(image: int, patch: int, dim: int, depth: int, heads: int, mlp: int, batch: int):
+def setup(
+    image: int, patch: int, dim: int, depth: int, heads: int, mlp: int, batch: int
+) -> tuple[Any, Any, Any, jax.Array, jax.Array]:
     """(model, variables, shifted variables, images, labels)."""
     model = vit(image, patch, dim, depth, heads, mlp)
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -84,11 +88,11 @@ def setup(image: int, patch: int, dim: int, depth: int, heads: int, mlp: int, ba
     return model, variables, moved, images, labels
 
 
-def parameter_count(variables) -> int:
+def parameter_count(variables: Any) -> int:
     return sum(a.size for a in jax.tree_util.tree_leaves(variables))
 
 
-def make(**size) -> Scenario:
+def make(**size: int) -> Scenario:
     model, variables, moved, images, labels = setup(**size)
     closure = closure_linearize(model.apply, variables)
     lin = linearize(model.apply, variables)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,9 @@ def model(
     hidden: int,
     output_dim: int,
     seq2seq: bool,
-    checkpoints=None,
+    checkpoints: int | str | None = None,
     counter: Callable | None = None,
-):
+) -> Any:
     """The discussion's ``SimpleLSTM`` with its loop written three ways.
 
     ``kind``: ``"scan"`` (``nn.scan``, all residuals), ``"remat"`` (``nn.scan`` over an
@@ -106,7 +107,7 @@ def model(
     return SimpleLSTM(hidden_size=hidden, output_dim=output_dim, seq2seq=seq2seq)
 
 
-def loss_fn(net) -> Callable:
+def loss_fn(net: Any) -> Callable:
     """The discussion's loss: mean l2 loss of the predictions, as a function of params."""
 
     def loss(params, x, y):
@@ -116,7 +117,14 @@ def loss_fn(net) -> Callable:
     return loss
 
 
-def data(batch, seq_length, input_dim, output_dim, seq2seq, key=None):
+def data(
+    batch: int,
+    seq_length: int,
+    input_dim: int,
+    output_dim: int,
+    seq2seq: bool,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     key = jax.random.PRNGKey(1) if key is None else key
     key_x, key_y = jax.random.split(key)
     x = jax.random.normal(key_x, (batch, seq_length, input_dim))
@@ -131,9 +139,9 @@ def make(
     input_dim: int,
     output_dim: int,
     seq2seq: bool,
-    checkpoints=None,
+    checkpoints: int | str | None = None,
 ) -> Scenario:
-    shape = dict(hidden=hidden, output_dim=output_dim, seq2seq=seq2seq)
+    shape: dict[str, Any] = dict(hidden=hidden, output_dim=output_dim, seq2seq=seq2seq)
     naive_net = model("remat", **shape)
     memwise_net = model("memwise", checkpoints=checkpoints, **shape)
     x, y = data(batch, seq_length, input_dim, output_dim, seq2seq)

@@ -40,7 +40,7 @@ def loss_loop(weights: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.mean(h**2)
 
 
-def loss_scan(weights: jax.Array, x: jax.Array, checkpoints=None) -> jax.Array:
+def loss_scan(weights: jax.Array, x: jax.Array, checkpoints: int | str | None = None) -> jax.Array:
     """The same network as one ``mw.scan`` over the stacked layers."""
     h, _ = scan(lambda h, w: (layer(h, w), None), x, weights, checkpoints=checkpoints)
     return jnp.mean(h**2)

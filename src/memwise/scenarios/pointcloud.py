@@ -32,7 +32,9 @@ def disc(radius: float, n: int, key: jax.Array) -> jax.Array:
     return jnp.stack((r * jnp.cos(phi), r * jnp.sin(phi)), axis=1)
 
 
-def report_clouds(n: int, radius_x: float = 5.0, radius_y: float = 10.0):
+def report_clouds(
+    n: int, radius_x: float = 5.0, radius_y: float = 10.0
+) -> tuple[jax.Array, jax.Array]:
     """The clouds of OTT-JAX issue 417 (both discs sampled with one key, ``key_x``)."""
     key = jax.random.PRNGKey(42)
     key, key_x, key_y = jax.random.split(key, 3)
