@@ -63,8 +63,9 @@ ILLUSTRATIVE: dict[tuple[str, str], str] = {
         "runs the same calls on small arrays"
     ),
     ("README.md", "pool = k.AvgPool((2, 2), strides=(2, 2))"): (
-        "the Myrtle KIP gradient over the user's MNIST arrays (pooling kernels cost "
-        "(H*W)^2 per pair of images); the NTK and KIP guide runs a Myrtle kernel small"
+        "the Myrtle KIP gradient over the user's MNIST arrays: pooling kernels cost "
+        "(H*W)^2 per pair of images, too slow for CPU tests even small (the NTK and KIP "
+        "guide runs the conv kernel and quotes the Myrtle figures)"
     ),
     ("README.md", "mean, cov = ntk.predict("): (
         "continues the KIP example on the user's MNIST arrays; the NTK and KIP guide runs "
