@@ -197,6 +197,13 @@ class Layer:
     ``needs_variances``; layers that need the pixel-by-pixel covariance at their input
     (pooling) set ``pools``. Combinators (``serial``, ``FanOut``, ``parallel``,
     ``FanInSum``) override :meth:`_walk` instead.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> isinstance(k.Relu(), k.Layer), isinstance(k.serial(k.Dense()), k.Layer)
+        (True, True)
     """
 
     needs_variances = False

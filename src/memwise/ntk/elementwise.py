@@ -63,6 +63,14 @@ class ABRelu(Layer):
     With ``cos(theta) = nngp / sqrt(var1 var2)``, ``f = (a - b)^2 / (2 pi)`` and
     ``d = (a^2 + b^2) / 2 - f theta``:
     ``nngp' = sqrt(var1 var2) (f sin(theta) + d cos(theta))`` and ``ntk' = d ntk``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.ABRelu(0.5, 2.0))
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # (a^2 + b^2) / 2
+        2.125
     """
 
     a: float
@@ -87,17 +95,43 @@ def Relu() -> ABRelu:  # noqa: N802 (neural-tangents' layer names)
 
     ``nngp' = sqrt(var1 var2) (sin theta + (pi - theta) cos theta) / (2 pi)``,
     ``ntk' = ntk (pi - theta) / (2 pi)``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.Relu())
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # E[relu(z)^2]
+        0.5
     """
     return ABRelu(0.0, 1.0)
 
 
 def LeakyRelu(alpha: float) -> ABRelu:  # noqa: N802
-    """Leaky ReLU, ``alpha min(x, 0) + max(x, 0)``: ``ABRelu(alpha, 1)``."""
+    """Leaky ReLU, ``alpha min(x, 0) + max(x, 0)``: ``ABRelu(alpha, 1)``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.LeakyRelu(0.1))
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # (0.1^2 + 1) / 2
+        0.505
+    """
     return ABRelu(alpha, 1.0)
 
 
 def Abs() -> ABRelu:  # noqa: N802
-    """Absolute value, ``|x|``: ``ABRelu(-1, 1)``."""
+    """Absolute value, ``|x|``: ``ABRelu(-1, 1)``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.Abs())
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # E[z^2]
+        1.0
+    """
     return ABRelu(-1.0, 1.0)
 
 
@@ -108,6 +142,14 @@ class Erf(Layer):
     With the inputs scaled by ``b`` (covariances by ``b^2``):
     ``nngp' = a^2 2/pi arcsin(2 nngp / sqrt((1 + 2 var1)(1 + 2 var2))) + c^2`` and
     ``ntk' = a^2 ntk 4 / (pi sqrt((1 + 2 var1)(1 + 2 var2) - 4 nngp^2))``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.Erf())
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # 2/pi arcsin(2/3)
+        0.4646
     """
 
     a: float = 1.0
@@ -131,6 +173,14 @@ def Sigmoid_like() -> Erf:  # noqa: N802
     """``0.5 erf(x / 2.4020563531719796) + 0.5``, neural-tangents' sigmoid stand-in.
 
     The constant minimises the squared distance to the logistic sigmoid on [-5, 5].
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.Sigmoid_like())
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # E[f(z)^2], z ~ N(0, 1)
+        0.2914
     """
     return Erf(a=0.5, b=1 / 2.4020563531719796, c=0.5)
 
@@ -143,6 +193,14 @@ class Gelu(Layer):
     ``nngp' = nngp / 4 + ((nngp^2 + p delta^2) / (q delta) + nngp arctan(nngp / delta)) / (2 pi)``;
     ``ntk' = ntk (1/4 + arctan(nngp / delta) / (2 pi)
     + nngp / (2 pi delta) (1 / delta^2 + (1 - p) / q + 1))``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.Gelu())
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # E[gelu(z)^2]
+        0.4252
     """
 
     needs_variances = True
@@ -172,6 +230,14 @@ class Sin(Layer):
     With ``s = var1 + var2``, ``e+ = exp(b^2 (nngp - s / 2))`` and
     ``e- = exp(-b^2 (nngp + s / 2)) cos(2 c)``: ``nngp' = a^2 / 2 (e+ - e-)`` and
     ``ntk' = ntk a^2 b^2 / 2 (e+ + e-)``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.Sin())
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # (1 - exp(-2)) / 2
+        0.4323
     """
 
     a: float = 1.0
@@ -197,6 +263,14 @@ class LayerNorm(Layer):
 
     ``nngp' = nngp / sqrt((eps + var1)(eps + var2))``, the same for ``ntk``
     (neural-tangents' ``stax.LayerNorm(axis=-1, eps=1e-12)``).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(W_std=3.0), k.LayerNorm())
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # 9 / 9
+        1.0
     """
 
     eps: float = 1e-12

@@ -105,6 +105,15 @@ class Dense(Layer):
     """Infinite-width dense layer on the channel axis (NTK parameterization).
 
     ``nngp' = W_std^2 nngp + b_std^2``, ``ntk' = nngp' + W_std^2 ntk``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> x = jnp.array([[1.0, 0.0], [0.0, 1.0]])  # input covariance x x^T / 2
+        >>> k.serial(k.Dense(W_std=2.0, b_std=0.5))(x, get="nngp")
+        Array([[2.25, 0.25],
+               [0.25, 2.25]], dtype=float32)
     """
 
     W_std: float = 1.0
@@ -119,7 +128,17 @@ class Dense(Layer):
 
 @dataclasses.dataclass(frozen=True)
 class Identity(Layer):
-    """The identity: covariances pass unchanged (a residual network's skip branch)."""
+    """The identity: covariances pass unchanged (a residual network's skip branch).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> x = jnp.array([[1.0, 0.0], [0.0, 1.0]])
+        >>> k.serial(k.Identity())(x, get="nngp")  # the input covariance x x^T / 2
+        Array([[0.5, 0. ],
+               [0. , 0.5]], dtype=float32)
+    """
 
     def apply(self, state, layout):
         return state.nngp, state.ntk
@@ -223,6 +242,14 @@ class Conv(Layer):
       padding: ``"SAME"`` or ``"VALID"``.
       W_std: weight standard deviation (NTK parameterization).
       b_std: bias standard deviation.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Conv((3, 3), strides=(2, 2)), k.Relu(), k.Flatten(), k.Dense())
+        >>> jax.jit(kernel_fn)(jnp.ones((2, 8, 8, 1))).shape
+        (2, 2)
     """
 
     filter_shape: tuple[int, ...]
@@ -272,6 +299,14 @@ class AvgPool(Layer):
       strides: step per pixel axis; default 1 (as neural-tangents; pass ``(2, 2)`` for
         non-overlapping 2x2 pooling).
       padding: ``"VALID"`` (default) or ``"SAME"``.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Conv((3, 3)), k.AvgPool((2, 2), strides=(2, 2)), k.Flatten())
+        >>> jax.jit(kernel_fn)(jnp.ones((2, 4, 4, 1))).shape
+        (2, 2)
     """
 
     window_shape: tuple[int, ...]
@@ -316,7 +351,17 @@ class AvgPool(Layer):
 
 @dataclasses.dataclass(frozen=True)
 class Flatten(Layer):
-    """Flatten pixels and channels: the mean of the per-pixel (diagonal) covariances."""
+    """Flatten pixels and channels: the mean of the per-pixel (diagonal) covariances.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Conv((3, 3), padding="VALID"), k.Flatten())
+        >>> kernel_fn(jnp.ones((2, 4, 4, 1)), get="nngp")  # every pixel sees 9 ones
+        Array([[1., 1.],
+               [1., 1.]], dtype=float32)
+    """
 
     def out_layout(self, layout):
         return _Layout(layout.batch_ndim, 0, False)
@@ -336,6 +381,14 @@ class GlobalAvgPool(Layer):
     """Average over pixels: the mean over all pixel *pairs* of the full covariance.
 
     Needs the full pixel-by-pixel covariance at its input (see :class:`AvgPool`).
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Conv((3, 3)), k.Relu(), k.GlobalAvgPool(), k.Dense())
+        >>> jax.jit(kernel_fn)(jnp.ones((2, 4, 4, 1))).shape
+        (2, 2)
     """
 
     pools = True
@@ -418,7 +471,17 @@ class _Walk:
 
 @dataclasses.dataclass(frozen=True)
 class FanOut(Layer):
-    """Copy the input into ``n`` branches (for :func:`parallel`, then :class:`FanInSum`)."""
+    """Copy the input into ``n`` branches (for :func:`parallel`, then :class:`FanInSum`).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> branches = k.parallel(k.Relu(), k.Abs())
+        >>> kernel_fn = k.serial(k.Dense(), k.FanOut(2), branches, k.FanInSum())
+        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])  # 0.5 + 1.0
+        1.5
+    """
 
     n: int
 
@@ -461,9 +524,15 @@ class _Parallel(Layer):
 def parallel(*layers: Layer) -> Layer:
     """Apply ``layers[i]`` to branch ``i`` (after :class:`FanOut`), as ``stax.parallel``.
 
-    Each layer may itself be a :func:`serial` network. Example, a residual block::
+    Each layer may itself be a :func:`serial` network.
 
-        serial(FanOut(2), parallel(Identity(), serial(Relu(), Conv((3, 3)))), FanInSum())
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> block = k.serial(k.FanOut(2), k.parallel(k.Identity(), k.Relu()), k.FanInSum())
+        >>> float(k.serial(k.Dense(), block)(jnp.ones((1, 3)), get="nngp")[0, 0])  # 1 + 0.5
+        1.5
     """
     _check_layers(layers, "parallel")
     if not layers:
@@ -483,7 +552,16 @@ def _add_ntk(a: Any, b: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class FanInSum(Layer):
-    """Sum the branches: independent Gaussian branches add their kernels (NNGP and NTK)."""
+    """Sum the branches: independent Gaussian branches add their kernels (NNGP and NTK).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.FanOut(3), k.FanInSum())
+        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])  # three copies of 1.0
+        3.0
+    """
 
     def _leaves(self):
         return iter(())
@@ -522,6 +600,14 @@ class Prepared(NamedTuple):
     at the input of the k-th such layer (activations, ``LayerNorm``), in the order the
     layers run. Row ``i`` of every leaf belongs to input ``i``, so a Prepared can be
     sliced and chunked along its leading axis like the input itself.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> p = k.serial(k.Dense(), k.Relu(), k.Dense()).prepare(jnp.ones((3, 2)))
+        >>> p.x.shape, [v.shape for v in p.variances]  # Relu reads each input's variance
+        ((3, 2), [(3,)])
     """
 
     x: jax.Array
@@ -540,6 +626,15 @@ class KernelFn(Layer):
     """The NNGP / NTK kernel of an infinite-width network built by :func:`serial`.
 
     A KernelFn is also a layer: ``serial`` networks nest (e.g. inside :func:`parallel`).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.Relu(), k.Dense())
+        >>> p1, p2 = kernel_fn.prepare(jnp.ones((3, 2))), kernel_fn.prepare(jnp.ones((4, 2)))
+        >>> kernel_fn.cross(p1, p2).shape  # as kernel_fn(x1, x2), each variance computed once
+        (3, 4)
     """
 
     def __init__(self, layers: Sequence[Layer]):
@@ -656,11 +751,12 @@ class KernelFn(Layer):
 
         Example::
 
-            >>> import jax.numpy as jnp
+            >>> import jax, jax.numpy as jnp
             >>> from memwise.ntk import kernels as k
             >>> kernel_fn = k.serial(k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())
-            >>> kernel_fn(jnp.ones((4, 8, 8, 1)), get="ntk").shape
-            (4, 4)
+            >>> ntk = jax.jit(kernel_fn)  # get="ntk"
+            >>> ntk(jnp.ones((4, 8, 8, 1)), jnp.ones((2, 8, 8, 1))).shape
+            (4, 2)
 
         Memory: the cross kernel holds one (n1, n2, *pixels) array per live layer (the
         pixel axes twice up to the last pooling layer); tile large sets with
@@ -721,15 +817,16 @@ def serial(*layers: Layer) -> KernelFn:
 
     Example::
 
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(W_std=1.5, b_std=0.05), k.Relu(), k.Dense())
-        >>> kernel_fn(jnp.ones((3, 5)), jnp.ones((2, 5)), get="nngp").shape
+        >>> nngp = jax.jit(lambda x1, x2: kernel_fn(x1, x2, get="nngp"))
+        >>> nngp(jnp.ones((3, 5)), jnp.ones((2, 5))).shape
         (3, 2)
         >>> block = k.serial(k.FanOut(2), k.parallel(k.Identity(), k.serial(k.Relu(),
         ...                  k.Conv((3, 3)))), k.FanInSum())
         >>> resnet = k.serial(k.Conv((3, 3)), block, k.Relu(), k.GlobalAvgPool(), k.Dense())
-        >>> resnet(jnp.ones((2, 6, 6, 3))).shape
+        >>> jax.jit(resnet)(jnp.ones((2, 6, 6, 3))).shape  # the NTK of x with itself
         (2, 2)
     """
     _check_layers(layers, "serial")

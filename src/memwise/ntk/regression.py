@@ -243,12 +243,15 @@ def kernel_regression(
 
     Example::
 
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> from memwise import ntk
         >>> k = ntk.kernels.serial(ntk.kernels.Dense(), ntk.kernels.Relu(), ntk.kernels.Dense())
         >>> x = jnp.linspace(-1, 1, 12).reshape(6, 2)
-        >>> ntk.kernel_regression(k, x, jnp.sin(x[:, 0]), x[:2], ridge=1e-6, chunk_size=4).shape
-        (2,)
+        >>> y = jnp.sin(x[:, 0])
+        >>> fit = jax.jit(lambda x, y, x_test: ntk.kernel_regression(k, x, y, x_test, ridge=1e-6))
+        >>> prediction = fit(x, y, x[:2])  # a tiny ridge interpolates the training targets
+        >>> prediction.shape, bool(jnp.allclose(prediction, y[:2], atol=1e-3))
+        ((2,), True)
     """
     _check_ridge(ridge)
     x_train, y_train, vector = _check_pair(x_train, y_train, "x_train", "y_train")
@@ -322,13 +325,14 @@ def kip_loss(
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise import ntk
-        >>> k = ntk.kernels.serial(ntk.kernels.Conv((3, 3)), ntk.kernels.Relu(),
-        ...                        ntk.kernels.Flatten(), ntk.kernels.Dense())
-        >>> xs, ys = jnp.ones((4, 6, 6, 1)), jnp.eye(4)
-        >>> xt = jax.random.normal(jax.random.PRNGKey(0), (10, 6, 6, 1))
+        >>> k = ntk.kernels.serial(ntk.kernels.Dense(), ntk.kernels.Relu(), ntk.kernels.Dense())
+        >>> xs, ys = jax.random.normal(jax.random.PRNGKey(1), (4, 3)), jnp.eye(4)  # support
+        >>> xt = jax.random.normal(jax.random.PRNGKey(0), (10, 3))  # targets
         >>> yt = jnp.eye(4)[jnp.arange(10) % 4]
         >>> loss = lambda xs, ys: ntk.kip_loss(k, xs, ys, xt, yt, ridge=1e-3, chunk_size=(5, 2))
-        >>> grad_x, grad_y = jax.grad(loss, argnums=(0, 1))(xs, ys)
+        >>> value, (grad_x, grad_y) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(xs, ys)
+        >>> round(float(value), 3), grad_x.shape, grad_y.shape
+        (1.67, (4, 3), (4, 4))
     """
     _check_ridge(ridge)
     x_support, y_support, _ = _check_pair(x_support, y_support, "x_support", "y_support")
