@@ -239,9 +239,13 @@ def scan_module(
         >>> import jax.numpy as jnp, flax.nnx as nnx, memwise.flax
         >>> cell = nnx.OptimizedLSTMCell(3, 16, rngs=nnx.Rngs(0))
         >>> carry = (jnp.zeros((2, 16)), jnp.zeros((2, 16)))
-        >>> grads = nnx.grad(lambda cell: memwise.flax.scan_module(
-        ...     lambda m, c, x: m(c, x), cell, carry, jnp.ones((50, 2, 3)),
-        ...     checkpoints=8)[1].sum())(cell)
+        >>> def loss(cell):
+        ...     _, ys = memwise.flax.scan_module(
+        ...         lambda m, c, x: m(c, x), cell, carry, jnp.ones((50, 2, 3)), checkpoints=8)
+        ...     return ys.sum()
+        >>> grads = nnx.jit(nnx.grad(loss))(cell)
+        >>> grads.dense_i.kernel.shape, grads.dense_h.kernel.shape
+        ((3, 64), (16, 64))
     """
     import flax.errors
     from flax import nnx
