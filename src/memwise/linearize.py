@@ -221,6 +221,17 @@ class Linearized:
     Attributes:
       f: the function that was linearized, ``f(params, *inputs, **kwargs)``.
       params: the linearization point (same structure as passed to :func:`linearize`).
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp, memwise as mw
+        >>> lin = mw.linearize(lambda p, x: jnp.sin(p) * x, jnp.zeros(()))
+        >>> lin
+        Linearized(<lambda>, 1 parameter arrays)
+        >>> float(lin(jnp.float32(0.5), 2.0))  # sin(0) x + cos(0) x (0.5 - 0)
+        1.0
+        >>> jax.tree.leaves(lin)  # the expansion point is a leaf, not a baked-in constant
+        [Array(0., dtype=float32)]
     """
 
     def __init__(self, f: Callable, leaves: list, static: _Skeleton):
@@ -291,6 +302,8 @@ def linearize(f: Callable, params: Any) -> Linearized:
         True
         >>> loss = lambda p, lin, x: jnp.sum(lin(p, x) ** 2)
         >>> grads = jax.jit(jax.grad(loss))(params, lin, x)  # lin is an argument
+        >>> jax.tree.map(jnp.shape, grads)
+        {'v': (4, 2), 'w': (3, 4)}
     """
     if not callable(f):
         raise TypeError(f"f must be callable f(params, *inputs), got {type(f).__name__}")
@@ -337,6 +350,15 @@ class TaylorExpanded:
       f: the function that was expanded, ``f(params, *inputs, **kwargs)``.
       params: the expansion point (same structure as passed to :func:`taylor_expand`).
       degree: the degree of the polynomial.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> tayl = mw.taylor_expand(lambda p, x: jnp.cos(p) * x, jnp.zeros(()), 2)
+        >>> tayl
+        TaylorExpanded(<lambda>, degree 2, 1 parameter arrays)
+        >>> float(tayl(jnp.float32(0.5), 2.0))  # (1 - 0.5**2 / 2) x
+        1.75
     """
 
     def __init__(self, f: Callable, leaves: list, static: _Skeleton, degree: int):
@@ -424,6 +446,8 @@ def taylor_expand(f: Callable, params: Any, degree: int) -> TaylorExpanded:
         True
         >>> loss = lambda p, tayl, x: jnp.sum(tayl(p, x) ** 2)
         >>> grads = jax.jit(jax.grad(loss))(params, tayl, x)  # tayl is an argument
+        >>> jax.tree.map(jnp.shape, grads)
+        {'v': (4, 2), 'w': (3, 4)}
     """
     if not callable(f):
         raise TypeError(f"f must be callable f(params, *inputs), got {type(f).__name__}")
