@@ -60,6 +60,13 @@ class CompiledMemory:
     ``program_bytes`` is the size of the lowered StableHLO text, which grows with arrays
     baked into the program as constants; ``constant_bytes`` is the total size of those
     constants (closed-over arrays that ``jit`` could not pass as arguments).
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> mem = mw.measure.compiled_memory(lambda x: x * 2, jnp.ones(1000))
+        >>> mem.argument_bytes, mem.output_bytes, mem.constant_bytes
+        (4000, 4000, 0)
     """
 
     argument_bytes: int
@@ -147,6 +154,14 @@ def compile_measured(
     (``None`` in place of static positional ones, static keywords left out). Use it when
     the program is also to be run, so it is compiled once. ``static_argnums`` and
     ``static_argnames`` are those of ``jax.jit``.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> loss = lambda x: jnp.sum(jnp.sin(x) ** 2)
+        >>> compiled, mem = mw.measure.compile_measured(loss, jnp.ones(1000), grad=True)
+        >>> compiled(jnp.zeros(1000)).shape, mem.output_bytes  # the gradient, 1000 floats
+        ((1000,), 4000)
     """
     lowered, constant_bytes = _lower(
         fn, args, kwargs, grad, argnums, static_argnums, static_argnames
@@ -228,6 +243,12 @@ class Residual:
     ``source`` is ``file:line`` of the user code that produced them, or
     ``argument 'name'``; ``count`` arrays were grouped under it, ``shape``/``dtype`` are
     those of the largest, ``nbytes`` their total, ``what`` the producing operations.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> mw.measure.residuals(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(8))[0]
+        Residual(shape=(8,), dtype='float32', nbytes=32, source='...', count=1, what='cos')
     """
 
     shape: tuple[int, ...]
@@ -394,7 +415,14 @@ _BUDGET_RE = re.compile(
 
 
 def host_memory_bytes() -> int:
-    """Physical memory of this machine (8 GiB where the OS does not say)."""
+    """Physical memory of this machine (8 GiB where the OS does not say).
+
+    Example::
+
+        >>> from memwise.measure import host_memory_bytes
+        >>> host_memory_bytes() >= 2**20
+        True
+    """
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
@@ -402,7 +430,14 @@ def host_memory_bytes() -> int:
 
 
 def device_memory_bytes() -> int:
-    """Memory of the default device: the allocator's limit, or the host's RAM on CPU."""
+    """Memory of the default device: the allocator's limit, or the host's RAM on CPU.
+
+    Example::
+
+        >>> from memwise.measure import device_memory_bytes, parse_budget
+        >>> parse_budget(0.5) == device_memory_bytes() // 2  # a float budget is a fraction
+        True
+    """
     try:
         stats = jax.devices()[0].memory_stats()
     except Exception:  # noqa: BLE001 - backends without memory_stats
@@ -469,7 +504,17 @@ _CONSTANT_WARNING_BYTES = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport(CompiledMemory):
-    """Compiled memory of a program and what its backward pass keeps. See memory_report."""
+    """Compiled memory of a program and what its backward pass keeps. See memory_report.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> report = mw.memory_report(lambda x: jnp.sum(jnp.sin(x) ** 2), jnp.ones(1000), grad=True)
+        >>> report.grad, report.argument_bytes, report.output_bytes
+        (True, 4000, 4000)
+        >>> report.to_dict()["residuals"][0]["shape"]  # the backward keeps arrays like x
+        (1000,)
+    """
 
     name: str = ""
     grad: bool = False
@@ -644,7 +689,12 @@ def memory_report(
         >>> def loss(w, x):
         ...     return jnp.sum(jnp.tanh(x @ w) ** 2)
         >>> report = mw.memory_report(loss, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
-        >>> print(report.to_text())  # doctest: +SKIP
+        >>> report.argument_bytes, report.output_bytes  # w and x in; the gradient of w out
+        (18432, 16384)
+        >>> print(report.to_text())
+        memory report: gradient of loss  (compiled, not run)
+          peak ...
+          residuals kept for the backward pass ...
     """
     static: dict[str, Any] = {"static_argnums": static_argnums, "static_argnames": static_argnames}
     lowered, constant_bytes = _lower(
