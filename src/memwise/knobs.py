@@ -51,6 +51,16 @@ class Knob:
         mid-size tile may cost less than the largest.
       default: the value used outside ``fit``.
       label: optional name shown in plans (e.g. the region a remat policy applies to).
+
+    Example::
+
+        >>> from memwise import knobs
+        >>> with knobs.recording() as found:
+        ...     _ = knobs.auto("checkpoints", candidates=[100, 10], cost=[1.0, 1.5],
+        ...                    default=10, source="model.py:7")
+        >>> found[0]
+        Knob(kind='checkpoints', source='model.py:7', candidates=(100, 10), cost=(1.0, 1.5),
+             default=10, label='')
     """
 
     kind: str
@@ -97,7 +107,14 @@ _CACHE_KEYS = itertools.count()
 
 
 def fresh_cache_key() -> Hashable:
-    """A value no recording has used: a recording under it re-traces every function."""
+    """A value no recording has used: a recording under it re-traces every function.
+
+    Example::
+
+        >>> from memwise import knobs
+        >>> knobs.fresh_cache_key() != knobs.fresh_cache_key()
+        True
+    """
     return ("memwise", next(_CACHE_KEYS))
 
 
@@ -105,7 +122,14 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def user_source() -> str:
-    """``file:line`` of the innermost stack frame outside memwise and JAX."""
+    """``file:line`` of the innermost stack frame outside memwise and JAX.
+
+    Example::
+
+        >>> from memwise import knobs
+        >>> knobs.user_source()  # here: the doctest's own "file"
+        '<doctest ...>:1'
+    """
     for frame in reversed(traceback.extract_stack()):
         filename = os.path.abspath(frame.filename)
         if filename.startswith(_PACKAGE_DIR) or f"{os.sep}jax{os.sep}" in filename:
@@ -138,8 +162,18 @@ def auto(
 
     Example::
 
-        chunk = knobs.auto("chunk_size", candidates=[4096, 1024, 256],
-                           cost=[1.0, 1.0, 1.1], default=1024)
+        >>> from memwise import knobs
+        >>> def chunk_size():  # what a primitive does with chunk_size="auto"
+        ...     return knobs.auto("chunk_size", candidates=[4096, 1024, 256],
+        ...                       cost=[1.0, 1.0, 1.1], default=1024, source="model.py:3")
+        >>> chunk_size()  # outside mw.fit: the default
+        1024
+        >>> with knobs.recording() as found:
+        ...     _ = chunk_size()
+        >>> with knobs.recording(plan=[2], layout=found):  # the plan picks candidate 2
+        ...     planned = chunk_size()
+        >>> planned
+        256
     """
     candidates = tuple(candidates)
     if not candidates:
@@ -177,6 +211,18 @@ def recording(
     every jitted or checkpointed function is traced again and all its knobs are recorded.
     Recordings that assign the same plan may pass the same key to share JAX's caches: a
     knob inside a reused trace keeps that plan's value but is not recorded again.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp, memwise as mw
+        >>> from memwise import knobs
+        >>> def loss(xs):
+        ...     h, _ = mw.scan(lambda h, x: (h + x, None), 0.0, xs, checkpoints="auto")
+        ...     return h
+        >>> with knobs.recording() as found:
+        ...     _ = jax.eval_shape(loss, jnp.ones(100))
+        >>> [knob.kind for knob in found]
+        ['checkpoints']
     """
     recorder = _Recorder(plan, layout)
     token = _RECORDER.set(recorder)
