@@ -220,6 +220,14 @@ class Schedule:
       n_checkpoints: the slot budget c asked for.
       n_slots: slots actually used (<= c); the executor allocates this many carries.
       evaluations: body evaluations (forward + advances + differentiated).
+
+    Example::
+
+        >>> s = binomial(5, 2)  # 5 steps, 2 stored carries
+        >>> list(s.forward_positions), list(s.restore_position)
+        ([0, 3], [3, 3, 0, 1, 0])
+        >>> s.evaluations  # 5 forward, 3 replayed, 5 differentiated
+        13
     """
 
     n_steps: int
@@ -354,6 +362,12 @@ class NestedSchedule:
         times.
       carries: carries stored at the peak (the chunk boundaries of every level on the
         current path) plus the innermost chunk's steps, whose residuals are kept.
+
+    Example::
+
+        >>> plan = nested(100, 2)  # 10 chunks of 10 steps
+        >>> plan.chunk, plan.n_chunks, plan.inner.n_steps, plan.carries
+        (10, 10, 10, 20)
     """
 
     n_steps: int
