@@ -322,7 +322,12 @@ def scan(
         ...     step = lambda h, x: (jnp.tanh(w * h + x), None)
         ...     h, _ = mw.scan(step, jnp.zeros(3), xs, checkpoints=4)
         ...     return h.sum()
-        >>> g = jax.grad(loss)(0.5, jnp.ones((100, 3)))
+        >>> def loss_lax(w, xs):  # the same loop, every carry kept
+        ...     step = lambda h, x: (jnp.tanh(w * h + x), None)
+        ...     return jax.lax.scan(step, jnp.zeros(3), xs)[0].sum()
+        >>> xs = jnp.ones((100, 3))
+        >>> bool(jnp.allclose(jax.grad(loss)(0.5, xs), jax.grad(loss_lax)(0.5, xs)))
+        True
     """
     _check_callable(f, "f")
     if schedule not in _SCHEDULES:
