@@ -101,6 +101,17 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m memwise.launch`` with ``argv`` (default ``sys.argv[1:]``): the exit status.
+
+    Example::
+
+        >>> import pathlib, tempfile
+        >>> from memwise.launch import main
+        >>> script = pathlib.Path(tempfile.mkdtemp()) / "hello.py"
+        >>> _ = script.write_text("import jax\\nassert jax.process_count() == 2\\n")
+        >>> main(["-n", "2", str(script)])  # both processes joined and ran the script
+        0
+    """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         process_id, n, address, init_timeout, script, *args = argv[1:]
