@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from _multidevice import run_on_devices
 
+import memwise as mw
 from memwise.engine import tiled_reduce
 from memwise.tiling import tiling
 
@@ -284,3 +285,29 @@ def test_ring_matches_dense_for_every_reduction_on_4_devices():
         """
     )
     assert "OK" in out
+
+
+@pytest.mark.slow
+def test_no_table_that_grows_with_the_points_is_baked_into_the_program():
+    # Tile ids and padding masks are computed in the loops from the tile's index: a
+    # NumPy table of them would be a constant of O(n) bytes in the compiled program (the
+    # failure mode of a linearized network that bakes its weights in).
+    sq = lambda a, b: -jnp.sum((a - b) ** 2)
+    programs = {
+        "pairwise_reduce": lambda x: jnp.sum(
+            mw.pairwise_reduce(sq, x, x[::2], reduce="logsumexp", chunk_size=(256, 128))
+        ),
+        "attention": lambda x: jnp.sum(
+            mw.attention(x[None], x[None], x[None], causal=True, chunk_size=(256, 128))
+        ),
+        "chunked_sum": lambda x: jnp.sum(mw.chunked_sum(jnp.tanh, x, chunk_size=128)),
+        "sinkhorn_divergence": lambda x: mw.ot.sinkhorn_divergence(
+            x, x[::2] + 1.0, epsilon=0.5, chunk_size=256
+        ),
+    }
+    for name, f in programs.items():
+        constants = [
+            mw.memory_report(f, jax.ShapeDtypeStruct((n, 2), jnp.float32), grad=True).constant_bytes
+            for n in (20_000, 40_000)
+        ]
+        assert constants[0] == constants[1] and constants[1] < 4096, (name, constants)

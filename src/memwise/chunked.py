@@ -78,7 +78,6 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
         _, ys = lax.scan(one_chunk, None, indices)
         return chunks.merge(ys)
 
-    mask = jnp.asarray(chunks.mask())
     one = jax.eval_shape(
         lambda x: spec.chunk_fn(x, consts), _chunk_of(chunks, xs_leaves, jnp.int32(0))
     )
@@ -89,8 +88,8 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     )
     init = vary(init, varying_over(xs_leaves, consts))
 
-    def body(acc, inp):
-        i, valid = inp
+    def body(acc, i):
+        valid = chunks.chunk_ids(i)[1]
         ys = spec.chunk_fn(_chunk_of(chunks, xs_leaves, i), consts)
         ys = jax.tree.map(
             lambda y, a: jnp.sum(
@@ -101,7 +100,7 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
         )
         return jax.tree.map(jnp.add, acc, ys), None
 
-    total, _ = lax.scan(body, init, (indices, mask))
+    total, _ = lax.scan(body, init, indices)
     return jax.tree.map(lambda t, s: t.astype(sum_dtype(s.dtype)), total, one)
 
 
@@ -123,7 +122,6 @@ def _map_core_bwd(spec, res, ct):
     chunks = spec.chunks
     if any(is_zero(c) for c in jax.tree.leaves(ct, is_leaf=is_zero)):
         ct = dense(ct, jax.eval_shape(lambda: _map_forward(spec, xs_leaves, consts)))
-    mask = jnp.asarray(chunks.mask())
     axes = varying_over(xs_leaves, consts, ct)
     primal_consts = consts
     xs_vary = vary(xs_leaves, axes)
@@ -132,7 +130,8 @@ def _map_core_bwd(spec, res, ct):
     diff_consts = select(consts, const_flags)
 
     def body(acc, inp):
-        i, valid = inp
+        i = inp
+        valid = chunks.chunk_ids(i)[1]
         xc = _chunk_of(chunks, xs_vary, i)
         if spec.kind == "map":
             ctc = jax.tree.map(
@@ -160,7 +159,7 @@ def _map_core_bwd(spec, res, ct):
 
     # The gradients of closed-over arrays sum one term per chunk: in at least float32.
     acc0 = [z.astype(accumulation_dtype(z.dtype)) for z in typed_zeros(diff_consts)]
-    acc, dxs = lax.scan(body, acc0, (jnp.arange(chunks.n_chunks), mask))
+    acc, dxs = lax.scan(body, acc0, chunks.indices())
     dxs = psum_replicated(chunks.merge(dxs), select(xs_leaves, xs_flags))
     const_primals = select(primal_consts, const_flags)
     acc = [a.astype(p.dtype) for a, p in zip(psum_replicated(acc, const_primals), const_primals)]

@@ -198,7 +198,7 @@ def _tile_type(
         c = [C.block(a[(0,) * nb], 0) for a in cols]
         lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
         p = _pair_blocks(R, C, [a[(0,) * k] for a, k in zip(pairs, lead)], 0, 0)
-        return spec.tile((r, c, p, consts), jnp.asarray(R.ids()[0]), jnp.asarray(C.ids()[0]))
+        return spec.tile((r, c, p, consts), R.chunk_ids(0)[0], C.chunk_ids(0)[0])
 
     return jax.eval_shape(first_tile)
 
@@ -225,8 +225,6 @@ def _row_pass(
     first: Any,
     rows: Any,
     cols_c: Any,
-    col_ids: jax.Array,
-    col_valid: jax.Array,
     pairs: _Leaves,
     consts: _Leaves,
     row_ids: jax.Array,
@@ -271,6 +269,8 @@ def _row_pass(
     init = vary(init, varying_over(rows, cols_c, pairs, consts))
 
     def body(state, inp):
+        col_blk, k = inp
+        inp = (col_blk, *spec.tiles.cols.chunk_ids(k))
         if spec.live is None:
             return step(state, inp), None
         # The predicate depends on tile indices only (never on vmapped data), so under
@@ -316,7 +316,7 @@ def _row_pass(
         arg = jnp.where(better, c_ids[tile_arg].astype(jnp.int32), arg)
         return (jnp.where(better, tile_max, m), arg)
 
-    state, _ = lax.scan(body, init, (cols_c, col_ids, col_valid))
+    state, _ = lax.scan(body, init, (cols_c, spec.tiles.cols.indices()))
     if reduce in ("sum", "max"):
         return state
     if reduce == "logsumexp":
@@ -334,14 +334,12 @@ def _problem_forward(
     R, C = spec.tiles.rows, spec.tiles.cols
     rows_c = R.split(rows)
     cols_c = C.split(cols)
-    col_ids = jnp.asarray(C.ids())
-    col_valid = jnp.asarray(C.mask())
 
     def one_row_block(inp):
-        row_blk, r_ids = inp
-        return _row_pass(spec, first, row_blk, cols_c, col_ids, col_valid, pairs, consts, r_ids)
+        row_blk, k = inp
+        return _row_pass(spec, first, row_blk, cols_c, pairs, consts, R.chunk_ids(k)[0])
 
-    out = lax.map(one_row_block, (rows_c, jnp.asarray(R.ids())))
+    out = lax.map(one_row_block, (rows_c, R.indices()))
     return R.merge(out)
 
 
@@ -423,8 +421,6 @@ def _backward(spec, values, residual, flags, ct, running=None):
     pairs = spec.squeeze_pairs(pairs)
     # A pair's row/column axes follow the batch dims it does not broadcast over.
     lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
-    row_ids, col_ids = jnp.asarray(R.ids()), jnp.asarray(C.ids())
-    row_valid, col_valid = jnp.asarray(R.mask()), jnp.asarray(C.mask())
 
     # Blocks are sliced by index from the unpadded arrays (splitting into (chunks, size,
     # ...) copied q once more), and cotangents are written in place into padded carries;
@@ -458,14 +454,14 @@ def _backward(spec, values, residual, flags, ct, running=None):
 
     def row_body(carry, inp):
         d_rows, d_cols, d_pairs, d_consts = carry
-        r_ids, r_valid = inp
+        r_ids, r_valid = R.chunk_ids(inp)
         r0 = r_ids[0]
         row_blk = [R.block(a, r0, axis=nb) for a in rows]
         row_data = [R.block(a, r0, axis=nb) for a in per_row]
 
         def col_body(carry2, inp2):
             d_row, d_cols, d_pairs, d_consts = carry2
-            c_ids, c_valid = inp2
+            c_ids, c_valid = C.chunk_ids(inp2)
             c0 = c_ids[0]
             col_blk = [C.block(a, c0, axis=nb) for a in cols]
             pblk = _pair_blocks(R, C, pairs, r0, c0, lead)
@@ -520,7 +516,7 @@ def _backward(spec, values, residual, flags, ct, running=None):
         (d_row, d_cols, d_pairs, d_consts), _ = lax.scan(
             col_body,
             (_accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
-            (col_ids, col_valid),
+            C.indices(),
         )
         if running is None:
             # A row block's cotangent is complete here: stored once, in its own dtype.
@@ -533,7 +529,7 @@ def _backward(spec, values, residual, flags, ct, running=None):
         return (d_rows, d_cols, d_pairs, d_consts), None
 
     (d_rows, d_cols, d_pairs, d_consts), _ = lax.scan(
-        row_body, (d_rows0, d_cols0, d_pairs0, d_consts0), (row_ids, row_valid)
+        row_body, (d_rows0, d_cols0, d_pairs0, d_consts0), R.indices()
     )
     if running is not None:
         return d_rows, d_cols, d_pairs, d_consts

@@ -118,13 +118,19 @@ class Chunking:
         """``(n_chunks, size, ...)`` leaves -> ``(length, ...)`` (padding dropped)."""
         return jax.tree.map(lambda a: a.reshape((self.padded,) + a.shape[2:])[: self.length], tree)
 
-    def ids(self) -> np.ndarray:
-        """Global index of every slot, ``(n_chunks, size)`` int32 (padding >= length)."""
-        return np.arange(self.padded, dtype=np.int32).reshape(self.n_chunks, self.size)
+    def indices(self) -> jax.Array:
+        """``0 .. n_chunks - 1`` (int32): what a loop over the chunks scans."""
+        return jnp.arange(self.n_chunks, dtype=jnp.int32)
 
-    def mask(self) -> np.ndarray:
-        """``(n_chunks, size)`` bool: True for real items, False for padding."""
-        return self.ids() < self.length
+    def chunk_ids(self, k: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Global index of each slot of chunk ``k`` and whether it is a real item.
+
+        Computed inside the loop body from ``k``, so a loop over the chunks holds one
+        chunk's ids at a time: never a table of all of them, which as a NumPy array would
+        be baked into the program as a constant that grows with the number of points.
+        """
+        ids = k * self.size + lax.iota(jnp.int32, self.size)
+        return ids, ids < self.length
 
     def block(self, leaf: jax.Array, start: int | jax.Array, *, axis: int = 0) -> jax.Array:
         """The ``size`` items from ``start`` along ``axis`` of an unpadded array.
