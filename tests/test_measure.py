@@ -143,6 +143,12 @@ def test_constants_are_reported_and_warned():
     )
     assert as_argument.constant_bytes == 0
     assert as_argument.program_bytes * 10 < report.program_bytes
+    # a closure over parameters next to a batch of about their size (a linearized
+    # network) still warns; a few constants next to large arguments do not
+    batch = mw.memory_report(closes_over, jnp.ones((1024, 1024)))
+    assert batch.argument_bytes > batch.constant_bytes and "warning" in batch.to_text()
+    small = mw.memory_report(closes_over, jnp.ones((8192, 1024)))
+    assert "warning" not in small.to_text()
 
 
 def test_to_text_and_to_dict():

@@ -593,9 +593,10 @@ class MemoryReport(CompiledMemory):
         width = max(len(k) for k, _ in totals)
         for key, value in totals:
             lines.append(f"  {key:<{width}}  {format_bytes(value):>10}  ({value:,} B)")
-        # Large constants next to small arguments are closed-over data (parameters
-        # captured by a closure); small tables such as a scan's schedule are expected.
-        if self.constant_bytes >= max(_CONSTANT_WARNING_BYTES, self.argument_bytes):
+        # Constants of a size comparable to the arguments are closed-over data (the
+        # parameters a closure captured, as in a linearized network whose closure holds
+        # them next to a batch as large); small tables such as a scan's schedule are not.
+        if self.constant_bytes >= max(_CONSTANT_WARNING_BYTES, self.argument_bytes // 4):
             lines.append(
                 f"  warning: {format_bytes(self.constant_bytes)} of arrays are baked into the "
                 "program as constants (closed-over arrays); pass them as arguments "
