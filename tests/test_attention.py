@@ -46,6 +46,7 @@ def dense_attention(q, k, v, mask=None, bias=None, causal=False):
     dtype=st.sampled_from([jnp.float32, jnp.float64]),
     seed=st.integers(0, 999),
 )
+@pytest.mark.slow
 def test_matches_dense(lq, lk, rows, cols, causal, use_mask, use_bias, dtype, seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     q = jax.random.normal(keys[0], (2, 2, lq, 3), dtype)
@@ -71,6 +72,7 @@ def test_matches_dense(lq, lk, rows, cols, causal, use_mask, use_bias, dtype, se
         np.testing.assert_allclose(a, b, rtol=tol * 10, atol=tol * 10)
 
 
+@pytest.mark.slow
 def test_matches_jax_dot_product_attention():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(kk, (2, 4, 37, 8), jnp.float32) for kk in keys)
@@ -82,6 +84,7 @@ def test_matches_jax_dot_product_attention():
     )
 
 
+@pytest.mark.slow
 def test_gradient_memory_bounded():
     temps = []
     for length in (16_384, 32_768):
@@ -108,6 +111,7 @@ def test_bad_shapes():
         mw.attention(q, q, q, chunk_size=0)
 
 
+@pytest.mark.slow
 def test_causal_skips_tiles_above_the_diagonal():
     # One row block, 4 column tiles: the skipped tiles must not change values or
     # gradients, including a ragged last tile and Lq != Lk.
@@ -236,6 +240,7 @@ B, H, LQ, LK = 2, 3, 7, 9
         ((B, H, LQ, LK), (H, 1, 1)),  # full mask; a scalar bias per head
     ],
 )
+@pytest.mark.slow
 def test_mask_and_bias_broadcast_shapes_match_dense(mask_shape, bias_shape):
     keys = jax.random.split(jax.random.PRNGKey(11), 5)
     q = jax.random.normal(keys[0], (B, H, LQ, 4))
@@ -264,6 +269,7 @@ def test_mask_and_bias_broadcast_shapes_match_dense(mask_shape, bias_shape):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_shared_masks_and_biases_add_at_most_their_own_size():
     # B=2, H=8, L=1024, gradient temp without a mask: 22.3 MiB before, 19.6 now. Before,
     # a (B,1,1,L) mask was expanded to (B*H, L, L) bools (40.3 MiB), and an (L,L) or a
@@ -304,6 +310,7 @@ def _errors(out, grads, ref, ref_grads):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.slow
 def test_low_precision_error_no_worse_than_jax_nn(dtype, causal):
     # Inputs and cotangent exactly representable in dtype, so the float64 reference is
     # the exact answer to the same problem: the errors are the computation's own.
@@ -353,6 +360,7 @@ def test_empty_queries_or_keys_return_the_dense_result():
         mw.attention(jnp.ones((2, 0, 4)), q, q, chunk_size=0)
 
 
+@pytest.mark.slow
 def test_traced_scale_gets_a_gradient():
     keys = jax.random.split(jax.random.PRNGKey(3), 3)
     q, k, v = (jax.random.normal(kk, (2, 6, 4)) for kk in keys)
@@ -380,6 +388,7 @@ def test_traced_scale_gets_a_gradient():
         mw.attention(q, k, v, scale=jnp.ones(2))
 
 
+@pytest.mark.slow
 def test_under_checkpoint():
     # Under jax.checkpoint a constant scale reaches the engine as a typed Python float
     # (no .astype); the backward then promoted it and raised AttributeError.

@@ -38,6 +38,7 @@ def _close(a, b, dtype):
 @given(
     n=st.integers(1, 12), chunk=st.integers(1, 6), dtype=st.sampled_from([jnp.float32, jnp.float64])
 )
+@pytest.mark.slow
 def test_chunked_map_and_sum_match_dense(n, chunk, dtype):
     xs = {"a": jnp.linspace(-1, 1, n * 3, dtype=dtype).reshape(n, 3), "i": jnp.arange(n)}
     W = jnp.eye(3, dtype=dtype) * 0.5 + 0.1
@@ -76,6 +77,7 @@ def test_forward_mode_raises_type_error():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("chunk_size", [8, 64, 1024])
+@pytest.mark.slow
 def test_low_precision_sums_accumulate_in_float32(dtype, chunk_size):
     # 65,536 uniform values (true sum 32,706): a bfloat16 running total stalled at 2,048
     # (chunks of 8), 16,384 (64), 32,768 (1,024).

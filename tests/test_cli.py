@@ -118,6 +118,7 @@ def test_report_usage_errors_are_one_line_with_status_2(user_file, argv, message
     assert re.search(message, captured.err), captured.err
 
 
+@pytest.mark.slow
 def test_usage_errors_from_a_shell(tmp_path):
     # The real process: one line on stderr, exit status 2, no traceback.
     for argv in (
@@ -149,6 +150,7 @@ def test_report_non_array_arguments_are_static(user_file, capsys):
     assert "plan: peak" in out and "within budget 953.7 MiB" in out
 
 
+@pytest.mark.slow
 def test_demo_prints_table(capsys, tmp_path):
     plot = tmp_path / "demo.png"
     assert cli.main(["demo", "mlp", "--plot", str(plot)]) == 0
@@ -183,6 +185,7 @@ def test_demo_size_report_and_its_older_name_seed(size, monkeypatch):
     assert scenarios.load("mlp", size) == mlp.SIZES["report"]
 
 
+@pytest.mark.slow
 def test_python_dash_m_and_console_script(user_file):
     for command in (
         [sys.executable, "-m", "memwise"],

@@ -89,6 +89,7 @@ def test_no_disk_cache_when_disabled(tmp_path, monkeypatch):
     assert costmodel.machine() == MACHINE and costmodel._cache_file("cpu/x") is None
 
 
+@pytest.mark.slow
 def test_measured_balance_is_physical():
     m = costmodel.measure_machine(repeats=2)
     assert 1e8 < m.flops_per_s < 1e16

@@ -210,6 +210,7 @@ def run_file(path: str, workdir: str) -> int:
 
 
 @pytest.mark.parametrize("path", documentation_files())
+@pytest.mark.slow
 def test_examples_run(path, tmp_path):
     unlisted, stale = _unlisted_and_stale(path)
     assert not unlisted, f"illustrative blocks not listed in ILLUSTRATIVE: {unlisted}"

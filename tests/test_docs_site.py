@@ -153,6 +153,7 @@ def _results() -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in (ROOT / "benchmarks/results").glob("*.json")}
 
 
+@pytest.mark.slow
 def test_benchmarks_page_has_a_plot_for_each_plotted_result(benchmarks_hook, generated):
     out, page = generated
     plotted = sorted(set(_results()) & set(benchmarks_hook.PLOTTERS))

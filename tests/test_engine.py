@@ -22,6 +22,7 @@ def _dense_scores(x, y, scale):
 
 @pytest.mark.parametrize("reduce", ["sum", "logsumexp"])
 @pytest.mark.parametrize("backward", [None, (2, 3), (7, 11)])
+@pytest.mark.slow
 def test_reductions_and_gradients_match_dense_on_any_backward_tile(reduce, backward):
     x = jax.random.normal(jax.random.PRNGKey(0), (13, 2))
     y = jax.random.normal(jax.random.PRNGKey(1), (11, 2))
@@ -40,6 +41,7 @@ def test_reductions_and_gradients_match_dense_on_any_backward_tile(reduce, backw
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_softmax_reduction_is_attention_with_skipped_tiles():
     q = jax.random.normal(jax.random.PRNGKey(2), (10, 4))
     k = jax.random.normal(jax.random.PRNGKey(3), (10, 4))
@@ -107,6 +109,7 @@ def test_low_precision_statistics_accumulate_in_float32(dtype):
         np.testing.assert_allclose(np.float32(out[0]), ref, rtol=2.0 ** -jnp.finfo(dtype).nmant)
 
 
+@pytest.mark.slow
 def test_batched_problems_with_broadcast_pairs_match_dense():
     # Two batch dims; a pair broadcast over the second batch dim and one broadcast over
     # the first batch dim and the rows (a key-padding-like (1, m) operand per head).
@@ -148,6 +151,7 @@ def test_max_propagates_nan_like_jnp():
 
 
 @pytest.mark.parametrize("reduce", ["logsumexp", "softmax"])
+@pytest.mark.slow
 def test_padded_backward_rows_do_not_overflow(reduce):
     # 3 rows in backward blocks of 2: the padding row repeats a real row whose scores
     # (up to 100) overflow exp in float32; its cotangent must be exactly zero, not NaN.

@@ -40,6 +40,7 @@ def unconstrained_peak(data):
     return compiled_memory(three_knobs, *data, grad=True).peak_bytes
 
 
+@pytest.mark.slow
 def test_budgets_met_and_gradients_unchanged(data):
     w, xs = data
     expected = jax.grad(three_knobs)(w, xs)
@@ -55,6 +56,7 @@ def test_budgets_met_and_gradients_unchanged(data):
         assert fitted.compilations <= 10  # three knobs plus the whole-function policy
 
 
+@pytest.mark.slow
 def test_value_is_exactly_fn(data):
     fitted = mw.fit(three_knobs, budget="4MiB", grad=False)
     np.testing.assert_allclose(fitted(*data), three_knobs(*data), rtol=1e-5)
@@ -138,6 +140,7 @@ def test_bad_arguments():
         mw.region("")
 
 
+@pytest.mark.slow
 def test_scan_checkpoints_auto_meets_budget():
     def loss(w, xs):
         h, _ = mw.scan(
@@ -164,6 +167,7 @@ def pairwise_loss(w, xs):
     )
 
 
+@pytest.mark.slow
 def test_each_argument_signature_has_its_own_compilation_budget():
     # Planning a second shape after a first must neither run past max_compilations nor
     # settle for a slower plan because the first shape spent the compilations.
@@ -265,6 +269,7 @@ def scan_loss(w, xs):
     [(pairwise_loss, "chunk_size"), (scan_loss, "checkpoints")],
     ids=["pairwise", "scan"],
 )
+@pytest.mark.slow
 def test_auto_knob_inside_a_jitted_or_checkpointed_helper(wrap, term, kind):
     # JAX traces such a helper once and caches it; fit must still plan and apply its knob.
     helper = wrap(term)
@@ -285,6 +290,7 @@ def test_auto_knob_inside_a_jitted_or_checkpointed_helper(wrap, term, kind):
     assert fitted.plan.peak_bytes < fastest.peak_bytes
 
 
+@pytest.mark.slow
 def test_two_plans_of_one_jitted_helper_stay_apart():
     helper = jax.jit(pairwise_loss)
 
@@ -451,6 +457,7 @@ def _pair_loss(x, y):
     )
 
 
+@pytest.mark.slow
 def test_verbose_prints_each_compiled_plan(capsys):
     x = jnp.ones((600, 2))
     fitted = mw.fit(_pair_loss, budget="1MiB", verbose=True, policies=False)
@@ -464,6 +471,7 @@ def test_verbose_prints_each_compiled_plan(capsys):
     ), lines[0]
 
 
+@pytest.mark.slow
 def test_tune_times_the_fastest_predicted_plans_and_keeps_the_fastest_measured():
     x = jax.random.normal(jax.random.PRNGKey(1), (600, 2))
     fitted = mw.fit(_pair_loss, budget="1MiB", tune=True, policies=False)

@@ -23,6 +23,7 @@ def assert_tree_close(a, b, rtol=1e-5, atol=1e-6):
 
 
 @pytest.mark.parametrize("seq2seq", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
 def test_remat_discussion_lstm_one_line_change_matches_nn_scan(seq2seq):
     shape = dict(hidden=8, output_dim=3, seq2seq=seq2seq)
     x, y = lstm.data(2, 40, 5, 3, seq2seq)
@@ -100,6 +101,7 @@ def test_broadcast_inputs_and_split_rngs_match_nn_scan():
     )
 
 
+@pytest.mark.slow
 def test_nnx_scan_module_gradients():
     cell = nnx.OptimizedLSTMCell(3, 8, rngs=nnx.Rngs(0))
     carry = (jnp.zeros((2, 8)), jnp.zeros((2, 8)))
@@ -141,6 +143,7 @@ def test_bad_arguments():
         Bad().apply({}, jnp.zeros(2), jnp.ones((3, 2)))
 
 
+@pytest.mark.slow
 def test_lstm_scenario_agrees_at_small_size():
     scenario = lstm.make(
         batch=2, seq_length=60, hidden=8, input_dim=3, output_dim=2, seq2seq=True, checkpoints=4

@@ -88,6 +88,7 @@ def test_two_processes_match_one(tmp_path):
     assert "OK 0" in lines and "OK 1" in lines, proc.stdout
 
 
+@pytest.mark.slow
 def test_a_failing_process_stops_the_others(tmp_path):
     # Process 1 fails at once; process 0 would wait forever: the launcher stops it and
     # returns the failure's status, well before its own timeout.
@@ -105,6 +106,7 @@ def test_a_failing_process_stops_the_others(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_timeout_stops_every_process(tmp_path):
     program = "import time\ntime.sleep(600)\n"
     proc = launch(

@@ -160,6 +160,7 @@ def test_training_step_memory_is_that_of_training_f():
     assert train_lin.temp_bytes <= 1.2 * train_f.temp_bytes, (train_lin, train_f)
 
 
+@pytest.mark.slow
 def test_flax_model_apply_with_keyword_arguments():
     import flax.linen as nn
 
@@ -183,6 +184,7 @@ def test_flax_model_apply_with_keyword_arguments():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_equinox_module():
     import equinox as eqx
 
@@ -274,6 +276,7 @@ def _assert_close(got, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.slow
 def test_dtypes(dtype):
     # Values, and gradients w.r.t. new_params (J^T ct), the inputs and the point (the
     # exact vjp of the jvp), in the parameters' dtype.
@@ -325,6 +328,7 @@ def _nested_jvp_taylor(f, params, degree):
 
 
 @pytest.mark.parametrize("degree", [0, 1, 2, 3])
+@pytest.mark.slow
 def test_taylor_expand_matches_nested_jvp(problem, degree):
     params, new, x = problem
     with jax.enable_x64(True):
@@ -357,6 +361,7 @@ def test_taylor_expand_is_exact_on_polynomials():
     assert not np.allclose(mw.taylor_expand(cubic, params, 2)(new, x), cubic(new, x))
 
 
+@pytest.mark.slow
 def test_taylor_expand_gradients_and_forward_mode(problem):
     params, new, x = problem
     tayl = mw.taylor_expand(_mlp, params, 2)
@@ -375,6 +380,7 @@ def test_taylor_expand_gradients_and_forward_mode(problem):
     np.testing.assert_allclose(tangent, expected_tangent, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_taylor_expand_bakes_no_parameters_into_the_program():
     # A training step of the second-order expansion: the point is an argument (no
     # constants), and the program stays within a small factor of training f's, whatever

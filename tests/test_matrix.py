@@ -289,6 +289,7 @@ PARAMS = [pytest.param(*p, id="-".join(p)) for p in PARAMS]
 
 
 @pytest.mark.parametrize("case_name, shape_name, dtype_name, transform", PARAMS)
+@pytest.mark.slow
 def test_matrix(case_name, shape_name, dtype_name, transform):
     _run(case_name, shape_name, dtype_name, transform)
 

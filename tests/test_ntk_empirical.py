@@ -54,6 +54,7 @@ def problem():
 @pytest.mark.parametrize(
     "method, chunk_size", [("jacobian", (3, 2)), ("vjp", (3, 2)), ("vjp", 4), ("jacobian", (7, 5))]
 )
+@pytest.mark.slow
 def test_blocks_match_dense_jacobian(problem, method, chunk_size):
     params, x1, x2, dense = problem
     fn = jax.jit(lambda p, a, b: ntk.empirical(_mlp, p, a, b, method=method, chunk_size=chunk_size))
@@ -71,6 +72,7 @@ def test_trace(problem, method):
     np.testing.assert_allclose(got, jnp.trace(dense, axis1=2, axis2=3), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pseudo_ntk_is_gradient_of_logit_sum(problem):
     params, x1, x2, _ = problem
     scalar = lambda p, x: jnp.sum(_mlp(p, x), axis=1, keepdims=True) / 2.0  # sqrt(4 logits)
@@ -87,6 +89,7 @@ def test_pseudo_ntk_is_gradient_of_logit_sum(problem):
     np.testing.assert_allclose(got, jnp.sum(full, axis=(2, 3)) / 4, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scalar_outputs_and_self_kernel():
     params = _params(jax.random.PRNGKey(3), d_out=1)
     f = lambda p, x: _mlp(p, x)[:, 0]
@@ -167,6 +170,7 @@ def _assert_close(got, expected, dtype):
     [(dtype, "jacobian", False) for dtype in sorted(TOLERANCE)]
     + [("bfloat16", "vjp", True), ("bfloat16", "pseudo", False)],
 )
+@pytest.mark.slow
 def test_dtypes(dtype, method, trace):
     # Sums over the parameters accumulate in at least float32; the result keeps the dtype.
     cast = lambda t: jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), t)

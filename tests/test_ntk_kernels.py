@@ -55,6 +55,7 @@ def test_matches_neural_tangents_in_float64(reference, name):
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+@pytest.mark.slow
 def test_self_kernel_is_symmetric_and_equals_cross(reference, name):
     prefix = "fc" if name.startswith("fc") else "conv"
     x1 = jnp.asarray(reference[f"{prefix}_x1"], jnp.float32)
@@ -80,6 +81,7 @@ def _forced_full(*layers):
         dict(filter_shape=(2, 3), strides=(2, 2), padding="VALID", W_std=1.3),
     ],
 )
+@pytest.mark.slow
 def test_full_and_diagonal_covariances_agree(conv):
     x1 = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 6, 2))
     x2 = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 6, 2))
@@ -97,6 +99,7 @@ def test_full_and_diagonal_covariances_agree(conv):
         np.testing.assert_allclose(a, b, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_conv_window_matches_reduce_window():
     # One conv layer: nngp = W^2 * (mean over the window of the per-pixel input
     # covariance), zero padding included; checked against XLA's windowed average.
@@ -115,6 +118,7 @@ def test_conv_window_matches_reduce_window():
         np.testing.assert_allclose(got, expected(x1, x2), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gradient_is_finite_on_the_diagonal():
     # theta = 0 on the diagonal of a self-kernel: sqrt(1 - cos^2) must not give inf/nan.
     kernel_fn = ARCHITECTURES["conv_relu2_flatten"]()
@@ -173,6 +177,7 @@ NO_BIAS = {
 
 
 @pytest.mark.parametrize("name", sorted(NO_BIAS))
+@pytest.mark.slow
 def test_zero_inputs_give_the_limit_of_vanishing_inputs(name):
     # Without a bias an all-zero input (or a pixel whose receptive field is all zero) has
     # zero variance, and ReLU's cos = cov / sqrt(var1 var2) is 0/0. The kernel is the
@@ -211,6 +216,7 @@ def _assert_close(got, expected, dtype):
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
 @pytest.mark.parametrize("name", ["conv_relu_gap", "fc_relu_erf", "fc_gelu"])
+@pytest.mark.slow
 def test_dtypes(name, dtype):
     # Sums over channels and conv windows accumulate in at least float32; kernels and
     # gradients keep the inputs' dtype.
@@ -310,6 +316,7 @@ def _inputs(reference, name):
 
 
 @pytest.mark.parametrize("name", sorted(MORE_ARCHITECTURES))
+@pytest.mark.slow
 def test_more_layers_match_neural_tangents_in_float64(more_reference, name):
     x1, x2 = _inputs(more_reference, name)
     with jax.enable_x64(True):
@@ -320,6 +327,7 @@ def test_more_layers_match_neural_tangents_in_float64(more_reference, name):
 
 
 @pytest.mark.parametrize("name", ["myrtle", "resnet", "fc_gelu", "fc_sin", "fc_layernorm"])
+@pytest.mark.slow
 def test_more_layers_self_kernel_is_symmetric_psd_and_equals_cross(more_reference, name):
     x1 = jnp.asarray(_inputs(more_reference, name)[0], jnp.float32)
     kernel_fn = MORE_ARCHITECTURES[name]()
@@ -331,6 +339,7 @@ def test_more_layers_self_kernel_is_symmetric_psd_and_equals_cross(more_referenc
         assert np.all(np.linalg.eigvalsh(np.asarray(own, np.float64)) > -1e-4 * float(jnp.max(own)))
 
 
+@pytest.mark.slow
 def test_pooling_over_the_whole_image_is_global_average_pooling():
     x1 = jax.random.normal(jax.random.PRNGKey(20), (3, 6, 5, 2))
     x2 = jax.random.normal(jax.random.PRNGKey(21), (2, 6, 5, 2))
@@ -341,6 +350,7 @@ def test_pooling_over_the_whole_image_is_global_average_pooling():
         np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pooling_a_single_pixel_keeps_the_kernel():
     # AvgPool((1, 1)) changes no value but makes every earlier layer pixel-by-pixel; after
     # the last pool the covariance is per-pixel again.
@@ -354,6 +364,7 @@ def test_pooling_a_single_pixel_keeps_the_kernel():
         np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_residual_branches_add_their_kernels():
     # FanOut + parallel + FanInSum adds the branches' kernels (neural-tangents'
     # convention for independent branches), wherever the branches pool.
@@ -400,6 +411,7 @@ def test_more_layers_bad_inputs():
         k.LayerNorm(eps=-1.0)
 
 
+@pytest.mark.slow
 def test_pooling_kernel_gradient_is_finite_and_correct():
     kernel_fn = _myrtle()
     x = jax.random.normal(jax.random.PRNGKey(26), (3, 4, 4, 2))
@@ -410,6 +422,7 @@ def test_pooling_kernel_gradient_is_finite_and_correct():
         check_grads(jax.jit(lambda x: _resnet()(x, x64[:2] + 0.5)), (x64,), order=1, modes=["rev"])
 
 
+@pytest.mark.slow
 def test_pooling_holds_pixel_pairs_until_the_last_pool():
     # Before the last pool: (H*W)^2 per pair; a Myrtle kernel's memory grows 16x from
     # 8x8 to 16x16 images (pixels^2), a conv/flatten kernel's 4x (pixels).
@@ -423,6 +436,7 @@ def test_pooling_holds_pixel_pairs_until_the_last_pool():
     assert temp(flat, 16) / temp(flat, 8) < 8
 
 
+@pytest.mark.slow
 def test_pooling_in_bfloat16_accumulates_in_float32(more_reference):
     x1, x2 = (jnp.asarray(a, jnp.bfloat16) for a in _inputs(more_reference, "myrtle"))
     got = _jit(_myrtle(), "ntk")(x1, x2)

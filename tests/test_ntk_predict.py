@@ -33,6 +33,7 @@ def _data(reference, dtype=None):
 
 @pytest.mark.parametrize("get", ["nngp", "ntk"])
 @pytest.mark.parametrize("time", ["inf", "t10"])
+@pytest.mark.slow
 def test_matches_neural_tangents_gradient_descent_mse_ensemble(reference, get, time):
     # nt.predict.gradient_descent_mse_ensemble(kernel_fn, x_train, y_train, diag_reg=1e-3)
     # (t, x_test, get, compute_cov=True), in float64; ragged (2, 5) tiles.
@@ -52,6 +53,7 @@ def test_matches_neural_tangents_gradient_descent_mse_ensemble(reference, get, t
         np.testing.assert_allclose(cov, reference[f"pred_{get}_{time}_cov"], rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_infinite_time_mean_is_kernel_regression(reference):
     x_train, y_train, x_test = _data(reference, jnp.float32)
     for get in ("ntk", "nngp"):
@@ -65,6 +67,7 @@ def test_infinite_time_mean_is_kernel_regression(reference):
         np.testing.assert_allclose(mean, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_time_zero_is_the_prior_and_long_times_converge(reference):
     with jax.enable_x64(True):
         x_train, y_train, x_test = _data(reference)
@@ -96,6 +99,7 @@ def _dense_mean(x_train, y_train, x_test, t):
     return kernel_fn(x_test, x_train) @ (evecs @ (gain[:, None] * (evecs.T @ y_train)))
 
 
+@pytest.mark.slow
 def test_gradients_through_time_and_training_inputs_match_dense(reference):
     with jax.enable_x64(True):
         x_train, y_train, x_test = _data(reference)
@@ -127,6 +131,7 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.slow
 def test_dtypes(reference, dtype):
     # The solve and sums run in float32 for half-precision kernels; outputs keep the dtype.
     x_train, y_train, x_test = _data(reference, dtype)

@@ -42,6 +42,7 @@ def _labels(n, classes=3):
     return jax.nn.one_hot(jnp.arange(n) % classes, classes)
 
 
+@pytest.mark.slow
 def test_kernel_regression_matches_dense():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(11, 4)), jnp.float32)
     y = jnp.stack([jnp.sin(x[:, 0]), jnp.cos(x[:, 1])], axis=1)
@@ -65,6 +66,7 @@ def test_kernel_regression_vector_labels_and_nngp():
     np.testing.assert_allclose(vector, expected, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_kernel_regression_with_any_kernel_function():
     rbf = lambda a, b: jnp.exp(-jnp.sum((a[:, None] - b[None]) ** 2, -1))
     x = jnp.asarray(np.random.default_rng(2).normal(size=(10, 2)), jnp.float32)
@@ -82,6 +84,7 @@ def test_kernel_regression_with_any_kernel_function():
         pytest.param(CONV, (13, 6), marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_kip_loss_and_gradients_match_dense(kernel_fn, chunk_size):
     xs, xt = _images((4), 6), _images((5), 13)
     ys, yt = _labels(6), _labels(13)
@@ -120,6 +123,7 @@ def _kip_grad_temp(n_target: int, side: int = 8) -> int:
     ).temp_bytes
 
 
+@pytest.mark.slow
 def test_kip_gradient_memory_does_not_grow_with_targets():
     small, large = _kip_grad_temp(64), _kip_grad_temp(1024)
     assert large == pytest.approx(small, rel=0.02), (small, large)
@@ -154,6 +158,7 @@ def test_bad_inputs():
         kernel_regression(CONV, xs, ys, xt[:, :5], ridge=0.0, chunk_size=2)
 
 
+@pytest.mark.slow
 def test_auto_chunk_size_is_a_knob():
     from memwise import knobs
 
@@ -169,6 +174,7 @@ def test_auto_chunk_size_is_a_knob():
     np.testing.assert_allclose(value, _naive_kip(FC, x, y, xt, yt, 1e-3), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_zero_training_input_keeps_predictions_finite():
     # An all-zero input has zero variance without a bias (ReLU's 0/0); one such training
     # point made every prediction NaN.
@@ -206,6 +212,7 @@ def _assert_close(got, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.slow
 def test_dtypes(dtype):
     # JAX's Cholesky has no bfloat16/float16 kernel: the solve and the sums over the
     # training set run in at least float32, and results come back in the inputs' dtype.
@@ -269,6 +276,7 @@ RESNET = k.serial(
 @pytest.mark.parametrize(
     "kernel_fn", [MYRTLE, pytest.param(RESNET, marks=pytest.mark.slow)], ids=["myrtle", "resnet"]
 )
+@pytest.mark.slow
 def test_kip_with_pooling_kernels_matches_dense(kernel_fn):
     xs, xt = _images(8, 4, side=4), _images(9, 7, side=4)
     ys, yt = _labels(4), _labels(7)
@@ -282,6 +290,7 @@ def test_kip_with_pooling_kernels_matches_dense(kernel_fn):
         np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4 * scale)
 
 
+@pytest.mark.slow
 def test_kip_gradient_memory_with_pooling_does_not_grow_with_targets():
     # Targets are prepared (own pixel-by-pixel covariance) a few at a time, never as a
     # whole block of rows: memory flat from 40 to 640 targets with 20-target row tiles.

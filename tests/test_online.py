@@ -53,6 +53,7 @@ def test_eviction_ranking_matches_the_online_checkpointer(c):
 
 
 @pytest.mark.parametrize("c", [1, 2, 3, 5, 8, 16])
+@pytest.mark.slow
 def test_placement_matches_the_online_checkpointer_step_by_step(c):
     n = 300
 

@@ -57,6 +57,7 @@ def rel(u, v):
         pytest.param(3, 0.02, "cosine", 5, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_sinkhorn_matches_ott_dense(seed, eps, cost, zeros):
     x, y, a, b = clouds(seed, zeros=zeros, d=3 if cost == "cosine" else 2)
     kw = dict(epsilon=eps, cost=cost, chunk_size=(48, 40), **TIGHT)
@@ -90,6 +91,7 @@ def test_sinkhorn_matches_ott_dense(seed, eps, cost, zeros):
     assert bool(jnp.all(jnp.isfinite(gb)))  # OTT's is NaN at zero weights; ours is not
 
 
+@pytest.mark.slow
 def test_divergence_matches_ott_dense_value_and_gradient():
     x, y, a, b = clouds(4, n=120, m=100)
     kw = dict(epsilon=0.2, chunk_size=64, **TIGHT)
@@ -119,6 +121,7 @@ def test_divergence_matches_ott_dense_value_and_gradient():
         assert rel(g, r - r.mean()) < 1e-3
 
 
+@pytest.mark.slow
 def test_potential_gradients_match_ott_implicit_differentiation():
     x, y, a, b = clouds(15, n=30, m=25)
     u, v = jax.random.normal(jax.random.key(16), (2, 30))
@@ -140,6 +143,7 @@ def test_potential_gradients_match_ott_implicit_differentiation():
         assert float(jnp.linalg.norm(r)) > 1e-2 and rel(g, r) < 1e-3
 
 
+@pytest.mark.slow
 def test_potential_gradients_match_finite_differences_in_float64():
     with jax.enable_x64(True):
         x, y, a, b = (v.astype("float64") for v in clouds(17, n=12, m=10, zeros=2))
@@ -190,6 +194,7 @@ def test_potential_gradients_match_finite_differences_in_float64():
         np.testing.assert_allclose(jnp.sum(grad * direction), fd, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_default_epsilon_is_ott_default_and_scaling_agrees():
     x, y, a, b = clouds(5, n=60, m=50)
     out = ot.sinkhorn(x, y, chunk_size=(32, 64), max_iterations=1)
@@ -208,6 +213,7 @@ def test_default_epsilon_is_ott_default_and_scaling_agrees():
 
 
 @pytest.mark.parametrize("n,m,shift", [(5, 7, 0.0), (1, 1, 0.0), (1, 1, 1.0), (1, 4, 0.5)])
+@pytest.mark.slow
 def test_default_epsilon_is_floored_when_every_cost_is_equal(n, m, shift):
     # One point each or all points in one place: OTT's default epsilon is 0 (cost NaN).
     point = jnp.array([0.3, -1.2])
@@ -225,6 +231,7 @@ def test_default_epsilon_is_floored_when_every_cost_is_equal(n, m, shift):
 @pytest.mark.parametrize(
     "dtype,rtol", [("float32", 1e-6), ("float64", 1e-4), ("bfloat16", 1e-2), ("float16", 2e-3)]
 )
+@pytest.mark.slow
 def test_divergence_in_each_float_dtype_is_the_float32_result_in_that_dtype(dtype, rtol):
     x, y, _, _ = clouds(14)
 
@@ -260,6 +267,7 @@ def dense_reg_cost(cost, x, y, a, b, eps, iterations=3000):
     return a @ f + b @ g + eps * (a.sum() * b.sum() - plan.sum())
 
 
+@pytest.mark.slow
 def test_callable_cost_gradient_reaches_closed_over_parameters():
     x, y, a, b = clouds(6, n=90, m=70)
     metric = jnp.array([[2.0, 0.3], [0.3, 0.5]])
@@ -277,6 +285,7 @@ def test_callable_cost_gradient_reaches_closed_over_parameters():
     assert rel(gm, rm) < 1e-3 and rel(gx, rx) < 1e-3
 
 
+@pytest.mark.slow
 def test_convergence_flags_and_iteration_cap():
     x, y, a, b = clouds(7)
     out = ot.sinkhorn(x, y, epsilon=0.01, max_iterations=4, chunk_size=64)
@@ -323,6 +332,7 @@ def test_non_real_options_name_the_argument():
         ot.sinkhorn_divergence(x, y, epsilon=0.1, epsilon_scaling=0.5j)
 
 
+@pytest.mark.slow
 def test_bad_values_under_jit_report_not_converged_not_silent_nan():
     x, y, a, b = clouds(9, n=20, m=30)
 
@@ -381,6 +391,7 @@ def _transformed(transform, jit, loss):
 
 @pytest.mark.parametrize("jit", ["eager", "jit_outside", "jit_inside"])
 @pytest.mark.parametrize("transform", sorted(FORWARD_MODE))
+@pytest.mark.slow
 def test_forward_mode_and_second_order_raise_memwise_type_error(transform, jit):
     x, y, _, _ = clouds(10, n=16, m=12)
     losses = (
@@ -393,6 +404,7 @@ def test_forward_mode_and_second_order_raise_memwise_type_error(transform, jit):
             _transformed(transform, jit, loss)(x)
 
 
+@pytest.mark.slow
 def test_reverse_mode_composes_with_vmap_and_jit():
     x, y, _, _ = clouds(12, n=16, m=12)
     xs = jnp.stack([x, x + 0.3])
@@ -403,6 +415,7 @@ def test_reverse_mode_composes_with_vmap_and_jit():
     np.testing.assert_allclose(jax.jacrev(jax.jit(loss))(x), single[0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_vmap_over_problems():
     x, y, _, _ = clouds(11, n=24, m=20)
     xs = jnp.stack([x, x + 0.5])
@@ -452,6 +465,7 @@ _SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sharded_points_on_four_devices():
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
@@ -469,6 +483,7 @@ def test_public_names():
 
 
 @pytest.mark.parametrize("epsilon", [-1.0, 0.0])
+@pytest.mark.slow
 def test_traced_nonpositive_epsilon_gives_nan_not_a_number_that_looks_right(epsilon):
     x = jax.random.normal(jax.random.PRNGKey(0), (6, 2))
     y = jax.random.normal(jax.random.PRNGKey(1), (4, 2))
@@ -478,6 +493,7 @@ def test_traced_nonpositive_epsilon_gives_nan_not_a_number_that_looks_right(epsi
     assert bool(jnp.isnan(div))
 
 
+@pytest.mark.slow
 def test_cosine_cost_with_a_zero_point_matches_ott_with_finite_gradients():
     # A zero vector has no direction: cost 1 to every point (OTT-JAX's value too), and
     # its gradient row is zero instead of NaN spreading from sqrt's slope at 0.

@@ -93,6 +93,7 @@ def test_bad_inputs_have_clear_errors():
     weighted=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_pairwise_matches_dense(n, m, d, rows, cols, reduce, axis, dtype, weighted, seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
     x = jax.random.normal(keys[0], (n, d), dtype)
@@ -125,6 +126,7 @@ def test_pairwise_matches_dense(n, m, d, rows, cols, reduce, axis, dtype, weight
         _close(g1, g2, dtype)
 
 
+@pytest.mark.slow
 def test_pairwise_pytree_points_and_vector_weights():
     keys = jax.random.split(jax.random.PRNGKey(1), 4)
     x = {"p": jax.random.normal(keys[0], (7, 2)), "s": jax.random.uniform(keys[1], (7,))}
@@ -148,6 +150,7 @@ def test_pairwise_pytree_points_and_vector_weights():
         _close(a, b, jnp.float64)
 
 
+@pytest.mark.slow
 def test_argmax_argmin_and_jit_vmap():
     x = jax.random.normal(jax.random.PRNGKey(2), (3, 11, 2))
     y = jax.random.normal(jax.random.PRNGKey(3), (9, 2))
@@ -163,6 +166,7 @@ def test_argmax_argmin_and_jit_vmap():
     _close(g, g_dense, jnp.float64)
 
 
+@pytest.mark.slow
 def test_logsumexp_masks_with_minus_inf_log_weights():
     x = jax.random.normal(jax.random.PRNGKey(4), (6, 2))
     logw = jnp.array([0.0, -jnp.inf, 1.0, -jnp.inf, 0.5])
@@ -182,6 +186,7 @@ def test_logsumexp_masks_with_minus_inf_log_weights():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("chunk_size", [8, 64, 1024])
+@pytest.mark.slow
 def test_low_precision_sums_accumulate_in_float32(dtype, chunk_size):
     # One point against 65,536 uniform values (true sum 32,706): a bfloat16 running sum
     # stalled at 2,048 (tiles of 8), 16,384 (64), 32,768 (1,024).
@@ -232,6 +237,7 @@ def test_empty_inputs_give_the_dense_result():
         mw.pairwise_reduce(fn, none, three, chunk_size=0)
 
 
+@pytest.mark.slow
 def test_nan_propagates_like_jnp():
     s = jnp.array([[1.0, jnp.nan, 3.0, jnp.nan, 5.0], [1.0, 2.0, 3.0, 4.0, 0.0]])
     fn = lambda i, j: s[i, j]  # noqa: E731
@@ -256,6 +262,7 @@ def _lse_loss(x, y, chunk_size):
 
 
 @pytest.mark.parametrize("chunk_size", ["auto", (1024, 1024)])
+@pytest.mark.slow
 def test_gradient_memory_is_tiled_at_20k(chunk_size):
     f = functools.partial(_lse_loss, chunk_size=chunk_size)
     temps = {}

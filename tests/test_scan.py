@@ -67,6 +67,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("schedule_name, checkpoints, reverse", CASES)
+@pytest.mark.slow
 def test_values_and_gradients_match_lax_scan(schedule_name, checkpoints, reverse):
     n = 23
     args = make_inputs(n)
@@ -101,6 +102,7 @@ def test_gradients_random_lengths(n, checkpoints, reverse, dtype):
         )
 
 
+@pytest.mark.slow
 def test_xs_none_with_length_and_y_none():
     w, _, h0 = make_inputs(1)
 
@@ -160,6 +162,7 @@ def _loop_with_side_counter(scan_fn, w, xa, h0):
 
 
 @pytest.mark.parametrize("argnums", [(0,), (0, 1, 2)])
+@pytest.mark.slow
 def test_carry_leaf_no_input_perturbs_is_not_differentiated(argnums):
     n = 13
     args = make_inputs(n)
@@ -170,6 +173,7 @@ def test_carry_leaf_no_input_perturbs_is_not_differentiated(argnums):
     )
 
 
+@pytest.mark.slow
 def test_read_only_carry_stays_unbatched_under_vmap_and_gets_its_gradient():
     # The body returns the carry leaf r unchanged. Under vmap with a batched predicate
     # lax.cond batches both branches' outputs unless an output is the very input, which
@@ -216,6 +220,7 @@ def counted_loss(n, **kwargs):
 
 
 @pytest.mark.parametrize("n, checkpoints", [(50, 1), (100, 4), (257, 7)])
+@pytest.mark.slow
 def test_body_evaluations_equal_schedule_optimum(n, checkpoints):
     loss, calls = counted_loss(n, checkpoints=checkpoints)
     jax.block_until_ready(jax.jit(jax.grad(loss))(*make_inputs(n)))
@@ -229,6 +234,7 @@ def test_nested_evaluations_match_plan():
     assert len(calls) == schedule.nested(n, 2).evaluations == 2 * n
 
 
+@pytest.mark.slow
 def test_gradient_memory_does_not_grow_with_length():
     hidden = 64
 
@@ -274,6 +280,7 @@ def test_program_size_independent_of_length():
 
 
 @pytest.mark.parametrize("argnums", [(0,), (1,), (2,), (1, 2)])
+@pytest.mark.slow
 def test_gradient_with_respect_to_some_inputs_only(argnums):
     # The inputs nobody differentiates reach the backward pass as symbolic zeros and get
     # no cotangent; the ones asked for must still be exact.
@@ -288,6 +295,7 @@ def test_gradient_with_respect_to_some_inputs_only(argnums):
 
 
 @pytest.mark.parametrize("used", ["final carry", "ys"])
+@pytest.mark.slow
 def test_gradient_when_only_the_final_carry_or_only_ys_is_used(used):
     n = 21
     w, xa, h0 = make_inputs(n)
@@ -305,6 +313,7 @@ def test_gradient_when_only_the_final_carry_or_only_ys_is_used(used):
     )
 
 
+@pytest.mark.slow
 def test_vmap_of_grad_and_grad_of_vmap():
     n = 19
     w, xa, h0 = make_inputs(n)
@@ -336,6 +345,7 @@ SECOND_ORDER_REVERSE = {
 
 @pytest.mark.parametrize("under_jit", [False, True])
 @pytest.mark.parametrize("transform", list(FORWARD_MODE) + list(SECOND_ORDER_REVERSE))
+@pytest.mark.slow
 def test_forward_mode_and_grad_of_grad_binomial_raise_naming_nested(transform, under_jit):
     # JAX's own errors ("can't apply forward-mode autodiff (jvp) to a custom_vjp
     # function", the while_loop's reverse-mode error) came instead under jit and for
@@ -351,6 +361,7 @@ def test_forward_mode_and_grad_of_grad_binomial_raise_naming_nested(transform, u
 
 
 @pytest.mark.parametrize("transform", ["hessian", "jacfwd of grad", "jvp of grad"])
+@pytest.mark.slow
 def test_forward_over_reverse_of_binomial_matches_lax_scan(transform):
     n = 11
     w, xa, h0 = make_inputs(n)
@@ -367,6 +378,7 @@ def test_forward_over_reverse_of_binomial_matches_lax_scan(transform):
     assert_tree_close(run(mw.scan, checkpoints=3), run(lax.scan), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_nested_under_jvp_and_grad_of_grad():
     n = 30
     w, xa, h0 = make_inputs(n)
@@ -384,6 +396,7 @@ def test_nested_under_jvp_and_grad_of_grad():
     assert_tree_close(hvp(ours), hvp(ref), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_equinox_module_params_get_gradients():
     cell = eqx.nn.GRUCell(3, 5, key=jax.random.PRNGKey(0))
     xs = jax.random.normal(jax.random.PRNGKey(1), (40, 3))
@@ -471,6 +484,7 @@ def reference_newton(a, steps):
 @pytest.mark.parametrize(
     "max_steps, checkpoints, steps", [(100, 4, 20), (30, 2, 30), (64, None, 7)]
 )
+@pytest.mark.slow
 def test_while_loop_matches_lax(max_steps, checkpoints, steps):
     ours = lambda a: newton(
         a,
@@ -488,6 +502,7 @@ def test_while_loop_matches_lax(max_steps, checkpoints, steps):
     )
 
 
+@pytest.mark.slow
 def test_while_loop_closure_gradients_and_zero_trips():
     w, _, h0 = make_inputs(1)
 
@@ -513,6 +528,7 @@ def test_while_loop_closure_gradients_and_zero_trips():
 
 
 @pytest.mark.parametrize("argnums", [(0,), (1,)])
+@pytest.mark.slow
 def test_while_loop_gradient_with_respect_to_one_input(argnums):
     w, _, h0 = make_inputs(1)
 
@@ -558,6 +574,7 @@ def test_while_loop_predicate_closure_is_not_differentiated():
 
 
 @pytest.mark.parametrize("under_jit", [False, True])
+@pytest.mark.slow
 def test_while_loop_forward_mode_error_names_lax_while_loop_not_a_schedule(under_jit):
     # while_loop takes no schedule=, so its message must not suggest one.
     def f(a):
@@ -575,6 +592,7 @@ def test_while_loop_forward_mode_error_names_lax_while_loop_not_a_schedule(under
     np.testing.assert_allclose(jax.hessian(f)(2.0), 30 * 2.0**4, rtol=1e-5)  # (a^6)"
 
 
+@pytest.mark.slow
 def test_while_loop_vmap_different_trip_counts():
     a = jnp.array([2.0, 3.0, 5.0])
     limits = jnp.array([3, 9, 17])
@@ -596,6 +614,7 @@ def test_while_loop_vmap_different_trip_counts():
     np.testing.assert_allclose(grads, expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_while_loop_memory_is_checkpoints_not_max_steps():
     hidden = 64
 
@@ -672,6 +691,7 @@ def unrolled_loss(params, h0, limit):
 
 
 @pytest.mark.parametrize("c", [1, 3, 4])
+@pytest.mark.slow
 def test_unbounded_while_loop_gradients_match_unrolled_at_every_regime(c):
     # trip counts 0, 1, c, (c+1)(c+2)/2 +- 1 (where exact online optimality ends) and a
     # long loop; the gradient is one compiled program for all of them (traced limit)
@@ -686,6 +706,7 @@ def test_unbounded_while_loop_gradients_match_unrolled_at_every_regime(c):
 
 
 @pytest.mark.parametrize("c", [2, 4, 8])
+@pytest.mark.slow
 def test_unbounded_while_loop_evaluates_the_body_as_the_online_schedule_says(c):
     # the backward pass splits while the slots are fewer than the steps left and
     # sweeps (a push per step) once they cover them; long loops need both
@@ -701,6 +722,7 @@ def test_unbounded_while_loop_evaluates_the_body_as_the_online_schedule_says(c):
             assert len(calls) == schedule.evaluations(limit, c)
 
 
+@pytest.mark.slow
 def test_bounded_while_loop_stops_at_max_steps_and_costs_what_ran():
     calls = []
     w, _, h0 = make_inputs(1)
@@ -732,6 +754,7 @@ def test_bounded_while_loop_stops_at_max_steps_and_costs_what_ran():
     )
 
 
+@pytest.mark.slow
 def test_unbounded_while_loop_vmap_with_different_trip_counts():
     a = jnp.array([2.0, 3.0, 5.0, 7.0])
     limits = jnp.array([0, 3, 17, 40])
@@ -753,6 +776,7 @@ def test_unbounded_while_loop_vmap_with_different_trip_counts():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.slow
 def test_unbounded_while_loop_keeps_the_carry_dtype(dtype):
     def f(w):
         h, _ = mw.while_loop(
@@ -781,6 +805,7 @@ def test_unbounded_while_loop_keeps_the_carry_dtype(dtype):
     )
 
 
+@pytest.mark.slow
 def test_while_loop_memory_and_program_do_not_depend_on_max_steps_or_trip_count():
     hidden = 256
 
@@ -808,6 +833,7 @@ def test_while_loop_memory_and_program_do_not_depend_on_max_steps_or_trip_count(
     assert temp(None, 8) < 20 * carry + hidden * hidden * 4
 
 
+@pytest.mark.slow
 def test_inside_shard_map_replicated_parameter_gradient_matches_lax_scan():
     # A replicated w closed over by the body: memwise raised a pvary ValueError. Loop
     # carries are typed as varying like the loop's inputs; w's cotangent is all-reduced

@@ -166,6 +166,7 @@ PROGRAMS = {
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
+@pytest.mark.slow
 def test_timeline_peak_matches_memory_analysis_within_packing(program):
     fn, args, grad = PROGRAMS[program]
     report = mw.memory_report(fn, *args, grad=grad)
