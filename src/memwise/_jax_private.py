@@ -17,8 +17,9 @@ from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
 # The oldest release the test suite passes on (pyproject.toml declares the same floor and
-# `make floor` runs the fast lane on exactly it). 0.8.2 is the first with lax.pcast.
-MIN_JAX = (0, 8, 2)
+# `make floor` runs the fast lane on exactly it). 0.8.2 is the first with lax.pcast (the
+# rings); 0.10.0 the first whose XLA dumps the live ranges report.timeline() reads.
+MIN_JAX = (0, 10, 0)
 
 try:
     from jax._src import ad_checkpoint as _ad_checkpoint
