@@ -18,8 +18,10 @@ from jax.interpreters import mlir as _mlir
 
 # The oldest release the test suite passes on (pyproject.toml declares the same floor and
 # `make floor` runs the fast lane on exactly it). 0.8.2 is the first with lax.pcast (the
-# rings); 0.10.0 the first whose XLA dumps the live ranges report.timeline() reads.
-MIN_JAX = (0, 10, 0)
+# rings); 0.10.0 the first whose XLA dumps the live ranges report.timeline() reads; on
+# 0.10.0 and 0.10.1 XLA fuses a matmul-heavy tile body less (3x the bytes accessed), so
+# the roofline prefers other tiles than the suite expects.
+MIN_JAX = (0, 10, 2)
 
 try:
     from jax._src import ad_checkpoint as _ad_checkpoint
