@@ -46,7 +46,7 @@ typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
 docs: $(VENV)/.installed-dev
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The fast lane on exactly the floor release of jax and jaxlib.
 $(FLOOR_VENV)/.installed-$(JAX_FLOOR): pyproject.toml
