@@ -18,6 +18,10 @@ import memwise
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _run(command: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
 def test_version_is_single_sourced():
     assert importlib.metadata.version("memwise") == memwise.__version__
     pyproject = (ROOT / "pyproject.toml").read_text()
@@ -35,10 +39,8 @@ def test_jax_floor_is_declared_once():
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    build = subprocess.run(
+    build = _run(
         [sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(ROOT)],
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
@@ -49,12 +51,7 @@ def dist(tmp_path_factory):
 
 @pytest.mark.slow
 def test_wheel_and_sdist_pass_twine_check(dist):
-    check = subprocess.run(
-        [sys.executable, "-m", "twine", "check", "--strict", *map(str, dist)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    check = _run([sys.executable, "-m", "twine", "check", "--strict", *map(str, dist)], timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.count("PASSED") == 2, check.stdout
 
@@ -84,45 +81,26 @@ def test_wheel_installs_and_runs_its_demo_in_a_fresh_environment(dist, tmp_path)
     env_dir = tmp_path / "env"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    install = _run([str(python), "-m", "pip", "install", "--quiet", str(wheel)], timeout=900)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     away = tmp_path / "elsewhere"
     away.mkdir()
     clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    where = subprocess.run(
+    where = _run(
         [str(python), "-c", "import memwise; print(memwise.__file__, memwise.__version__)"],
         cwd=away,
         env=clean_env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert where.returncode == 0, where.stderr
     path, version = where.stdout.split()
     assert Path(path).is_relative_to(env_dir) and version == memwise.__version__
-    demo = subprocess.run(
-        [str(env_dir / "bin" / "memwise"), "demo", "mlp"],
-        cwd=away,
-        env=clean_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    demo = _run(
+        [str(env_dir / "bin" / "memwise"), "demo", "mlp"], cwd=away, env=clean_env, timeout=600
     )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     rows = [line.split() for line in demo.stdout.splitlines() if line.startswith("mlp ")]
     assert len(rows) == 1 and "yes" in rows[0], demo.stdout  # the two programs agree
     # the development command says what to do instead of failing obscurely
-    bench = subprocess.run(
-        [str(env_dir / "bin" / "memwise"), "bench"],
-        cwd=away,
-        env=clean_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    bench = _run([str(env_dir / "bin" / "memwise"), "bench"], cwd=away, env=clean_env, timeout=300)
     assert bench.returncode == 2 and "python -m benchmarks" in bench.stderr, bench.stderr

@@ -69,7 +69,7 @@ def _chunk_of(chunks: Chunking, leaves: list, index: jax.Array) -> list:
 
 def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     chunks = spec.chunks
-    indices = jnp.arange(chunks.n_chunks)
+    indices = chunks.indices()
     if spec.kind == "map":
 
         def one_chunk(_, i):
@@ -353,7 +353,5 @@ def over_row_chunks(fn: Callable, x_rows: Any, row_tiles: Chunking) -> Any:
         return fn(jax.tree.map(lambda a: row_tiles.block(a, start), x_rows))
 
     # A loop over indices: it never follows a mesh (the rows it slices decide that).
-    blocks = _chunked_1d(
-        one, jnp.arange(row_tiles.n_chunks), 1, "map", None, None, follow_data=False
-    )
+    blocks = _chunked_1d(one, row_tiles.indices(), 1, "map", None, None, follow_data=False)
     return row_tiles.merge(blocks)
