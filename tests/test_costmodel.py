@@ -80,6 +80,10 @@ def test_machine_is_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     cached.write_text("{not json")
     monkeypatch.setattr(costmodel, "_MACHINES", {})
     assert costmodel.machine() == MACHINE and len(calls) == 2  # unreadable: measured again
+    assert costmodel.machine(refresh=True) == MACHINE and len(calls) == 3  # asked: again
+    assert json.loads(cached.read_text())["flops_per_s"] == 1e11  # and rewritten
+    with pytest.raises(TypeError, match="refresh must be True or False"):
+        costmodel.machine(refresh="yes")
 
 
 def test_no_disk_cache_when_disabled(tmp_path, monkeypatch):

@@ -160,15 +160,29 @@ def _cache_file(key: str) -> str | None:
     return os.path.join(folder, f"machine-{safe}.json")
 
 
-def machine() -> Machine:
-    """The default device's balance: measured once, then cached (in-process and on disk)."""
+def machine(*, refresh: bool = False) -> Machine:
+    """The default device's balance: measured once, then cached (in-process and on disk).
+
+    A balance measured while other work loaded the machine stays in the cache: on a
+    shared 2-core CPU it halved every rate and moved the cache curve's knee. Call
+    ``machine(refresh=True)`` on a quiet machine to measure it again and rewrite the
+    cache.
+
+    Example::
+
+        >>> from memwise import costmodel
+        >>> costmodel.machine().key == costmodel.machine().key
+        True
+    """
+    if not isinstance(refresh, bool):
+        raise TypeError(f"refresh must be True or False, got {refresh!r}")
     device = jax.devices()[0]
     key = f"{jax.default_backend()}/{device.device_kind}"
-    if key in _MACHINES:
+    if key in _MACHINES and not refresh:
         return _MACHINES[key]
     path = _cache_file(key)
     found = None
-    if path and os.path.exists(path):
+    if path and os.path.exists(path) and not refresh:
         try:
             with open(path) as f:
                 data = json.load(f)

@@ -14,9 +14,10 @@ The search never runs the program; it compiles and reads XLA's ``memory_analysis
    (candidate index round(p * (len - 1))). p = 0 is the most-memory plan; if it fits,
    the search goes on at step 3. Otherwise p = 1 (the leanest plan) is compiled, first
    with the remat policies left at "save everything" (they recompute whole regions),
-   then, if that does not fit, with them too; if even the leanest plan does not fit, no
-   plan can (knobs are monotone in memory), and :class:`MemoryBudgetError` says what
-   dominates.
+   then, if that does not fit, with them too. Knobs are monotone in memory but for a few
+   KiB at the lean end (a tiny tile's bookkeeping), so where the leanest plan does not
+   fit the search steps back along the path while peaks fall; if none fits, no plan
+   can, and :class:`MemoryBudgetError` says what dominates.
 2. *Bisection* over the distinct plans of the path finds the least pressure that fits
    (log2 of the number of levels compilations), assuming peak memory decreases along it.
 3. *Descent*: knob by knob, move to any candidate predicted faster while the program
@@ -24,10 +25,14 @@ The search never runs the program; it compiles and reads XLA's ``memory_analysis
    candidate can be faster (a cache-sized tile for a memory-bound pair function); it
    fits whenever the current plan does, and is compiled to verify it.
 
-With ``tune=True`` the 3 fastest predicted plans that fit are then compiled and run (5
-timed runs after a warm-up each, interleaved) and the fastest measured is kept; those
-compilations and runs are counted apart from the search's. ``verbose=True`` prints every
-plan as it is compiled.
+With ``tune=True`` a local search by measurement follows, from the model's choice: the
+plan and its neighbours that fit (one candidate larger or smaller on one knob) are
+compiled and run, interleaved (a warm-up and 5 timed runs each); the search moves to the
+fastest (by each plan's fastest run) and times its neighbours in turn, until the plan it
+holds is the fastest of its round or 6 plans have been timed. The model orders distant
+candidates well and neighbouring ones poorly (a 10-20% cache effect between two mid-size
+tiles), which is what timing the neighbours settles. Those compilations and runs are
+counted apart from the search's. ``verbose=True`` prints every plan as it is compiled.
 
 Each argument signature (tree structure, shapes and dtypes) is searched on its own, with
 its own ``max_compilations``: a shape planned after another gets the plan it would get
@@ -44,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -176,8 +180,9 @@ class Plan:
     cost: float
     budget_bytes: int
     compilations: int = 0
-    # With tune=True: the plans timed, (knob values, median seconds), fastest first; the
-    # extra compilations they needed and the timing runs, counted apart from the search.
+    # With tune=True: the plans timed, (knob values, fastest run's seconds in the last round
+    # that timed them), fastest first; the extra compilations they needed and the timing runs,
+    # counted apart from the search.
     timed: tuple[tuple[tuple, float], ...] = ()
     tuning_compilations: int = 0
     timing_runs: int = 0
@@ -197,10 +202,11 @@ class Plan:
             f"({self.compilations} compilations)"
         ]
         if self.timed:
+            seconds = dict(self.timed).get(self.values, self.timed[0][1])
             lines.append(
                 f"  tuned: timed {len(self.timed)} plans ({self.tuning_compilations} more "
                 f"compilations, {self.timing_runs} timing runs); kept the fastest measured, "
-                f"{self.timed[0][1] * 1e3:.1f} ms"
+                f"{seconds * 1e3:.1f} ms"
             )
         if not self.entries:
             lines.append("  (no 'auto' knobs reached)")
@@ -354,19 +360,21 @@ class _Signature:
             flush=True,
         )
 
-    def tuning_candidates(self, count: int) -> list[tuple[int, ...]]:
-        """The ``count`` fastest predicted plans among those known to fit and the leaner
-        single-knob variants of the best (which fit when it does), whatever their
-        predicted time: timing is there to correct the prediction."""
-        best = self.best()
-        assert best is not None  # tuning follows a search that found a plan
-        pool = {t.indices: t.cost for t in self.trials.values() if t.fits}
+    def neighbours(self, indices: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Plans one candidate away from ``indices`` on one knob, either way, fastest
+        predicted first; those already known not to fit are left out, and so is a remat
+        policy where the plan has none (as in the search, policies recompute whole
+        regions and are tried only when the other knobs cannot meet the budget)."""
+        found = []
         for k, knob in enumerate(self.layout):
-            for index in range(best.indices[k] + 1, len(knob.candidates)):
-                candidate = best.indices[:k] + (index,) + best.indices[k + 1 :]
-                if candidate not in self.trials:
-                    pool[candidate] = _predicted_cost(self.layout, candidate)
-        return sorted(pool, key=lambda i: (pool[i], i))[:count]
+            if knob.kind == "policy" and indices[k] == 0:
+                continue
+            for index in (indices[k] - 1, indices[k] + 1):
+                candidate = indices[:k] + (index,) + indices[k + 1 :]
+                known = self.trials.get(candidate)
+                if 0 <= index < len(knob.candidates) and (known is None or known.fits):
+                    found.append(candidate)
+        return sorted(found, key=lambda c: (_predicted_cost(self.layout, c), c))
 
     def best(self) -> Trial | None:
         fitting = [t for t in self.trials.values() if t.fits]
@@ -393,11 +401,12 @@ class _Signature:
                 stages = stages[1:]
             for active in stages:
                 levels = _pressure_levels(self.layout, active)
-                if self.trial(levels[-1], compile_plan).fits:
+                high = self._lean_end(levels, compile_plan)
+                if high is not None:
                     break
             else:
                 return None
-            low, high = 0, len(levels) - 1  # levels[low] does not fit, levels[high] fits
+            low = 0  # levels[low] does not fit, levels[high] fits
             while high - low > 1 and self.room() > 0:
                 mid = (low + high) // 2
                 if self.trial(levels[mid], compile_plan).fits:
@@ -406,6 +415,24 @@ class _Signature:
                     low = mid
         self._relax(compile_plan)
         return self.best()
+
+    def _lean_end(self, levels: list[tuple[int, ...]], compile_plan: _Compile) -> int | None:
+        """The leanest level of the path that fits, walking back from its end while peaks
+        fall; None when the peaks rise first (no plan of the path fits).
+
+        The leanest plan holds the least memory but for a few KiB: a tile of 16 x 16
+        pairs kept 2 KiB more bookkeeping than one of 32 x 16 in a Sinkhorn divergence.
+        """
+        index = len(levels) - 1
+        last = self.trial(levels[index], compile_plan)
+        while not last.fits:
+            if index == 0 or self.room() <= 0:
+                return None
+            previous = self.trial(levels[index - 1], compile_plan)
+            if not previous.fits and previous.peak_bytes >= last.peak_bytes:
+                return None
+            index, last = index - 1, previous
+        return index
 
     def _moves(self, current: Trial) -> list[tuple[float, tuple[int, ...]]]:
         """Single-knob changes of ``current`` predicted faster, largest saving first.
@@ -455,7 +482,7 @@ class Fitted:
         static: dict[str, Any],
         verbose: bool = False,
         tune: bool = False,
-        tune_plans: int = 3,
+        tune_plans: int = 6,
         tune_runs: int = 5,
     ) -> None:
         self.fn = fn
@@ -619,52 +646,81 @@ class Fitted:
     def _tune(
         self, state: _Signature, chosen: Trial, args: tuple, kwargs: dict
     ) -> tuple[Trial, tuple, int, int]:
-        """Times the fastest predicted plans that fit; returns the fastest measured.
+        """A local search by measurement, from the model's choice.
 
-        Each is compiled (the search's memory results are not executables) and run
-        ``tune_runs`` times after a warm-up, the plans interleaved round by round.
+        Times the current plan with its untimed neighbours (one candidate away on one
+        knob, :meth:`_Signature.neighbours`) that fit, interleaved round by round, moves
+        to the fastest (by its fastest run: other work on the machine only adds time),
+        and repeats until the current plan is the fastest of its round or
+        ``tune_plans`` plans have been timed. Each plan is compiled once (the search's
+        memory results are not executables); one that exceeds the budget is dropped.
         """
         static_positions, static_names = _arguments.static_arguments(
             self.fn, args, kwargs, **self._static
         )
         data_args, data_kwargs = _example_data(args, kwargs, static_positions, static_names)
-        executables, compilations = {}, 0
-        for indices in state.tuning_candidates(self.tune_plans):
-            compiled, memory = measure.compile_measured(
-                self._program(indices, state.layout),
-                *args,
-                grad=self.grad,
-                argnums=self.argnums,
-                **self._static,
-                **kwargs,
-            )
-            compilations += 1
-            if memory.peak_bytes <= state.budget_bytes:
-                executables[indices] = compiled
+        executables: dict[tuple[int, ...], Any] = {}
+        compilations = runs = 0
+
+        def executable(indices: tuple[int, ...]) -> Any:
+            """The compiled plan, or None when its peak exceeds the budget."""
+            nonlocal compilations
+            if indices not in executables:
+                compiled, memory = measure.compile_measured(
+                    self._program(indices, state.layout),
+                    *args,
+                    grad=self.grad,
+                    argnums=self.argnums,
+                    **self._static,
+                    **kwargs,
+                )
+                compilations += 1
                 if indices not in state.memory:
                     state.memory[indices] = memory
                     state.trial(indices, state.memory.__getitem__)
-        samples: dict[tuple, list[float]] = {i: [] for i in executables}
-        runs = 0
-        for round_ in range(self.tune_runs + 1):  # round 0 warms up
-            for indices, compiled in executables.items():
-                start = time.perf_counter()
-                jax.block_until_ready(compiled(*data_args, **data_kwargs))
-                if round_:
-                    samples[indices].append(time.perf_counter() - start)
-                runs += 1
-        medians = {i: statistics.median(v) for i, v in samples.items() if v}
-        if not medians:
+                executables[indices] = compiled if memory.peak_bytes <= state.budget_bytes else None
+            return executables[indices]
+
+        def time_round(plans: list[tuple[int, ...]]) -> dict[tuple[int, ...], float]:
+            nonlocal runs
+            samples: dict[tuple[int, ...], list[float]] = {i: [] for i in plans}
+            for round_ in range(self.tune_runs + 1):  # round 0 warms up
+                for indices in plans:
+                    start = time.perf_counter()
+                    jax.block_until_ready(executables[indices](*data_args, **data_kwargs))
+                    if round_:
+                        samples[indices].append(time.perf_counter() - start)
+                    runs += 1
+            return {i: min(v) for i, v in samples.items()}
+
+        current = chosen.indices
+        if executable(current) is None:  # pragma: no cover - the search verified it fits
             return chosen, (), compilations, runs
-        ranked = sorted(medians, key=medians.__getitem__)
-        timed = tuple((state.trials[i].values, medians[i]) for i in ranked)
+        measured: dict[tuple[int, ...], float] = {}
+        while len(measured) < self.tune_plans:
+            fresh: list[tuple[int, ...]] = []
+            for candidate in state.neighbours(current):
+                if len(measured) + len(fresh) + (current not in measured) >= self.tune_plans:
+                    break
+                if candidate not in measured and executable(candidate) is not None:
+                    fresh.append(candidate)
+            if not fresh:
+                break
+            round_seconds = time_round([current, *fresh])
+            measured.update(round_seconds)
+            fastest = min(round_seconds, key=round_seconds.__getitem__)
+            if fastest == current:
+                break
+            current = fastest
+        ranked = sorted(measured, key=measured.__getitem__)
+        timed = tuple((state.trials[i].values, measured[i]) for i in ranked)
         if self.verbose:
             for values, seconds in timed:
                 print(
-                    f"mw.fit: timed {values}: {seconds * 1e3:.2f} ms (median of {self.tune_runs})",
+                    f"mw.fit: timed {values}: {seconds * 1e3:.2f} ms (fastest of {self.tune_runs})",
                     flush=True,
                 )
-        return state.trials[ranked[0]], timed, compilations, runs
+        return state.trials[current], timed, compilations, runs
 
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for arguments of these shapes (planned on first use, then cached)."""
@@ -808,8 +864,10 @@ def fit(
       static_argnames: the same, by name.
       verbose: print each plan as it is compiled: its knob values, compiled peak against
         the budget and predicted time.
-      tune: after the search, compile and run the 3 fastest predicted plans that fit (5
-        timed runs each, after a warm-up) and keep the fastest measured. It runs the
+      tune: after the search, time plans near the chosen one: it and its neighbours that
+        fit (one candidate away on one knob), 5 timed runs each after a warm-up, then
+        the fastest one's (by its fastest run) neighbours, until the plan held is the fastest of its round or
+        6 plans have been timed; the plan held is kept. It runs the
         program on the arguments when they are concrete arrays, else on random arrays of
         their shapes (a data-dependent loop, e.g. Sinkhorn's, may then run another number
         of iterations). ``plan.tuning_compilations`` and ``plan.timing_runs`` count that

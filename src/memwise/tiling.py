@@ -28,7 +28,7 @@ object that the loops then follow:
 
 The model's known limits: a tile's flops, bytes and working set are read off two compiled
 sizes (linear in the tile's pairs), and a one-tile tiling is priced by its arithmetic alone (XLA removes the one-trip loop
-and fuses the reduction); ``mw.fit(tune=True)`` times the best predicted plans instead.
+and fuses the reduction); ``mw.fit(tune=True)`` times the chosen plan's neighbours instead.
 """
 
 from __future__ import annotations
