@@ -28,8 +28,8 @@ The search never runs the program; it compiles and reads XLA's ``memory_analysis
 With ``tune=True`` a local search by measurement follows, from the model's choice: the
 plan and its neighbours that fit (one candidate larger or smaller on one knob) are
 compiled and run, interleaved (a warm-up and 5 timed runs each); the search moves to the
-fastest (by each plan's fastest run) and times its neighbours in turn, until the plan it
-holds is the fastest of its round or 6 plans have been timed. The model orders distant
+neighbour with the fastest run among those faster than the plan in most rounds too, and
+times its neighbours in turn, until none is faster or 6 plans have been timed. The model orders distant
 candidates well and neighbouring ones poorly (a 10-20% cache effect between two mid-size
 tiles), which is what timing the neighbours settles. Those compilations and runs are
 counted apart from the search's. ``verbose=True`` prints every plan as it is compiled.
@@ -650,8 +650,9 @@ class Fitted:
 
         Times the current plan with its untimed neighbours (one candidate away on one
         knob, :meth:`_Signature.neighbours`) that fit, interleaved round by round, moves
-        to the fastest (by its fastest run: other work on the machine only adds time),
-        and repeats until the current plan is the fastest of its round or
+        to the fastest neighbour by its fastest run (other work on the machine only adds
+        time) among those faster than the current plan in most rounds too (a burst of
+        other work slows a few runs), and repeats until none is faster or
         ``tune_plans`` plans have been timed. Each plan is compiled once (the search's
         memory results are not executables); one that exceeds the budget is dropped.
         """
@@ -681,7 +682,7 @@ class Fitted:
                 executables[indices] = compiled if memory.peak_bytes <= state.budget_bytes else None
             return executables[indices]
 
-        def time_round(plans: list[tuple[int, ...]]) -> dict[tuple[int, ...], float]:
+        def time_round(plans: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[float]]:
             nonlocal runs
             samples: dict[tuple[int, ...], list[float]] = {i: [] for i in plans}
             for round_ in range(self.tune_runs + 1):  # round 0 warms up
@@ -691,7 +692,7 @@ class Fitted:
                     if round_:
                         samples[indices].append(time.perf_counter() - start)
                     runs += 1
-            return {i: min(v) for i, v in samples.items()}
+            return samples
 
         current = chosen.indices
         if executable(current) is None:  # pragma: no cover - the search verified it fits
@@ -706,12 +707,19 @@ class Fitted:
                     fresh.append(candidate)
             if not fresh:
                 break
-            round_seconds = time_round([current, *fresh])
-            measured.update(round_seconds)
-            fastest = min(round_seconds, key=round_seconds.__getitem__)
-            if fastest == current:
+            samples = time_round([current, *fresh])
+            measured.update({i: min(v) for i, v in samples.items()})
+            # A move needs a neighbour faster by its fastest run and in most rounds (its
+            # run next to the current plan's): a burst of other work slows a few runs.
+            faster = [
+                i
+                for i in fresh
+                if measured[i] < measured[current]
+                and 2 * sum(a < b for a, b in zip(samples[i], samples[current])) > len(samples[i])
+            ]
+            if not faster:
                 break
-            current = fastest
+            current = min(faster, key=measured.__getitem__)
         ranked = sorted(measured, key=measured.__getitem__)
         timed = tuple((state.trials[i].values, measured[i]) for i in ranked)
         if self.verbose:
@@ -866,8 +874,8 @@ def fit(
         the budget and predicted time.
       tune: after the search, time plans near the chosen one: it and its neighbours that
         fit (one candidate away on one knob), 5 timed runs each after a warm-up, then
-        the fastest one's (by its fastest run) neighbours, until the plan held is the fastest of its round or
-        6 plans have been timed; the plan held is kept. It runs the
+        the neighbours of the fastest (by its fastest run, and faster in most rounds),
+        until none is faster or 6 plans have been timed; the plan held is kept. It runs the
         program on the arguments when they are concrete arrays, else on random arrays of
         their shapes (a data-dependent loop, e.g. Sinkhorn's, may then run another number
         of iterations). ``plan.tuning_compilations`` and ``plan.timing_runs`` count that
