@@ -5,20 +5,28 @@ knob left as ``"auto"``. Hand-picked settings are every candidate combination of
 knobs (remat policy left at "save everything"), compiled and timed; the budgets run
 geometrically from the smallest peak any of them reaches to the fastest setting's peak.
 For each budget ``mw.fit`` plans from a cold cache (planning time and compile count),
-once with its cost model alone and once with ``tune=True`` (the 3 fastest predicted plans
-that fit or are leaner variants of the chosen one, compiled and timed 5 times each,
-counted apart), its program's compiled peak is
-checked against the budget, and its wall time is compared with the fastest hand-picked
-setting whose peak fits the same budget, all timed interleaved in one run. Every program
-is ``jax.grad`` of the loss, the program ``mw.fit`` plans. The cost model of the chunked
-primitives is a roofline: XLA's cost analysis of one tile body and the machine's measured
-balance. The machine is a shared 2-core CPU on which other work was running: times are
-medians of interleaved runs, and ratios near 1 move by several percent between runs.
+once with its cost model alone and once with ``tune=True`` (a local search by
+measurement from the model's choice: the plan and its neighbours that fit, one candidate
+away on one knob, compiled and timed 5 times each, then the fastest one's neighbours, at
+most 6 plans, counted apart; a move needs a neighbour faster by its fastest run and in
+most rounds), its program's compiled
+peak is checked against the budget, and its wall time is compared with the fastest
+hand-picked setting whose peak fits the same budget, all timed interleaved in one run
+(15 rounds; the fastest run of each program, since one compiled program timed against
+itself varies by 10-40% from run to run on this machine and other work only adds time).
+A plan that lowers to the very program of a hand-picked setting (the same StableHLO) is
+timed as that setting ("timed as"): two copies of one program differed by up to 20%
+here, which says nothing about the plan. Every program is ``jax.grad`` of the loss, the
+program ``mw.fit`` plans. The cost model of the chunked primitives is a roofline: XLA's
+cost analysis of one tile body and the machine's measured balance, measured on the quiet
+machine just before the run. The machine is a 2-core CPU (nothing else ran during this
+run).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import time
 
 import harness
@@ -26,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import memwise as mw
-from memwise import knobs
+from memwise import costmodel, knobs
 from memwise.measure import compile_measured, format_bytes
 
 
@@ -122,6 +130,12 @@ def _hand_picked(loss, layout, indices):
     return program
 
 
+def _program_text(program, args) -> str:
+    """The program as JAX lowers it, but for its module's name."""
+    text = jax.jit(program).lower(*args).as_text()
+    return re.sub(r"module @\S+", "module @program", text, count=1)
+
+
 def _problem_table(name: str, quick: bool) -> dict:
     title, loss, args = PROBLEMS[name](quick)
     layout = _layout(loss, args)
@@ -149,7 +163,7 @@ def _problem_table(name: str, quick: bool) -> dict:
         try:
             plan = fitted.plan_for(*args)
         except mw.MemoryBudgetError as error:
-            fitted_rows.append({"budget": budget, "error": str(error)})
+            fitted_rows.append({"budget": budget, "tune": tune, "error": str(error)})
             continue
         planning_s = time.perf_counter() - start
         _, memory = compile_measured(jax.grad(fitted), *args)
@@ -172,14 +186,19 @@ def _problem_table(name: str, quick: bool) -> dict:
         harness.Variant(label, program, args, extra={"kind": "hand-picked"})
         for label, program, _ in hand
     ]
+    # A plan that lowers to a hand-picked setting's very program is that program: timing
+    # a second copy would measure only run-to-run noise (up to 20% here), not the plan.
+    texts = {_program_text(program, args): label for label, program, _ in hand}
     for row in fitted_rows:
         if "program" in row:
             row["label"] = f"fit{' tune' if row['tune'] else ''} {format_bytes(row['budget'])}"
+            row["same as"] = texts.get(_program_text(row["program"], args))
             variants.append(
                 harness.Variant(
                     row["label"],
                     row["program"],
                     args,
+                    run=row["same as"] is None,
                     extra={
                         "kind": "fit, tune=True" if row["tune"] else "fit",
                         "budget": format_bytes(row["budget"]),
@@ -192,13 +211,28 @@ def _problem_table(name: str, quick: bool) -> dict:
                 )
             )
     table = harness.run_table(
-        title, variants, baseline=variants[0].name, quick=quick, repeats=3 if quick else 5
+        title,
+        variants,
+        baseline=variants[0].name,
+        quick=quick,
+        repeats=3 if quick else 15,
+        statistic="min",
     )
+    table["failures"] = [
+        f"fit{' tune' if row['tune'] else ''} {format_bytes(row['budget'])}: no plan "
+        f"({row['error'].splitlines()[0]})"
+        for row in fitted_rows
+        if "error" in row
+    ]
     by_name = {r["variant"]: r for r in table["rows"]}
     for row in fitted_rows:
         if "program" not in row:
             continue
         fit_row = by_name[row["label"]]
+        if row["same as"] is not None:
+            same = by_name[row["same as"]]
+            fit_row["time_s"], fit_row["time_ratio"] = same["time_s"], same["time_ratio"]
+            fit_row["timed as"] = row["same as"]
         fitting = [by_name[label] for label, _, peak in hand if peak <= row["budget"]]
         best = min(fitting, key=lambda r: r["time_s"])
         fit_row["best hand-picked"] = best["variant"].removeprefix("hand: ")
@@ -207,6 +241,7 @@ def _problem_table(name: str, quick: bool) -> dict:
 
 
 def main(quick: bool = False, names=None) -> None:
+    costmodel.machine(refresh=True)  # the balance of this machine now, not a cached one
     tables = []
     for name in names or PROBLEMS:
         table = _problem_table(name, quick)
