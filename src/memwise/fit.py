@@ -399,9 +399,9 @@ class _Signature:
             stages = [[not p for p in is_policy], [True] * len(self.layout)]
             if all(is_policy) or not any(is_policy) or self.room() < 2:
                 stages = stages[1:]
-            for active in stages:
+            for stage, active in enumerate(stages):
                 levels = _pressure_levels(self.layout, active)
-                high = self._lean_end(levels, compile_plan)
+                high = self._lean_end(levels, compile_plan, keep=len(stages) - 1 - stage)
                 if high is not None:
                     break
             else:
@@ -416,9 +416,12 @@ class _Signature:
         self._relax(compile_plan)
         return self.best()
 
-    def _lean_end(self, levels: list[tuple[int, ...]], compile_plan: _Compile) -> int | None:
+    def _lean_end(
+        self, levels: list[tuple[int, ...]], compile_plan: _Compile, keep: int = 0
+    ) -> int | None:
         """The leanest level of the path that fits, walking back from its end while peaks
-        fall; None when the peaks rise first (no plan of the path fits).
+        fall; None when the peaks rise first (no plan of the path fits). The walk leaves
+        ``keep`` compilations for the stages after this one.
 
         The leanest plan holds the least memory but for a few KiB: a tile of 16 x 16
         pairs kept 2 KiB more bookkeeping than one of 32 x 16 in a Sinkhorn divergence.
@@ -426,7 +429,7 @@ class _Signature:
         index = len(levels) - 1
         last = self.trial(levels[index], compile_plan)
         while not last.fits:
-            if index == 0 or self.room() <= 0:
+            if index == 0 or self.room() <= keep:
                 return None
             previous = self.trial(levels[index - 1], compile_plan)
             if not previous.fits and previous.peak_bytes >= last.peak_bytes:
