@@ -135,9 +135,9 @@ def run_table(
             start = _now()
             _block(compiled[variant.name](*variant.args))
             samples[variant.name].append(_now() - start)
+    summary = min if statistic == "min" else statistics.median
     for row in rows:
         if samples.get(row["variant"]):
-            summary = min if statistic == "min" else statistics.median
             row["time_s"] = summary(samples[row["variant"]])
     base = next(r for r in rows if r["variant"] == baseline)
     for row in rows:

@@ -29,10 +29,11 @@ With ``tune=True`` a local search by measurement follows, from the model's choic
 plan and its neighbours that fit (one candidate larger or smaller on one knob) are
 compiled and run, interleaved (a warm-up and 5 timed runs each); the search moves to the
 neighbour with the fastest run among those faster than the plan in most rounds too, and
-times its neighbours in turn, until none is faster or 6 plans have been timed. The model orders distant
-candidates well and neighbouring ones poorly (a 10-20% cache effect between two mid-size
-tiles), which is what timing the neighbours settles. Those compilations and runs are
-counted apart from the search's. ``verbose=True`` prints every plan as it is compiled.
+times its neighbours in turn, until none is faster or 6 plans have been timed. The model
+orders distant candidates well and neighbouring ones poorly (a 10-20% cache effect
+between two mid-size tiles), which is what timing the neighbours settles. Those
+compilations and runs are counted apart from the search's. ``verbose=True`` prints every
+plan as it is compiled.
 
 Each argument signature (tree structure, shapes and dtypes) is searched on its own, with
 its own ``max_compilations``: a shape planned after another gets the plan it would get
@@ -180,9 +181,9 @@ class Plan:
     cost: float
     budget_bytes: int
     compilations: int = 0
-    # With tune=True: the plans timed, (knob values, fastest run's seconds in the last round
-    # that timed them), fastest first; the extra compilations they needed and the timing runs,
-    # counted apart from the search.
+    # With tune=True: the plans timed, (knob values, fastest run's seconds in the last
+    # round that timed them), fastest first; the extra compilations they needed and the
+    # timing runs, counted apart from the search.
     timed: tuple[tuple[tuple, float], ...] = ()
     tuning_compilations: int = 0
     timing_runs: int = 0
@@ -205,8 +206,8 @@ class Plan:
             seconds = dict(self.timed).get(self.values, self.timed[0][1])
             lines.append(
                 f"  tuned: timed {len(self.timed)} plans ({self.tuning_compilations} more "
-                f"compilations, {self.timing_runs} timing runs); kept the fastest measured, "
-                f"{seconds * 1e3:.1f} ms"
+                f"compilations, {self.timing_runs} timing runs); kept the plan below, "
+                f"{seconds * 1e3:.1f} ms at its fastest run"
             )
         if not self.entries:
             lines.append("  (no 'auto' knobs reached)")
@@ -878,8 +879,8 @@ def fit(
       tune: after the search, time plans near the chosen one: it and its neighbours that
         fit (one candidate away on one knob), 5 timed runs each after a warm-up, then
         the neighbours of the fastest (by its fastest run, and faster in most rounds),
-        until none is faster or 6 plans have been timed; the plan held is kept. It runs the
-        program on the arguments when they are concrete arrays, else on random arrays of
+        until none is faster or 6 plans have been timed; the plan held is kept. It runs
+        the program on the arguments when they are concrete arrays, else on random arrays of
         their shapes (a data-dependent loop, e.g. Sinkhorn's, may then run another number
         of iterations). ``plan.tuning_compilations`` and ``plan.timing_runs`` count that
         work apart from the search's ``plan.compilations``.
