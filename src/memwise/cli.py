@@ -42,24 +42,17 @@ def _raised_by_memwise(error: BaseException) -> bool:
     return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
 
 
-def _check_plot_path(plot: str | None) -> None:
-    """Fail before compiling anything when --plot cannot be written."""
+def _check_plot_path(plot: str | None, option: str = "--plot") -> None:
+    """Fail before compiling anything when a plot cannot be written (the check every
+    ``plot`` method makes, with the option's name)."""
     if plot is None:
         return
-    folder = os.path.dirname(os.path.abspath(plot))
-    if os.path.isdir(plot):
-        raise UsageError(f"cannot write --plot {plot!r}: it is a folder; pass a file path")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise UsageError(
-            f"cannot write --plot {plot!r}: folder {folder!r} does not exist or is not "
-            "writable; pass a path in a writable folder"
-        )
     try:
-        from memwise.measure import check_plot_path
+        from memwise._display import check_plot_path
 
-        check_plot_path(plot, "--plot")
+        check_plot_path(plot, option)
     except ImportError as error:
-        raise UsageError(f"--plot {error}") from None
+        raise UsageError(f"{option} {error}") from None
     except ValueError as error:
         raise UsageError(str(error)) from None
 
