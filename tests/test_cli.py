@@ -82,7 +82,12 @@ def test_report_module_factory_with_kwargs(user_file, capsys, monkeypatch):
     [
         (["no_colon"], "MODULE:FACTORY"),
         (["{file}:missing"], "has no function 'missing'"),
-        (["{file}:not_a_tuple"], "must return"),
+        (["{file}:not_a_tuple"], r"not_a_tuple\(\) must return .*got int"),
+        (
+            ["{file}:loss"],  # the function instead of its factory
+            r"loss takes arguments \(w, x\), but FACTORY must be a zero-argument function "
+            r"returning \(fn, args\)",
+        ),
         (["/nope/x.py:f"], "no such file"),
         (["{folder}/notes.txt:f"], "cannot load .*notes.txt' as Python code"),
         (["no_such_module_xyz:factory"], "cannot import 'no_such_module_xyz'.*run memwise from"),

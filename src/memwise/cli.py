@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -229,12 +230,38 @@ def load_factory(spec: str) -> tuple[Any, tuple, dict]:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise UsageError(f"{module_name} has no function {factory_name!r}")
+    required = _required_parameters(factory)
+    if required:  # the function to measure named instead of its factory
+        raise UsageError(
+            f"{factory_name} takes arguments ({', '.join(required)}), but FACTORY must be a "
+            f"zero-argument function returning (fn, args), e.g. "
+            f"def factory(): return {factory_name}, ({', '.join(required)})"
+        )
     made = factory()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise UsageError(f"{factory_name}() must return (fn, args) or (fn, args, kwargs)")
+        raise UsageError(
+            f"{factory_name}() must return (fn, args) or (fn, args, kwargs), got "
+            f"{type(made).__name__}"
+        )
     fn, args = made[0], tuple(made[1])
     kwargs = dict(made[2]) if len(made) == 3 else {}
     return fn, args, kwargs
+
+
+def _required_parameters(factory: Callable) -> list[str]:
+    """The parameters ``factory()`` would be missing (none for a callable without a
+    Python signature: calling it is the only check)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and (p.kind in positional or p.kind is inspect.Parameter.KEYWORD_ONLY)
+    ]
 
 
 def _static_options(args: tuple, kwargs: dict) -> dict:
