@@ -166,6 +166,54 @@ def test_demo_prints_table(capsys, tmp_path):
     assert plot.exists()
 
 
+def test_demo_table_leads_with_what_differs(capsys, tmp_path):
+    # A scenario about baked-in constants (a linearized network) is headlined by them,
+    # not by a peak ratio below 1 that its naive program reaches only by leaving them out.
+    kib = 1024
+    rows = [
+        dict(
+            scenario="mlp",
+            headline="peak",
+            naive_peak=176 * kib * kib,
+            memwise_peak=47 * kib * kib,
+            naive_constants=0,
+            memwise_constants=1126,
+        ),
+        dict(
+            scenario="linearize",
+            headline="constants",
+            naive_peak=943 * kib,
+            memwise_peak=1126 * kib,
+            naive_constants=78_234,
+            memwise_constants=0,
+        ),
+    ]
+    for row in rows:
+        row.update(description="d", agree="yes", seconds=1.0)
+    cli._print_demo_table(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("scenario   memwise vs naive  ")
+    assert lines[2].split()[:4] == ["mlp", "peak", "3.7x", "lower"]
+    assert lines[3].split()[:6] == ["linearize", "constants", "76.4", "KiB", "->", "0"]
+    assert "x " not in lines[3].split("->")[0]  # no peak ratio for it
+    cli._plot_demo(rows, str(tmp_path / "demo.svg"))
+    assert "constants 76.4 KiB -&gt; 0 B" in (tmp_path / "demo.svg").read_text()
+
+
+@pytest.mark.slow
+def test_linearize_scenario_is_headlined_by_the_constants_it_removes():
+    pytest.importorskip("flax")
+    row = cli._demo_row("linearize", "default")
+    assert row["headline"] == "constants" and row["agree"] == "yes"
+    assert row["naive_constants"] > 50 * 1024 and row["memwise_constants"] == 0
+    assert cli._headline(row).endswith("-> 0 B")
+
+
+def test_scenario_headline_is_checked():
+    with pytest.raises(ValueError, match="headline must be one of"):
+        scenarios.Scenario("x", "d", abs, abs, (), headline="speed")
+
+
 def test_demo_unknown_scenario(capsys):
     assert cli.main(["demo", "nope"]) == 2
     assert "unknown scenario" in capsys.readouterr().err

@@ -95,7 +95,20 @@ def _demo_row(name: str, size: str) -> dict:
         "memwise_constants": memwise_mem.constant_bytes,
         "agree": agree,
         "seconds": time.perf_counter() - start,
+        "headline": scenario.headline,
     }
+
+
+def _headline(row: dict) -> str:
+    """The figure a scenario is about: its peak, or (a naive program that fails to load
+    because of what it bakes in) its constants."""
+    from memwise.measure import format_bytes
+
+    if row.get("headline", "peak") == "constants":
+        naive, mine = row["naive_constants"], row["memwise_constants"]
+        return f"constants {format_bytes(naive)} -> {format_bytes(mine)}"
+    ratio = row["naive_peak"] / max(row["memwise_peak"], 1)
+    return f"peak {ratio:.1f}x lower" if ratio >= 1 else f"peak {1 / ratio:.1f}x higher"
 
 
 def _print_demo_table(rows: Sequence[dict]) -> None:
@@ -103,9 +116,9 @@ def _print_demo_table(rows: Sequence[dict]) -> None:
 
     header = (
         "scenario",
+        "memwise vs naive",
         "naive peak",
         "memwise peak",
-        "ratio",
         "constants naive/memwise",
         "agree",
         "wall s",
@@ -113,9 +126,9 @@ def _print_demo_table(rows: Sequence[dict]) -> None:
     cells = [
         (
             r["scenario"],
+            _headline(r),
             format_bytes(r["naive_peak"]),
             format_bytes(r["memwise_peak"]),
-            f"{r['naive_peak'] / max(r['memwise_peak'], 1):.1f}x",
             f"{format_bytes(r['naive_constants'])} / {format_bytes(r['memwise_constants'])}",
             r["agree"],
             f"{r['seconds']:.1f}",
@@ -123,7 +136,8 @@ def _print_demo_table(rows: Sequence[dict]) -> None:
         for r in rows
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    line = "  ".join(f"{{:<{w}}}" if i in (0, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
+    left = (0, 1, 5)
+    line = "  ".join(f"{{:<{w}}}" if i in left else f"{{:>{w}}}" for i, w in enumerate(widths))
     print(line.format(*header))
     print(line.format(*("-" * w for w in widths)))
     for c in cells:
@@ -137,9 +151,8 @@ def _plot_demo(rows: Sequence[dict], path: str) -> None:
     from memwise.measure import _pyplot
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.6 * len(rows)))
-    names = [r["scenario"] for r in rows][::-1]
-    positions = range(len(names))
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.8 * len(rows)))
+    positions = range(len(rows))
     ax.barh(
         [p + 0.2 for p in positions],
         [r["naive_peak"] / 2**20 for r in rows][::-1],
@@ -154,7 +167,9 @@ def _plot_demo(rows: Sequence[dict], path: str) -> None:
         label="memwise",
         color="tab:blue",
     )
-    ax.set_yticks(list(positions), names)
+    # Each row's label carries its headline: a peak ratio, or the constants that made the
+    # naive program fail to load (its bars then show peaks that are alike).
+    ax.set_yticks(list(positions), [f"{r['scenario']}\n{_headline(r)}" for r in rows][::-1])
     ax.set_xscale("log")
     ax.set_xlabel("compiled peak memory (MiB, log scale)")
     ax.legend()
