@@ -298,3 +298,21 @@ def test_report_timeline_text_json_and_plot(user_file, capsys, tmp_path):
     data = json.loads(capsys.readouterr().out)
     assert data["timeline"]["peak_bytes"] == max(data["timeline"]["live_bytes"]) > 0
     assert "live memory along the compiled schedule" in plot.read_text()
+
+
+def test_report_writes_both_plots_in_one_call(user_file, capsys, tmp_path):
+    residuals, timeline = tmp_path / "residuals.svg", tmp_path / "timeline.svg"
+    argv = ["report", f"{user_file}:factory", "--grad", "--plot", str(residuals)]
+    assert cli.main([*argv, "--timeline-plot", str(timeline)]) == 0
+    assert "memory timeline" in capsys.readouterr().out  # --timeline-plot implies it
+    assert "MiB kept for the backward pass" in residuals.read_text()
+    assert "live memory along the compiled schedule" in timeline.read_text()
+    # --plot stays the residuals' chart with --timeline when --timeline-plot is given
+    residuals.unlink()
+    assert cli.main([*argv, "--timeline", "--timeline-plot", str(timeline)]) == 0
+    assert "MiB kept for the backward pass" in residuals.read_text()
+    capsys.readouterr()
+    assert cli.main([*argv, "--timeline-plot", str(residuals)]) == 2
+    assert "both name" in capsys.readouterr().err
+    assert cli.main([*argv, "--timeline-plot", str(tmp_path / "no" / "t.png")]) == 2
+    assert "cannot write --timeline-plot" in capsys.readouterr().err

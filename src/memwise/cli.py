@@ -3,8 +3,9 @@
 ``demo`` compiles each scenario's naive and memwise programs, compares their compiled
 peaks (XLA ``memory_analysis()``), runs them where they fit and checks they agree.
 ``report`` prints the memory report of a user's function (``--timeline``: live
-memory along its compiled schedule). ``bench`` runs the benchmark
-scripts of a source checkout and regenerates BENCHMARKS.md.
+memory along its compiled schedule; ``--plot`` and ``--timeline-plot``: either plot, or
+both). ``bench`` runs the benchmark scripts of a source checkout and regenerates
+BENCHMARKS.md.
 
 Exit status: 0 on success, 1 when a budget cannot be met (or a demo disagrees), 2 for a
 usage error (bad arguments or budget, a module or factory that cannot be found, input
@@ -303,9 +304,17 @@ def report(
     plot: str | None,
     budget: str | None = None,
     timeline: bool = False,
+    timeline_plot: str | None = None,
 ) -> int:
     from memwise.fit import MemoryBudgetError, fit
     from memwise.measure import memory_report, parse_budget
+
+    timeline_option = "--timeline-plot"
+    if timeline and timeline_plot is None and plot is not None:
+        # Without --timeline-plot, --timeline makes --plot the timeline's plot (as before
+        # --timeline-plot existed); with it, --plot is always the residuals' chart.
+        plot, timeline_plot, timeline_option = None, plot, "--plot"
+    timeline = timeline or timeline_plot is not None
 
     budget_bytes = None
     if budget is not None:
@@ -314,6 +323,12 @@ def report(
         except ValueError as error:
             raise UsageError(f"--budget: {error}") from None
     _check_plot_path(plot)
+    _check_plot_path(timeline_plot, timeline_option)
+    if plot and timeline_plot and os.path.abspath(plot) == os.path.abspath(timeline_plot):
+        raise UsageError(
+            f"--plot and --timeline-plot both name {plot!r}; pass two paths "
+            "(one for the residuals, one for the timeline)"
+        )
     fn, args, kwargs = load_factory(spec)
     static = _static_options(args, kwargs)
     try:
@@ -345,9 +360,10 @@ def report(
         if live is not None:
             print()
             print(live.to_text())
-    if plot:
-        _save_plot((live or result).plot, plot)
-        print(f"wrote {plot}", file=sys.stderr)
+    for path, save in ((plot, result.plot), (timeline_plot, live.plot if live else None)):
+        if path and save is not None:
+            _save_plot(save, path)
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -397,12 +413,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument(
         "--plot",
         metavar="PATH",
-        help="bar chart of the largest residuals (with --timeline: the timeline)",
+        help="bar chart of the largest residuals (with --timeline and no --timeline-plot: "
+        "the timeline)",
     )
     p_report.add_argument(
         "--timeline",
         action="store_true",
         help="live memory along the compiled schedule: the peak step and the buffers alive there",
+    )
+    p_report.add_argument(
+        "--timeline-plot",
+        metavar="PATH",
+        help="plot of the timeline (implies --timeline); with --plot, both plots in one call",
     )
     p_report.add_argument(
         "--budget", help="fit fn's 'auto' knobs to this budget (e.g. 2GiB, '2.5 GB', 1e9)"
@@ -420,7 +442,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return demo(args.names, args.size, args.plot)
         if args.command == "report":
-            return report(args.factory, args.grad, args.json, args.plot, args.budget, args.timeline)
+            return report(
+                args.factory,
+                args.grad,
+                args.json,
+                args.plot,
+                args.budget,
+                args.timeline,
+                args.timeline_plot,
+            )
         return bench(args.names, args.quick)
     except UsageError as error:
         print(f"memwise {args.command}: {error}", file=sys.stderr)
