@@ -248,10 +248,11 @@ def load_factory(spec: str) -> tuple[Any, tuple, dict]:
         raise UsageError(f"{module_name} has no function {factory_name!r}")
     required = _required_parameters(factory)
     if required:  # the function to measure named instead of its factory
+        example = ", ".join(required) + ("," if len(required) == 1 else "")
         raise UsageError(
             f"{factory_name} takes arguments ({', '.join(required)}), but FACTORY must be a "
             f"zero-argument function returning (fn, args), e.g. "
-            f"def factory(): return {factory_name}, ({', '.join(required)})"
+            f"def factory(): return {factory_name}, ({example})"
         )
     made = factory()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
