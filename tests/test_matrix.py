@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _close import assert_close
 
@@ -336,6 +337,52 @@ BAD_INPUTS = {
         lambda: mw.pairwise_reduce(_PAIR, _X, _X, chunk_size="big"),
         ValueError,
         "chunk_size",
+    ),
+    # Non-arrays among the data: the primitive's own argument, not "not a valid JAX type".
+    "chunked_map xs string": (
+        lambda: mw.chunked_map(jnp.sin, "abc", chunk_size=2),
+        TypeError,
+        "xs must be an array, got 'abc' (type str)",
+    ),
+    "chunked_sum xs object leaf": (
+        lambda: mw.chunked_sum(jnp.sin, {"a": _X, "b": object()}, chunk_size=2),
+        TypeError,
+        "xs['b'] must be an array",
+    ),
+    "chunked_map xs string array": (
+        lambda: mw.chunked_map(len, np.array(["ab", "cd"]), chunk_size=2),
+        TypeError,
+        "(type ndarray, dtype <U2)",
+    ),
+    "pairwise x string": (
+        lambda: mw.pairwise_reduce(_PAIR, "abc", _X),
+        TypeError,
+        "x must be an array, got 'abc' (type str)",
+    ),
+    "pairwise y object": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, object()),
+        TypeError,
+        "(type object)",
+    ),
+    "pairwise weights string": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, weights="abc"),
+        TypeError,
+        "weights must be an array, got 'abc'",
+    ),
+    "while_loop init string": (
+        lambda: mw.while_loop(lambda s: s < 3, lambda s: s + 1, "abc", max_steps=3),
+        TypeError,
+        "init must be an array, got 'abc' (type str)",
+    ),
+    "while_loop init object leaf": (
+        lambda: mw.while_loop(lambda s: True, lambda s: s, (0.0, object()), checkpoints=2),
+        TypeError,
+        "init[1] must be an array",
+    ),
+    "scan init string": (
+        lambda: mw.scan(_STEP, "abc", _X),
+        TypeError,
+        "init must be an array, got 'abc' (type str)",
     ),
     "attention shapes": (lambda: mw.attention(_K, _K[:, :, :3], _K), ValueError, "feature dim"),
     "attention float mask": (

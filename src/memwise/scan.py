@@ -55,6 +55,7 @@ from jax import lax
 
 from memwise import _binomial, _online, knobs
 from memwise import schedule as schedule_lib
+from memwise._arguments import check_arrays
 from memwise._jax_private import hoist_constant_casts, varying_axes
 from memwise._vjp import fill, select
 from memwise.sharding import first_items, vary, varying_over
@@ -330,6 +331,8 @@ def scan(
         True
     """
     _check_callable(f, "f")
+    check_arrays(init, "init")
+    check_arrays(xs, "xs")
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {_SCHEDULES}")
     n = _scan_length(xs, length)
@@ -501,6 +504,7 @@ def while_loop(
     """
     _check_callable(cond_fun, "cond_fun")
     _check_callable(body_fun, "body_fun")
+    check_arrays(init, "init")
     if max_steps is not None:
         if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)):
             raise TypeError(
