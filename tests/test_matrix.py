@@ -370,6 +370,15 @@ def _lin_net(k):
     return lambda p, x: jnp.tanh(x * p).sum(-1) * k
 
 
+def _ntk_net(k):
+    return lambda p, x: jnp.tanh(x * p) * k
+
+
+def _dense_ntk(net, p, xs):
+    jac = jax.jacobian(lambda p: net(p, xs))(p)  # (n, out, params)
+    return jnp.einsum("iap,jbp->ijab", jac, jac)
+
+
 def _ot_cost(w, k):
     return lambda u, v: jnp.sum((u - v * w) ** 2) / k
 
@@ -413,6 +422,10 @@ CLOSURE_PRIMITIVES = {
     "linearize": (
         lambda w, k: mw.linearize(_lin_net(k), w)(1.5 * w, _XS.astype(w.dtype)),
         lambda w, k: sum(jax.jvp(lambda p: _lin_net(k)(p, _XS.astype(w.dtype)), (w,), (0.5 * w,))),
+    ),
+    "ntk_empirical": (
+        lambda w, k: mw.ntk.empirical(_ntk_net(k), w, _XS.astype(w.dtype), chunk_size=2),
+        lambda w, k: _dense_ntk(_ntk_net(k), w, _XS.astype(w.dtype)),
     ),
     "sinkhorn": (
         lambda w, k: (
