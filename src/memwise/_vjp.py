@@ -166,7 +166,7 @@ def closure_convert(fn: Callable, *examples: Any) -> tuple[Callable, list]:
     def converted(*args_and_consts: Any) -> Any:
         args, hoisted = args_and_consts[:n_args], args_and_consts[n_args:]
         leaves, tree = jax.tree.flatten(args)
-        if tree != in_tree:
+        if tree != in_tree:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
             raise TypeError(
                 f"a closure-converted function takes arguments structured as {in_tree}, got {tree}"
             )
