@@ -39,13 +39,6 @@ Conventions match OTT-JAX 0.6 (``ott.solvers.linear.sinkhorn``): ``reg_ot_cost``
 matrix (computed here in two chunked passes; floored where that is 0 or degenerate). The potentials differ in one convention:
 here ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``, finite even where a weight is 0,
 whereas OTT's ``f`` is ours plus ``eps log a``.
-
-Modules, one concept each: :mod:`~memwise.ot.costs` (the ground costs),
-:mod:`~memwise.ot.problem` (a call's validated problem: data, weights, cost, epsilon and
-its schedule, options, ``tau_a``/``tau_b``), :mod:`~memwise.ot.passes` (the chunked passes
-over the cost matrix), :mod:`~memwise.ot.loops` (the Sinkhorn loops),
-:mod:`~memwise.ot.gradients` (envelope and implicit VJPs) and :mod:`~memwise.ot.api` (the
-public functions).
 """
 
 from memwise.ot.api import SinkhornResult, sinkhorn, sinkhorn_divergence
