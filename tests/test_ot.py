@@ -291,7 +291,7 @@ def test_a_cost_closing_over_a_wider_dtype_is_solved_in_the_points_dtype():
     # the problem's dtype (the solver's loop carry once failed on the mismatch); the
     # metric's gradient comes back in its own dtype.
     with jax.enable_x64(True):
-        x, y, a, b = clouds(8, n=40, m=30)
+        x, y, a, b = (v.astype(jnp.float32) for v in clouds(8, n=40, m=30))
         metric = jnp.array([[2.0, 0.3], [0.3, 0.5]], jnp.float64)
 
         def loss(metric, x):
