@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import memwise as mw
-from memwise import knobs, measure
+from memwise import knobs
 from memwise.measure import compiled_memory, parse_budget
 
 fit_module = importlib.import_module("memwise.fit")  # memwise.fit is also the function
@@ -48,8 +48,10 @@ def test_budgets_met_and_gradients_unchanged(data):
         fitted = mw.fit(three_knobs, budget=budget)
         grad = jax.grad(fitted)(w, xs)
         # float32 sums of 1,024 terms of ~1: another chunk size changes the order of
-        # the additions, hence the last digits.
-        np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-4)
+        # the additions, hence the last digits, relative to the sums' scale (~1,000; an
+        # entry of ~5 is such a sum with cancellation).
+        scale = float(np.max(np.abs(expected)))
+        np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-6 * scale)
         peak = compiled_memory(fitted, w, xs, grad=True).peak_bytes
         assert peak <= parse_budget(budget)
         assert fitted.plan.peak_bytes == peak
@@ -203,56 +205,6 @@ def test_each_argument_signature_has_its_own_compilation_budget():
     np.testing.assert_allclose(
         jax.grad(fitted)(w, small), jax.grad(pairwise_loss)(w, small), rtol=1e-5
     )
-
-
-def _fake_memory(peak: int) -> measure.CompiledMemory:
-    return measure.CompiledMemory(
-        argument_bytes=0,
-        output_bytes=0,
-        alias_bytes=0,
-        temp_bytes=peak,
-        peak_bytes=peak,
-        code_bytes=0,
-        program_bytes=0,
-        constant_bytes=0,
-    )
-
-
-def test_search_never_compiles_more_than_max_compilations():
-    # The search alone, in plain Python: peaks fall as any knob moves to a leaner
-    # candidate; for every budget and every bound the chosen plan fits, the bound holds,
-    # and a plan is found exactly when the leanest plan fits.
-    layout = [
-        knobs.Knob(
-            "policy",
-            "f.py:1",
-            tuple(fit_module.POLICIES),
-            fit_module._POLICY_COST,
-            "everything_saveable",
-            "whole f",
-        ),
-        knobs.Knob(
-            "chunk_size",
-            "f.py:2",
-            (64, 32, 16, 8, 4, 2, 1),
-            (1.0, 1.01, 1.03, 1.07, 1.15, 1.3, 1.6),
-            8,
-        ),
-        knobs.Knob("checkpoints", "f.py:3", (100, 50, 10, 5), (1.0, 1.25, 1.5, 2.0), 10),
-    ]
-
-    def peak(indices):
-        return 1000 - 40 * indices[0] - 70 * indices[1] - 90 * indices[2]
-
-    leanest = peak((3, 6, 3))
-    for max_compilations in range(2, 13):
-        for budget in range(leanest - 50, 1001, 25):
-            state = fit_module._Signature((), {}, layout, budget, max_compilations, {})
-            chosen = state.search(lambda indices: _fake_memory(peak(indices)))
-            assert state.compilations <= max_compilations
-            assert (chosen is not None) == (budget >= leanest)
-            if chosen is not None:
-                assert chosen.peak_bytes == peak(chosen.indices) <= budget
 
 
 def scan_loss(w, xs):
@@ -533,3 +485,47 @@ def test_a_leanest_plan_a_little_larger_than_the_next_does_not_hide_a_plan_that_
     # rising peaks still end the search: below every plan, no plan fits
     with pytest.raises(mw.MemoryBudgetError):
         mw.fit(fn, budget=peaks[1000] - 1, grad=False, policies=False).plan_for(x)
+
+
+@pytest.mark.slow
+def test_a_tuned_fit_composes_with_jit_and_grad():
+    # Tuning runs programs: under jax.jit (and jax.grad) it runs them outside the trace,
+    # on random arrays of the traced arguments' shapes, then returns the planned program.
+    x = jax.random.normal(jax.random.PRNGKey(2), (300, 2))
+    value = mw.fit(_pair_loss, budget="1MiB", tune=True, grad=False, policies=False)
+    np.testing.assert_allclose(jax.jit(value)(x, x), _pair_loss(x, x), rtol=1e-5)
+    assert value.plan.timed
+    grad = mw.fit(_pair_loss, budget="1MiB", tune=True, policies=False)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(grad))(x, x), jax.grad(_pair_loss)(x, x), rtol=1e-4, atol=1e-4
+    )
+    assert grad.plan.timed
+
+
+@pytest.mark.slow
+def test_a_training_step_planned_without_grad_has_no_whole_function_policy():
+    optax = pytest.importorskip("optax")
+    optimizer = optax.sgd(0.1)
+
+    @mw.region("block")
+    def block(w, x):
+        return jnp.tanh(x @ w)
+
+    def loss(w, xs):
+        return mw.chunked_sum(lambda x: jnp.sum(block(w, x) ** 2), xs, chunk_size="auto")
+
+    def train_step(w, opt_state, xs):
+        grads = jax.grad(loss)(w, xs)
+        updates, opt_state = optimizer.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), opt_state
+
+    w, xs = jnp.eye(8) / 2, jnp.ones((64, 8))
+    step = mw.fit(train_step, budget="1MiB", grad=False)
+    new_w, _ = jax.jit(step)(w, optimizer.init(w), xs)
+    labels = [entry.label for entry in step.plan.entries]
+    # a policy for the step as a whole cannot change a program nothing differentiates;
+    # the region inside the differentiated loss is still a knob
+    assert not any(label.startswith("whole") for label in labels), labels
+    assert "region 'block'" in labels
+    expected, _ = train_step(w, optimizer.init(w), xs)
+    np.testing.assert_allclose(new_w, expected, rtol=1e-6)

@@ -682,6 +682,14 @@ BAD_INPUTS = {
         "sum(a)",
     ),
     "ot cost": (lambda: mw.ot.sinkhorn(_X, _X, cost="manhattan"), ValueError, "cost"),
+    "ot string x": (lambda: mw.ot.sinkhorn("abc", _X), TypeError, "x must be"),
+    "ot string weights": (lambda: mw.ot.sinkhorn(_X, _X, b="abc"), TypeError, "b must be"),
+    "ot string epsilon": (lambda: mw.ot.sinkhorn(_X, _X, epsilon="0.1"), TypeError, "epsilon"),
+    "fit int in a slice": (
+        lambda: jax.grad(mw.fit(lambda x, n: jnp.sum(x[:n]), budget="1MiB"))(_X, 2),
+        TypeError,
+        "static_argnums=(1,)",
+    ),
     "linearize f": (lambda: mw.linearize(None, {"w": _X}), TypeError, "f"),
     "linearize params": (lambda: mw.linearize(_PAIR, {"n": jnp.arange(3)}), TypeError, "params"),
     "linearize new_params": (

@@ -286,6 +286,27 @@ def test_callable_cost_gradient_reaches_closed_over_parameters():
 
 
 @pytest.mark.slow
+def test_a_cost_closing_over_a_wider_dtype_is_solved_in_the_points_dtype():
+    # float32 points, a cost closing over a float64 metric: the cost's value is cast to
+    # the problem's dtype (the solver's loop carry once failed on the mismatch); the
+    # metric's gradient comes back in its own dtype.
+    with jax.enable_x64(True):
+        x, y, a, b = (v.astype(jnp.float32) for v in clouds(8, n=40, m=30))
+        metric = jnp.array([[2.0, 0.3], [0.3, 0.5]], jnp.float64)
+
+        def loss(metric, x):
+            cost = lambda u, v: (u - v) @ metric @ (u - v)  # noqa: E731
+            return ot.sinkhorn(x, y, a, b, epsilon=0.3, cost=cost, chunk_size=16).reg_ot_cost
+
+        value, grad = jax.value_and_grad(loss)(metric, x)
+        assert value.dtype == jnp.float32 and grad.dtype == jnp.float64
+        wide = jax.tree.map(lambda v: v.astype(jnp.float64), (x, y, a, b))
+        cost64 = lambda u, v: (u - v) @ metric @ (u - v)  # noqa: E731
+        expected = ot.sinkhorn(*wide, epsilon=0.3, cost=cost64, chunk_size=16).reg_ot_cost
+        np.testing.assert_allclose(value, expected, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_convergence_flags_and_iteration_cap():
     x, y, a, b = clouds(7)
     out = ot.sinkhorn(x, y, epsilon=0.01, max_iterations=4, chunk_size=64)

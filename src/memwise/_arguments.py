@@ -311,11 +311,16 @@ _DEPENDS_ON = re.compile(r"depends on the value of the argument (\w+)")
 
 
 @contextlib.contextmanager
-def static_hint(fn: Callable) -> Iterator[None]:
+def static_hint(
+    fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None
+) -> Iterator[None]:
     """Names the static option when ``fn`` uses a traced argument as a Python value.
 
-    JAX's own error (an int in ``range``, an ``if`` on an argument) speaks of ``jit``,
-    which the user did not call; memwise's functions take the same static options.
+    JAX's own error (an int in ``range``, an ``if`` on an argument, an argument in a
+    slice) speaks of ``jit``, which the user did not call; memwise's functions take the
+    same static options. ``args``/``kwargs`` are the traced arguments (None in place of
+    static ones): a slice error does not say which argument it was, so the integer
+    scalars among them are named as the likely ones.
     """
     try:
         yield
@@ -333,3 +338,35 @@ def static_hint(fn: Callable) -> Iterator[None]:
             f"fn uses argument {name!r} as a Python value ({str(error).splitlines()[0]}), so "
             f"it cannot be traced; pass it as static with {option}"
         ) from error
+    except IndexError as error:
+        if "must be static" not in str(error):
+            raise
+        integers = [
+            where
+            for where, value in [*enumerate(args), *(kwargs or {}).items()]
+            if _is_integer_scalar(value)
+        ]
+        positions = tuple(w for w in integers if isinstance(w, int))
+        names = tuple(w for w in integers if isinstance(w, str))
+        options = [f"static_argnums={positions}"] if positions else []
+        options += [f"static_argnames={names}"] if names else []
+        suspects = (
+            f"; {', '.join(describe(fn, w) for w in integers)} "
+            f"{'is an integer' if len(integers) == 1 else 'are integers'}: pass "
+            f"{'it' if len(integers) == 1 else 'them'} as static with {' and '.join(options)}"
+            if integers
+            else "; pass the integers it uses as static with static_argnums or static_argnames"
+        )
+        raise TypeError(
+            f"fn uses a traced argument in a slice or an index that must be a Python int "
+            f"({str(error).splitlines()[0]}), so it cannot be traced{suspects}"
+        ) from error
+
+
+def _is_integer_scalar(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return getattr(value, "shape", None) == () and dtype is not None and "int" in str(dtype)

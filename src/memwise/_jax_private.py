@@ -104,18 +104,22 @@ def varying_axes(leaf: Any) -> frozenset:
 
 
 # --------------------------------------------------------------------------------------
-# Guards that name the fix when a custom_vjp is forward-differentiated or differentiated
-# twice in reverse mode (used by memwise.scan / memwise.while_loop).
+# The one guard against forward-mode and second-order differentiation of a custom_vjp,
+# naming the fix (used by memwise.scan, memwise.while_loop and memwise.ot).
 #
 # Why: ``jvp`` of a ``custom_vjp`` stages JAX's ``custom_lin``, whose error cannot name
 # what to use instead and, under ``jit``, fires only when compiled, so a Python check on
 # the inputs never sees it; ``grad`` stages the same ``custom_lin`` and transposes it,
 # and there is no public hook that tells the two apart. ``forbid_forward_mode`` is an
-# identity whose tangent, in the innermost differentiation only (so ``jax.hessian``,
-# forward-over-reverse, still works), passes through a guard that raises when it is
-# evaluated, compiled or batched (forward mode) and vanishes when it is transposed
-# (reverse mode). ``forbid_reverse_mode`` is an identity whose tangent raises when it is
-# transposed (reverse mode of a backward pass: grad of grad). Neither emits any HLO.
+# identity whose tangent passes through a guard that raises when it is evaluated,
+# compiled or batched (forward mode) and vanishes when it is transposed (reverse mode).
+# By default only the innermost differentiation is guarded (so ``jax.hessian``,
+# forward-over-reverse, still works for the loops); ``outer=True`` guards every
+# differentiation that reaches the value, for rules whose own derivative would be wrong
+# (OT's envelope and implicit rules). ``forbid_reverse_mode`` is an identity whose
+# tangent raises when it is transposed (reverse mode of a backward pass: grad of grad).
+# None of them emits any HLO. They use JAX's documented primitive-extension API
+# (jax.extend, jax.interpreters), not jax._src.
 
 
 def _raise_type_error(*_args: Any, message: str) -> Any:
@@ -141,10 +145,13 @@ _ad_rules.deflinear2(_tangent_guard_p, lambda ct, x, **_: [ct])
 _forward_guard_p = _identity_primitive("memwise_forbid_forward_mode")
 
 
-def _forward_guard_jvp(primals, tangents, *, message):
+def _forward_guard_jvp(primals, tangents, *, message, outer):
     (x,), (dx,) = primals, tangents
-    # The primal is returned as is, not re-guarded: an outer differentiation (the jvp
+    # Without ``outer`` the primal is returned as is: an outer differentiation (the jvp
     # of jax.hessian) pushes its tangent through the loop's forward pass, which is fine.
+    # With it, the primal is guarded again, so that outer tangent meets the guard too.
+    if outer:
+        x = _forward_guard_p.bind(x, message=message, outer=outer)
     if type(dx) is _ad_rules.Zero:
         return x, dx
     return x, _tangent_guard_p.bind(dx, message=message)
@@ -156,9 +163,13 @@ _reverse_guard_p = _identity_primitive("memwise_forbid_reverse_mode")
 _ad_rules.deflinear2(_reverse_guard_p, _raise_type_error)
 
 
-def forbid_forward_mode(value: Any, message: str) -> Any:
-    """``value``; forward mode through it raises ``TypeError(message)``."""
-    return _forward_guard_p.bind(value, message=message)
+def forbid_forward_mode(value: Any, message: str, *, outer: bool = False) -> Any:
+    """``value``; forward mode through it raises ``TypeError(message)``.
+
+    ``outer=True`` also raises when the reverse-mode differentiation through it is itself
+    differentiated in forward mode (``jax.hessian``, ``jax.jvp`` of ``jax.grad``).
+    """
+    return _forward_guard_p.bind(value, message=message, outer=outer)
 
 
 def forbid_reverse_mode(value: Any, message: str) -> Any:

@@ -12,7 +12,7 @@ more than once (``jax.checkpoint``, ``custom_vjp``).
 
 Candidates are ordered from the fastest (most memory) to the leanest (least memory), so a
 plan is one index per knob and "more pressure" means "a larger index". This module only
-records; the search lives in ``fit.py``.
+records; the search lives in ``memwise.fit.search``.
 
 JAX reuses the trace of a function it has traced before (``jax.jit``, ``jax.checkpoint``,
 keyed on argument types and the trace context), and a reused trace neither records its

@@ -187,7 +187,7 @@ def _lower(fn, args, kwargs, grad, argnums, static_argnums, static_argnames):
         static_argnums=static_argnums,
         static_argnames=static_argnames,
     )
-    with _arguments.static_hint(fn):
+    with _arguments.static_hint(fn, args, kwargs):
         if grad:
             _check_differentiable(fn, args, kwargs, nums)
         traced = jax.jit(_target(fn, grad, nums)).trace(*args, **kwargs)
@@ -381,7 +381,7 @@ def residuals(
         static_argnums=static_argnums,
         static_argnames=static_argnames,
     )
-    with _arguments.static_hint(fn):
+    with _arguments.static_hint(fn, args, kwargs):
         return tuple(_group_residuals(saved_residuals(fn, *args, argnums=nums, **kwargs)))
 
 

@@ -1,0 +1,295 @@
+"""The public functions of :mod:`memwise.ot`: :func:`sinkhorn`, :func:`sinkhorn_divergence`.
+
+Each call is resolved once into a :class:`memwise.ot.problem.Problem`, solved by the
+loops of :mod:`memwise.ot.loops` on stopped inputs, and differentiated by the rules of
+:mod:`memwise.ot.gradients` at the potentials the loops return (the module docstring of
+:mod:`memwise.ot` states the algorithm, its gradients and its conventions).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from memwise.ot.costs import CostFn
+from memwise.ot.gradients import potentials, reg_ot_cost
+from memwise.ot.loops import solve, solve_symmetric
+from memwise.ot.problem import Problem, prepare
+from memwise.tiling import ChunkSize
+
+__all__ = ["SinkhornResult", "sinkhorn", "sinkhorn_divergence"]
+
+Array = jax.Array
+
+
+class SinkhornResult(NamedTuple):
+    """What :func:`sinkhorn` returns.
+
+    Attributes:
+      f: ``[n]`` dual potential of ``x``, such that the optimal plan is
+        ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / epsilon)``; finite also where
+        ``a_i == 0`` (it is then the potential's extension to that point). ``f`` and
+        ``g`` are in the gauge ``<a, f> = <b, g>`` and differentiable (first order, by
+        implicit differentiation) in the same inputs as ``reg_ot_cost``, with weight
+        gradients centred in the same way.
+      g: ``[m]`` dual potential of ``y``.
+      reg_ot_cost: ``<a, f> + <b, g> + epsilon (sum(a) sum(b) - sum_ij P_ij)``, i.e.
+        ``min_P <P, C> + epsilon KL(P | a b^T)`` (OTT-JAX's ``reg_ot_cost``).
+        Differentiable (first order) in ``x``, ``y``, ``a``, ``b``, ``epsilon`` and the
+        arrays a callable cost closes over. Its gradient in ``a`` (``b``) is the centred
+        potential ``f - mean(f)`` (``g - mean(g)``): the cost is finite only while the
+        totals of ``a`` and ``b`` agree, so only total-preserving changes are meaningful.
+      converged: whether the last error is below ``threshold`` at the target epsilon,
+        with no NaN.
+      n_iterations: Sinkhorn iterations run (each is one update of ``f`` and one of ``g``).
+      errors: ``[max_iterations]``; entry ``k`` is the L1 error of the marginal that the
+        iteration-``k`` potentials left inexact (at the epsilon of that iteration), ``-1``
+        for iterations not run, NaN where the problem became NaN (bad input).
+      epsilon: the regularisation used (the default when ``epsilon=None`` was passed).
+
+    Example::
+
+        >>> import functools, jax, jax.numpy as jnp, memwise as mw
+        >>> x, y = jnp.zeros((3, 2)), jnp.ones((4, 2))  # every pair costs |x - y|^2 = 2
+        >>> out = jax.jit(functools.partial(mw.ot.sinkhorn, epsilon=1.0))(x, y)
+        >>> out.f.shape, out.g.shape, out.errors.shape, float(out.reg_ot_cost)
+        ((3,), (4,), (2000,), 2.0)
+    """
+
+    f: Array
+    g: Array
+    reg_ot_cost: Array
+    converged: Array
+    n_iterations: Array
+    errors: Array
+    epsilon: Array
+
+
+def sinkhorn(
+    x: Array,
+    y: Array,
+    a: Array | None = None,
+    b: Array | None = None,
+    *,
+    epsilon: float | Array | None = None,
+    cost: str | CostFn = "sqeuclidean",
+    chunk_size: ChunkSize = "auto",
+    max_iterations: int = 2000,
+    threshold: float = 1e-3,
+    epsilon_scaling: float | None = None,
+    init: tuple[Array, Array] | None = None,
+) -> SinkhornResult:
+    """Entropic optimal transport between two weighted point clouds, in chunked memory.
+
+    Solves ``min_P <P, C> + epsilon KL(P | a b^T)`` over plans with marginals ``a`` and
+    ``b`` by log-domain Sinkhorn iterations. The cost matrix ``C_ij = cost(x_i, y_j)`` is
+    never stored: each iteration makes two chunked ``logsumexp`` passes over it with
+    :func:`memwise.pairwise_reduce`, holding one ``rows x cols`` tile at a time.
+
+    Memory/compute: forward and gradient both hold O(n + m + tile) memory; an iteration
+    costs two evaluations of the cost matrix, the gradient of ``reg_ot_cost`` two more
+    (envelope theorem, see the module docstring), whatever the number of iterations;
+    a gradient through ``f`` or ``g`` costs about six more plus two per CG step.
+
+    Args:
+      x: ``[n, d]`` source points.
+      y: ``[m, d]`` target points.
+      a: ``[n]`` nonnegative source weights (default uniform ``1/n``); zeros allowed.
+      b: ``[m]`` target weights (default uniform ``1/m``). Balanced OT needs
+        ``sum(a) == sum(b)`` up to the weights' rounding: other totals raise a
+        ``ValueError``, or, for weights traced under ``jit``, give NaN costs with
+        ``converged=False``.
+      epsilon: entropic regularisation; ``None`` means ``0.05 * std(C)`` as in OTT-JAX 0.6
+        (not differentiated), floored where ``std(C) < 1% |mean(C)|`` (a single point,
+        coincident points: OTT's epsilon is then 0 and its cost NaN).
+      cost: ``"sqeuclidean"`` (``|x|^2 + |y|^2 - 2 x.y`` per tile), ``"euclidean"``,
+        ``"cosine"`` (``1 - x.y / (|x| |y| + 1e-8)`` as OTT-JAX; a zero point costs 1 to
+        every point and gets a zero gradient), or a function of two ``[d]`` points
+        returning a scalar (it may close over arrays; their gradient is returned).
+      chunk_size: tile of the cost matrix, an int, ``(rows, cols)``, ``"auto"`` or a
+        :class:`memwise.tiling.Tiling`.
+      max_iterations: cap on iterations; ``converged`` is False when it is reached.
+      threshold: stop when the L1 marginal error is below this (at the target epsilon).
+      epsilon_scaling: ``None`` for plain Sinkhorn, or a factor in (0, 1): epsilon starts
+        at the largest cost (the data's squared diameter for ``"sqeuclidean"``) and is
+        multiplied by this factor every iteration down to ``epsilon`` (GeomLoss-style
+        annealing); far fewer iterations at small epsilon.
+      init: optional warm start ``(f, g)`` in this function's convention; the first
+        update recomputes ``f`` from ``g``.
+
+    Returns:
+      A :class:`SinkhornResult`.
+
+    Example::
+
+        >>> import jax, memwise as mw
+        >>> x = jax.random.normal(jax.random.key(0), (300, 2))
+        >>> y = jax.random.normal(jax.random.key(1), (200, 2)) + 1.0
+        >>> def cost(x):
+        ...     out = mw.ot.sinkhorn(x, y, epsilon=0.1, chunk_size=128)
+        ...     return out.reg_ot_cost, out
+        >>> (value, out), grad_x = jax.jit(jax.value_and_grad(cost, has_aux=True))(x)
+        >>> bool(out.converged), round(float(value), 1), grad_x.shape
+        (True, 2.5, (300, 2))
+    """
+    p = prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling)
+    n, m = p.x.shape[0], p.y.shape[0]
+    if init is None:
+        g_init = jnp.zeros((m,), p.x.dtype)
+    else:
+        f0, g_init = init
+        if jnp.shape(f0) != (n,) or jnp.shape(g_init) != (m,):
+            raise ValueError(
+                f"init must be (f, g) of shapes ({n},), ({m},), got "
+                f"{jnp.shape(f0)}, {jnp.shape(g_init)}"
+            )
+        g_init = jnp.asarray(g_init, p.x.dtype)
+    return _in_dtype(_sinkhorn(p, g_init), p.dtype)
+
+
+def _sinkhorn(p: Problem, g_init: Array) -> SinkhornResult:
+    b, balanced = p.balanced_b()
+    # A traced epsilon <= 0 (a concrete one raised in prepare) makes the problem NaN too.
+    eps = jnp.where(balanced & (p.eps > 0), p.eps, jnp.nan)
+    sx, sy, sa, sb, seps, sconsts, sg = jax.lax.stop_gradient(
+        (p.x, p.y, p.a, b, eps, p.consts, g_init)
+    )
+    f, g, errors, n_iterations, error, mass = solve(
+        p.cost,
+        sconsts,
+        sx,
+        sy,
+        sa,
+        sb,
+        seps,
+        sg,
+        chunk_size=p.chunk,
+        max_iterations=p.max_iterations,
+        threshold=p.threshold,
+        scaling=p.epsilon_scaling,
+    )
+    # The potentials' free constant (f + t, g - t) is fixed by <a, f> = <b, g>: so they
+    # are a function of the inputs, with a derivative.
+    shift = (jnp.sum(sb * g) - jnp.sum(sa * f)) / (jnp.sum(sa) + jnp.sum(sb))
+    f, g = f + shift, g - shift
+    reg = reg_ot_cost(p.cost, p.chunk, p.x, p.y, p.a, b, eps, p.consts, f, g, mass)
+    f, g = potentials(p.cost, p.chunk, p.max_iterations, p.x, p.y, p.a, b, eps, p.consts, f, g)
+    return _result(p, f, g, reg, error, n_iterations, errors)
+
+
+def _self_transport(p: Problem, x: Array, a: Array) -> SinkhornResult:
+    """OT(a, a) of the points x (one of p.x, p.y) with their weights a."""
+    sx, sa, seps, sconsts = jax.lax.stop_gradient((x, a, p.eps, p.consts))
+    f, errors, n_iterations, error, mass = solve_symmetric(
+        p.cost,
+        sconsts,
+        sx,
+        sa,
+        seps,
+        jnp.zeros_like(sa),
+        chunk_size=p.chunk,
+        max_iterations=p.max_iterations,
+        threshold=p.threshold,
+        scaling=p.epsilon_scaling,
+    )
+    reg = reg_ot_cost(p.cost, p.chunk, x, x, a, a, p.eps, p.consts, f, f, mass)
+    f, g = potentials(p.cost, p.chunk, p.max_iterations, x, x, a, a, p.eps, p.consts, f, f)
+    return _result(p, f, g, reg, error, n_iterations, errors)
+
+
+def _result(
+    p: Problem,
+    f: Array,
+    g: Array,
+    reg: Array,
+    error: Array,
+    n_iterations: Array,
+    errors: Array,
+) -> SinkhornResult:
+    converged = (error < p.threshold) & ~jnp.any(jnp.isnan(errors))
+    return SinkhornResult(f, g, reg, converged, n_iterations, errors, jax.lax.stop_gradient(p.eps))
+
+
+def _in_dtype(result: SinkhornResult, dtype: Any) -> SinkhornResult:
+    return result._replace(
+        **{
+            name: getattr(result, name).astype(dtype)
+            for name in ("f", "g", "reg_ot_cost", "errors", "epsilon")
+        }
+    )
+
+
+def sinkhorn_divergence(
+    x: Array,
+    y: Array,
+    a: Array | None = None,
+    b: Array | None = None,
+    *,
+    epsilon: float | Array | None = None,
+    cost: str | CostFn = "sqeuclidean",
+    chunk_size: ChunkSize = "auto",
+    max_iterations: int = 2000,
+    threshold: float = 1e-3,
+    epsilon_scaling: float | None = None,
+    return_results: bool = False,
+) -> Array | tuple[Array, tuple[SinkhornResult, SinkhornResult, SinkhornResult]]:
+    """Sinkhorn divergence between two weighted point clouds, in chunked memory.
+
+    ``S(a, b) = OT(a, b) - (OT(a, a) + OT(b, b)) / 2 + epsilon (|a| - |b|)^2 / 2`` with
+    ``OT`` the ``reg_ot_cost`` of :func:`sinkhorn` and one epsilon for all three terms
+    (``None``: ``0.05 * std`` of the ``x``-``y`` cost matrix, floored as in
+    :func:`sinkhorn`), as OTT-JAX's ``sinkhorn_divergence(PointCloud, x, y, ...)``. The
+    self terms use symmetric averaged updates (Feydy et al. 2019, Eq. 25).
+    Differentiable (first order, reverse mode) in ``x``, ``y``, ``a``, ``b`` and a
+    callable cost's arrays, each term by the envelope theorem; so are the potentials of
+    the ``return_results``, by implicit differentiation.
+
+    Memory/compute: O(n + m + tile) memory forward and backward; the three solves cost
+    two (cross term) or one (self terms) cost-matrix passes per iteration, the gradient
+    about six more passes in all.
+
+    Args:
+      x: ``[n, d]`` source points.
+      y: ``[m, d]`` target points.
+      a: ``[n]`` source weights, as in :func:`sinkhorn`.
+      b: ``[m]`` target weights, as in :func:`sinkhorn`.
+      epsilon: entropic regularisation, as in :func:`sinkhorn`.
+      cost: as in :func:`sinkhorn`.
+      chunk_size: as in :func:`sinkhorn`.
+      max_iterations: as in :func:`sinkhorn`, for each of the three problems.
+      threshold: as in :func:`sinkhorn`.
+      epsilon_scaling: as in :func:`sinkhorn`.
+      return_results: also return the three :class:`SinkhornResult` (x-y, x-x, y-y), to
+        read their ``converged`` flags and ``errors``.
+
+    Returns:
+      The divergence (a scalar), or ``(divergence, (xy, xx, yy))``.
+
+    Example::
+
+        >>> import jax, memwise as mw
+        >>> x = jax.random.normal(jax.random.key(0), (300, 2))
+        >>> y = jax.random.normal(jax.random.key(1), (200, 2)) + 1.0
+        >>> divergence = lambda x: mw.ot.sinkhorn_divergence(x, y, epsilon=0.1, chunk_size=128)
+        >>> loss, grad_x = jax.jit(jax.value_and_grad(divergence))(x)
+        >>> round(float(loss), 1), grad_x.shape
+        (2.2, (300, 2))
+    """
+    if not isinstance(return_results, (bool, np.bool_)):
+        raise TypeError(f"return_results must be True or False, got {return_results!r}")
+    p = prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling)
+    xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.x.dtype))
+    xx = _self_transport(p, p.x, p.a)
+    yy = _self_transport(p, p.y, p.b)
+    divergence = (
+        xy.reg_ot_cost
+        - 0.5 * (xx.reg_ot_cost + yy.reg_ot_cost)
+        + 0.5 * jax.lax.stop_gradient(p.eps) * (jnp.sum(p.a) - jnp.sum(p.b)) ** 2
+    )
+    divergence = divergence.astype(p.dtype)
+    if return_results:
+        return divergence, (_in_dtype(xy, p.dtype), _in_dtype(xx, p.dtype), _in_dtype(yy, p.dtype))
+    return divergence

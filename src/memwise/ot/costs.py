@@ -1,0 +1,102 @@
+"""Ground costs of the transport problem: functions of two points, one tile at a time.
+
+A cost is ``cost(x_i, y_j) -> scalar`` for two ``[d]`` points; every pass of the solver
+evaluates it vmapped over one tile of pairs (:func:`memwise.pairwise_reduce`), so the
+``n x m`` cost matrix never exists. The built-in costs follow OTT-JAX 0.6's
+``ott.geometry.costs`` (``SqEuclidean``, ``Euclidean``, ``Cosine``), written so that their
+gradients stay finite where the textbook form has an infinite slope (coincident points,
+zero vectors). A callable cost may close over arrays (a learned metric): they are
+hoisted out as explicit arguments (``memwise._vjp.closure_convert``, which hoists integer tracers too), so the custom VJPs can
+return their gradient and the solver loop can stop it.
+
+Adding a cost: one function of ``(xi, yj)`` in :data:`BUILTIN_COSTS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from memwise._vjp import closure_convert
+
+__all__ = ["BUILTIN_COSTS", "CostFn", "resolve_cost"]
+
+Array = jax.Array
+CostFn = Callable[[Array, Array], Array]
+
+# OTT's Cosine cost regularises its denominator by this ridge.
+_COSINE_RIDGE = 1e-8
+
+
+def _sqeuclidean(xi: Array, yj: Array) -> Array:
+    # Expanded so that, vmapped over a tile, the cross term is one matrix product.
+    return jnp.sum(xi * xi) + jnp.sum(yj * yj) - 2.0 * jnp.dot(xi, yj)
+
+
+def _euclidean(xi: Array, yj: Array) -> Array:
+    # The difference form keeps coincident points at exactly 0 (the expansion would
+    # leave sqrt(rounding) there); the double where gives them a zero, not NaN, gradient.
+    sq = jnp.sum((xi - yj) ** 2)
+    positive = sq > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
+
+
+def _cosine(xi: Array, yj: Array) -> Array:
+    # A zero vector has no direction: its cosine similarity is taken as 0 (cost 1) with
+    # a zero gradient. The double where keeps sqrt's infinite slope at 0 out of the
+    # gradient, which would otherwise be NaN for the whole row.
+    sq = jnp.sum(xi * xi) * jnp.sum(yj * yj)
+    positive = sq > 0
+    norms = jnp.sqrt(jnp.where(positive, sq, 1.0))
+    return jnp.where(positive, 1.0 - jnp.dot(xi, yj) / (norms + _COSINE_RIDGE), 1.0)
+
+
+BUILTIN_COSTS: dict[str, CostFn] = {
+    "sqeuclidean": _sqeuclidean,
+    "euclidean": _euclidean,
+    "cosine": _cosine,
+}
+
+
+def resolve_cost(cost: Any, x: Array, y: Array) -> tuple[Callable, tuple]:
+    """A cost of ``(xi, yj, *consts)`` with its closed-over arrays hoisted out as consts.
+
+    ``x`` and ``y`` are the points in the problem's working dtype; a callable cost whose
+    value has another dtype (it closes over a float64 array while the points are
+    float32, or it returns integers) has its value cast to that dtype, so every pass and the solver loop's
+    carry keep one dtype.
+    """
+    names = tuple(BUILTIN_COSTS)
+    if isinstance(cost, str):
+        if cost not in BUILTIN_COSTS:
+            raise ValueError(f"cost must be one of {names} or a callable, got {cost!r}")
+        fn = BUILTIN_COSTS[cost]
+        return (lambda xi, yj: fn(xi, yj)), ()
+    if not callable(cost):
+        raise TypeError(f"cost must be one of {names} or a callable, got {type(cost)}")
+    try:
+        out = jax.eval_shape(cost, x[0], y[0])
+    except Exception as err:  # re-raised with the contract
+        raise TypeError(
+            "cost must be a function of two points (arrays of shape [dim]) returning a "
+            f"scalar; calling it on x[0], y[0] failed: {err}"
+        ) from err
+    if getattr(out, "shape", None) != ():
+        raise TypeError(
+            f"cost must return a scalar for two points, it returned shape "
+            f"{getattr(out, 'shape', type(out))}"
+        )
+    # Closed-over arrays (a learned metric, ...) become explicit arguments, so the
+    # custom vjp can return their gradient and the solver loop can stop it.
+    converted, consts = closure_convert(cost, x[0], y[0])
+    if out.dtype == x.dtype:
+        return converted, tuple(consts)
+    dtype = x.dtype
+
+    def in_problem_dtype(xi: Array, yj: Array, *consts: Any) -> Array:
+        return converted(xi, yj, *consts).astype(dtype)
+
+    return in_problem_dtype, tuple(consts)

@@ -1,0 +1,153 @@
+"""The chunked passes over the cost matrix that every Sinkhorn step and gradient is made of.
+
+Each pass is one :func:`memwise.pairwise_reduce` over the ``n x m`` pairs, so it holds
+one tile at a time: the soft c-transform (a ``logsumexp``, Cuturi 2013 in the log domain
+of Schmitzer 2019), a plan applied to a signed vector (a ``sum``, which a ``logsumexp``
+cannot weigh), and the statistics of the cost matrix behind the default epsilon and the
+start of epsilon annealing. Where the passes run (their tiles, and the mesh axis both
+clouds are split over) is decided once per call (:class:`Placed`), so the passes over one
+cloud alone (the divergence's self terms) run split like the passes over both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from memwise.pairwise import pairwise_reduce
+from memwise.sharding import devices, has_explicit_axes, row_sharding
+from memwise.tiling import Tiling
+
+__all__ = [
+    "DEFAULT_EPSILON_SCALE",
+    "Placed",
+    "default_epsilon",
+    "kernel_apply",
+    "max_cost",
+    "placement",
+    "safe_log",
+    "softmin",
+]
+
+Array = jax.Array
+
+# OTT-JAX's DEFAULT_EPSILON_SCALE: epsilon=None means this times the cost matrix's std.
+DEFAULT_EPSILON_SCALE = 0.05
+# epsilon=None is floored at DEFAULT_EPSILON_SCALE times this fraction of |mean(C)|.
+_EPSILON_FLOOR = 0.01
+
+
+class Placed(NamedTuple):
+    """Where every pass of one call runs: its tiles, and the mesh axis both clouds are
+    split over (None: one program)."""
+
+    tiles: Tiling
+    mesh: Any = None
+    axes: Any = None
+
+
+def _placed(where: Placed) -> dict:
+    """``pairwise_reduce`` keyword arguments for a pass placed at ``where``."""
+    return dict(chunk_size=where.tiles, mesh=where.mesh, axis_name=where.axes)
+
+
+def placement(x: Array, y: Array, tiles: Tiling) -> Placed:
+    """Both clouds split over the mesh axis either one is split over (declared, or a
+    mesh with Auto axes), when both divide evenly; else one program. Explicit mesh axes
+    are not supported yet (a ``ValueError``)."""
+    split = row_sharding(x, None, None, "x") or row_sharding(y, None, None, "y")
+    if split is None:
+        return Placed(tiles)
+    mesh, axes = split
+    if has_explicit_axes(mesh):
+        # Every pass closes over epsilon and the potentials, typed on the Explicit mesh,
+        # which shard_map cannot capture.
+        raise ValueError(
+            "mw.ot does not run split over a mesh with Explicit axes yet: make the mesh "
+            "with Auto axes (jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))) "
+            "and place x and y on it with jax.device_put(x, NamedSharding(mesh, P(axis)))"
+        )
+    if x.shape[0] % devices(mesh, axes) or y.shape[0] % devices(mesh, axes):
+        return Placed(tiles)
+    return Placed(tiles, mesh, axes)
+
+
+def softmin(
+    cost: Callable,
+    consts: tuple,
+    x: Array,
+    y: Array,
+    log_weights: Array,
+    eps: Array,
+    chunk_size: Placed,
+    *,
+    axis: int = 1,
+) -> Array:
+    """``-eps log sum_j exp(log_weights_j - C(x_i, y_j) / eps)`` for every ``i``.
+
+    ``axis=0`` reduces over ``i`` instead (``log_weights`` then index ``x``).
+    """
+    return -eps * pairwise_reduce(
+        lambda xi, yj: -cost(xi, yj, *consts) / eps,
+        x,
+        y,
+        reduce="logsumexp",
+        weights=log_weights,
+        axis=axis,
+        **_placed(chunk_size),
+    )
+
+
+def safe_log(weights: Array) -> Array:
+    """``log(weights)``; zero weights become ``-inf`` log-weights: no mass, no NaN."""
+    positive = weights > 0
+    return jnp.where(positive, jnp.log(jnp.where(positive, weights, 1.0)), -jnp.inf)
+
+
+def default_epsilon(cost: Callable, consts: tuple, x: Array, y: Array, chunk_size: Placed) -> Array:
+    """0.05 x std of all ``C(x_i, y_j)`` (OTT-JAX 0.6's default), in two chunked passes.
+
+    Floored, where OTT's is 0 or degenerate, at 0.05 x (1% of ``|mean(C)|``), or 0.05
+    when every cost is 0: then ``|mean(C)| / epsilon <= 2000``, so float32 rounding of
+    the costs stays about 1e-4 of epsilon. With every cost equal (one point, or all
+    points in one place) any epsilon gives the exact answer, ``C``; OTT's 0 gives NaN.
+    """
+
+    def mean_over_pairs(fn):
+        total = pairwise_reduce(fn, x, y, reduce="sum", **_placed(chunk_size))
+        return jnp.sum(total) / float(x.shape[0] * y.shape[0])
+
+    mean = mean_over_pairs(lambda xi, yj: cost(xi, yj, *consts))
+    # Centred second pass: avoids E[C^2] - E[C]^2 cancellation in float32.
+    var = mean_over_pairs(lambda xi, yj: (cost(xi, yj, *consts) - mean) ** 2)
+    scale = jnp.maximum(jnp.sqrt(var), _EPSILON_FLOOR * jnp.abs(mean))
+    return DEFAULT_EPSILON_SCALE * jnp.where(scale > 0, scale, 1.0)
+
+
+def kernel_apply(cost, consts, x, y, eps, chunk_size, left, right, vector, *, axis):
+    """``sum_j exp(left_i + right_j - C_ij / eps) vector_j`` (``axis=0``: sum over i).
+
+    A plan, or one of its softmaxes, applied to a signed vector, which a logsumexp
+    cannot weigh. Their exponents are <= ~0; the clip at 80 only keeps the extension of
+    a potential to zero-weight points from overflowing.
+    """
+
+    def entry(xi, yj):
+        exponent = xi[1] + yj[1] - cost(xi[0], yj[0], *consts) / eps
+        return jnp.exp(jnp.minimum(exponent, 80.0))
+
+    return pairwise_reduce(
+        entry, (x, left), (y, right), reduce="sum", weights=vector, axis=axis, **_placed(chunk_size)
+    )
+
+
+def max_cost(cost: Callable, consts: tuple, x: Array, y: Array, chunk_size: Placed) -> Array:
+    """The largest ``C(x_i, y_j)``: where epsilon annealing starts."""
+    return jnp.max(
+        pairwise_reduce(
+            lambda xi, yj: cost(xi, yj, *consts), x, y, reduce="max", **_placed(chunk_size)
+        )
+    )
