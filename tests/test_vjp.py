@@ -6,6 +6,7 @@ other tests run memwise under whatever the process's flag says (``make test-next
 turns it on).
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -44,6 +45,7 @@ def _declare(implementation, **options):
         seen["fwd spec"] = spec
         (x, y), flags = unwrap(xy)
         seen["perturbed"] = flags
+        seen["y type"] = (y.shape, y.dtype)  # arrays, even where the call passed a literal
         return value(spec, scale, (x, y)), (x, y, Static(flags))
 
     def bwd(spec, scale, residuals, ct):
@@ -53,16 +55,24 @@ def _declare(implementation, **options):
         dy = ct * scale * jnp.sum(x**spec.power)
         return ([dx if flags.value[0] else None, dy if flags.value[1] else None],)
 
-    previous = bool(getattr(jax.config, "jax_custom_vjp3", False))
-    if HAS_NEXT:
-        jax.config.update("jax_custom_vjp3", implementation == "custom_vjp3")
-    try:
+    with _implementation(implementation):
         rule = custom_vjp(value, nondiff_argnums=(0, 1), **options)
-    finally:
-        if HAS_NEXT:
-            jax.config.update("jax_custom_vjp3", previous)
     rule.defvjp(fwd, bwd)
     return rule, seen
+
+
+@contextlib.contextmanager
+def _implementation(implementation):
+    """JAX's next custom_vjp and remat on (``custom_vjp3``) or off, restored after."""
+    flags = ("jax_custom_vjp3", "jax_remat3") if HAS_NEXT else ()
+    previous = {f: bool(getattr(jax.config, f)) for f in flags}
+    for f in flags:
+        jax.config.update(f, implementation == "custom_vjp3")
+    try:
+        yield
+    finally:
+        for f, value in previous.items():
+            jax.config.update(f, value)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -88,6 +98,19 @@ def test_rules_get_the_static_arguments_as_passed(implementation):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert seen["perturbed"] == (True, True)
     np.testing.assert_allclose(jax.jit(ours)(x, y), dense(x, y), rtol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_literal_operands_under_checkpoint_reach_the_rule_as_arrays(implementation):
+    # Under jax.checkpoint the next implementation passes the program's literal (the 3
+    # below) as a Python int subclass without a shape; the rule gets an array.
+    rule, seen = _declare(implementation)
+    spec = _Spec(2, ())
+    with _implementation(implementation):
+        loss = jax.checkpoint(lambda x: rule(spec, 1.0, [x, 3]))
+    x = jnp.array([1.0, -2.0])
+    np.testing.assert_allclose(jax.grad(loss)(x), 6.0 * x, rtol=1e-6)
+    assert seen["y type"] == ((), jnp.int32)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

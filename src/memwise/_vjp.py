@@ -166,8 +166,14 @@ def _plain(static: Any) -> Any:
 
 
 def unwrap(primals: Sequence[Any]) -> tuple[list, tuple[bool, ...]]:
-    """``(values, perturbed flags)`` of ``custom_vjp(symbolic_zeros=True)`` primal inputs."""
-    return [p.value for p in primals], tuple(bool(p.perturbed) for p in primals)
+    """``(values, perturbed flags)`` of ``custom_vjp(symbolic_zeros=True)`` primal inputs.
+
+    Values are arrays: ``jax_custom_vjp3`` under ``jax.checkpoint`` passes a program's
+    integer and float literals as Python scalars (``TypedInt``, ``TypedFloat``), which
+    have no ``shape``; ``jnp.asarray`` gives the same (weakly typed) array type.
+    """
+    values = [p.value if hasattr(p.value, "shape") else jnp.asarray(p.value) for p in primals]
+    return values, tuple(bool(p.perturbed) for p in primals)
 
 
 def select(values: Sequence[Any], flags: Sequence[bool]) -> list:
