@@ -91,6 +91,7 @@ def run_table(
     quick: bool = False,
     time: bool = True,  # noqa: A002 - a column switch, not the module
     statistic: str = "median",
+    device_peak: bool = False,
 ) -> dict:
     """Measures ``variants``: compiled memory of each, interleaved wall times.
 
@@ -100,6 +101,11 @@ def run_table(
     (to ``baseline``) and the variant's ``extra`` columns. ``statistic="min"`` is for
     telling apart programs whose times differ by a few percent: other work on the
     machine only adds time, so the fastest run is the least disturbed.
+
+    ``device_peak=True`` adds ``device_peak_bytes`` where the device reports memory
+    statistics (GPUs; XLA:CPU does not): the process's peak bytes in use after each
+    variant's first run, the variants run first in ascending order of compiled peak so
+    that the process-wide peak is each one's own.
     """
     if statistic not in ("median", "min"):
         raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
@@ -128,8 +134,13 @@ def run_table(
         )
     timed = [v for v in variants if v.run] if time and not MEMORY_ONLY else []
     samples: dict[str, list[float]] = {v.name: [] for v in timed}
-    for variant in timed:  # warm-up
+    stats = jax.devices()[0].memory_stats() if device_peak else None
+    peaks = {r["variant"]: r["peak_bytes"] for r in rows}
+    for variant in sorted(timed, key=lambda v: peaks[v.name]):  # warm-up
         _block(compiled[variant.name](*variant.args))
+        if stats is not None:
+            peak = jax.devices()[0].memory_stats().get("peak_bytes_in_use")
+            next(r for r in rows if r["variant"] == variant.name)["device_peak_bytes"] = peak
     for _ in progress(range(repeats), desc=f"time {title}"):
         for variant in timed:
             start = _now()
@@ -212,9 +223,11 @@ _SKIP = {
 }
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, key: str = "") -> str:
     if value is None:
         return "-"
+    if key.endswith("_bytes") and isinstance(value, int):
+        return format_bytes(value)
     if isinstance(value, float):
         return f"{value:.3g}"
     if isinstance(value, int) and not isinstance(value, bool):
@@ -224,6 +237,8 @@ def _cell(value: Any) -> str:
 
 def markdown_table(table: dict) -> str:
     """One result table as Markdown: memory, time ratio, then the extra columns."""
+    if table.get("failure") and not table.get("rows"):
+        return f"**{table.get('title') or table.get('case')}**: {table['failure']}"
     extra_keys: list[str] = []
     for row in table["rows"]:
         extra_keys += [k for k in row if k not in _SKIP and k not in extra_keys]
@@ -241,7 +256,7 @@ def markdown_table(table: dict) -> str:
             format_bytes(row["peak_bytes"]),
             "-" if row["time_ratio"] is None else f"{row['time_ratio']:.2f}x",
             f"{row['compile_s']:.1f}",
-            *(_cell(row.get(k)) for k in extra_keys),
+            *(_cell(row.get(k), k) for k in extra_keys),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"\n{failure}" for failure in table.get("failures", [])]

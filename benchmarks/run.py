@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,23 +37,6 @@ def markdown() -> str:
         "do not edit by hand. Memory is XLA's compiled `memory_analysis()` (deterministic);",
         "times are medians of interleaved runs (the fastest run where a section says so), quoted",
         "only as ratios within one run.",
-        "",
-        "**Re-checked 2026-11-30** (compiled memory only, `MEMWISE_BENCH_MEMORY_ONLY=1`, after",
-        "the module restructuring and the reliability fixes; times not re-measured). mlp, lstm",
-        "and linearize: every figure byte-identical. pairwise: the memwise rows are now lower",
-        "than the tables below say (float32 accumulators sliced by index, and attention's",
-        '`"auto"` tile from the one bytes-per-item rule): log-sum-exp gradient temp at 20,000',
-        "1.02 -> 0.87 MiB, at 100,000 4.08 -> 3.06 MiB; attention L=16,384 forward temp",
-        "20.7 -> 18.4 MiB, gradient 24.8 -> 18.5 MiB (causal alike). kip was re-run since",
-        "(its tables below are current). pointcloud: byte-identical after the restructuring;",
-        "not re-checked after the reliability fixes (Sinkhorn now solves half-precision",
-        "inputs in float32 and floors the default epsilon).",
-        "",
-        "**Since then** the tiled primitives compute tile ids in their loops instead of baking",
-        "tables of them into the program: the memwise programs' constants (not part of the",
-        "peaks below) went to 0 (`sinkhorn_divergence` gradient at 50,000 points: 5.5 MB;",
-        "`pairwise_reduce` log-sum-exp gradient at 200,000: 3.8 MB), and their temporaries",
-        "moved by at most 16 KB (checked on those two and causal attention at L=16,384).",
     ]
     for name in scripts():
         path = harness.RESULTS / f"{name}.json"
@@ -61,18 +45,56 @@ def markdown() -> str:
         result = json.loads(path.read_text())
         info = result["machine"]
         versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+        rechecked = result.get("memory_rechecked")
         parts += [
             "",
             f"## {name}",
             "",
             f"{result['date']}, {info['backend']} ({info['processor']}, {info['cpu_count']} cores), "
-            f"{versions}{', quick mode' if result.get('quick') else ''}.",
+            f"{versions}{', quick mode' if result.get('quick') else ''}."
+            + (
+                f" Compiled memory re-measured {rechecked} (same versions, nothing run); "
+                f"times and run figures from {result['date']}."
+                if rechecked
+                else ""
+            ),
         ]
         if result.get("notes"):
             parts += ["", result["notes"].strip()]
         for table in result["tables"]:
             parts += ["", harness.markdown_table(table)]
     return "\n".join(parts) + "\n"
+
+
+# The figures of a row that compiling alone determines (memory_analysis of the program).
+MEMORY_KEYS = ("temp_bytes", "peak_bytes", "argument_bytes", "output_bytes", "forward_temp_bytes")
+
+
+def merge_memory(fresh_dir: Path, date: str) -> list[str]:
+    """Copies the compiled memory of ``fresh_dir/NAME.json`` (a ``MEMWISE_BENCH_MEMORY_ONLY=1``
+    run, rows matched by table title and variant) into ``results/NAME.json``, keeping its
+    times, and marks it re-measured on ``date``. Returns the rows whose memory changed."""
+    changed = []
+    for fresh_path in sorted(Path(fresh_dir).glob("*.json")):
+        path = harness.RESULTS / fresh_path.name
+        if not path.exists():
+            continue
+        fresh, result = json.loads(fresh_path.read_text()), json.loads(path.read_text())
+        if fresh["machine"]["versions"] != result["machine"]["versions"]:
+            raise SystemExit(f"{fresh_path.name}: other library versions; re-run it instead")
+        rows = {(t["title"], r["variant"]): r for t in fresh["tables"] for r in t["rows"]}
+        for table in result["tables"]:
+            for row in table["rows"]:
+                new = rows.get((table["title"], row["variant"]))
+                for key in MEMORY_KEYS if new else ():
+                    if key in new and key in row and new[key] != row[key]:
+                        changed.append(
+                            f"{path.stem}: {row['variant']}: {key} {row[key]:,} -> {new[key]:,}"
+                        )
+                        row[key] = new[key]
+        result["memory_rechecked"] = date
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return changed
 
 
 def write_markdown() -> Path:
@@ -92,7 +114,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only regenerate BENCHMARKS.md from saved results",
     )
+    parser.add_argument(
+        "--merge-memory",
+        metavar="DIR",
+        help="copy the compiled memory of a MEMWISE_BENCH_MEMORY_ONLY=1 run saved in DIR "
+        "(MEMWISE_BENCH_RESULTS=DIR) into results/, keeping their times",
+    )
     args = parser.parse_args(argv)
+    if args.merge_memory:
+        for line in merge_memory(Path(args.merge_memory), time.strftime("%Y-%m-%d")):
+            print(line)
+        print(f"wrote {write_markdown()}")
+        return 0
     unknown = sorted(set(args.names) - set(scripts()))
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {scripts()}")

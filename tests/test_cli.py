@@ -82,7 +82,12 @@ def test_report_module_factory_with_kwargs(user_file, capsys, monkeypatch):
     [
         (["no_colon"], "MODULE:FACTORY"),
         (["{file}:missing"], "has no function 'missing'"),
-        (["{file}:not_a_tuple"], "must return"),
+        (["{file}:not_a_tuple"], r"not_a_tuple\(\) must return .*got int"),
+        (
+            ["{file}:loss"],  # the function instead of its factory
+            r"loss takes arguments \(w, x\), but FACTORY must be a zero-argument function "
+            r"returning \(fn, args\)",
+        ),
         (["/nope/x.py:f"], "no such file"),
         (["{folder}/notes.txt:f"], "cannot load .*notes.txt' as Python code"),
         (["no_such_module_xyz:factory"], "cannot import 'no_such_module_xyz'.*run memwise from"),
@@ -159,6 +164,54 @@ def test_demo_prints_table(capsys, tmp_path):
     row = next(line for line in out.splitlines() if line.startswith("mlp "))
     assert " yes " in row
     assert plot.exists()
+
+
+def test_demo_table_leads_with_what_differs(capsys, tmp_path):
+    # A scenario about baked-in constants (a linearized network) is headlined by them,
+    # not by a peak ratio below 1 that its naive program reaches only by leaving them out.
+    kib = 1024
+    rows = [
+        dict(
+            scenario="mlp",
+            headline="peak",
+            naive_peak=176 * kib * kib,
+            memwise_peak=47 * kib * kib,
+            naive_constants=0,
+            memwise_constants=1126,
+        ),
+        dict(
+            scenario="linearize",
+            headline="constants",
+            naive_peak=943 * kib,
+            memwise_peak=1126 * kib,
+            naive_constants=78_234,
+            memwise_constants=0,
+        ),
+    ]
+    for row in rows:
+        row.update(description="d", agree="yes", seconds=1.0)
+    cli._print_demo_table(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("scenario   memwise vs naive  ")
+    assert lines[2].split()[:4] == ["mlp", "peak", "3.7x", "lower"]
+    assert lines[3].split()[:6] == ["linearize", "constants", "76.4", "KiB", "->", "0"]
+    assert "x " not in lines[3].split("->")[0]  # no peak ratio for it
+    cli._plot_demo(rows, str(tmp_path / "demo.svg"))
+    assert "constants 76.4 KiB -&gt; 0 B" in (tmp_path / "demo.svg").read_text()
+
+
+@pytest.mark.slow
+def test_linearize_scenario_is_headlined_by_the_constants_it_removes():
+    pytest.importorskip("flax")
+    row = cli._demo_row("linearize", "default")
+    assert row["headline"] == "constants" and row["agree"] == "yes"
+    assert row["naive_constants"] > 50 * 1024 and row["memwise_constants"] == 0
+    assert cli._headline(row).endswith("-> 0 B")
+
+
+def test_scenario_headline_is_checked():
+    with pytest.raises(ValueError, match="headline must be one of"):
+        scenarios.Scenario("x", "d", abs, abs, (), headline="speed")
 
 
 def test_demo_unknown_scenario(capsys):
@@ -245,3 +298,21 @@ def test_report_timeline_text_json_and_plot(user_file, capsys, tmp_path):
     data = json.loads(capsys.readouterr().out)
     assert data["timeline"]["peak_bytes"] == max(data["timeline"]["live_bytes"]) > 0
     assert "live memory along the compiled schedule" in plot.read_text()
+
+
+def test_report_writes_both_plots_in_one_call(user_file, capsys, tmp_path):
+    residuals, timeline = tmp_path / "residuals.svg", tmp_path / "timeline.svg"
+    argv = ["report", f"{user_file}:factory", "--grad", "--plot", str(residuals)]
+    assert cli.main([*argv, "--timeline-plot", str(timeline)]) == 0
+    assert "memory timeline" in capsys.readouterr().out  # --timeline-plot implies it
+    assert "MiB kept for the backward pass" in residuals.read_text()
+    assert "live memory along the compiled schedule" in timeline.read_text()
+    # --plot stays the residuals' chart with --timeline when --timeline-plot is given
+    residuals.unlink()
+    assert cli.main([*argv, "--timeline", "--timeline-plot", str(timeline)]) == 0
+    assert "MiB kept for the backward pass" in residuals.read_text()
+    capsys.readouterr()
+    assert cli.main([*argv, "--timeline-plot", str(residuals)]) == 2
+    assert "both name" in capsys.readouterr().err
+    assert cli.main([*argv, "--timeline-plot", str(tmp_path / "no" / "t.png")]) == 2
+    assert "cannot write --timeline-plot" in capsys.readouterr().err

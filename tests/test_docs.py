@@ -16,6 +16,7 @@ devices (as tests/_multidevice.py runs the other multi-device tests). Shell bloc
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import re
@@ -244,3 +245,39 @@ def test_every_illustrative_block_is_listed_with_a_reason():
 def test_the_guides_exist():
     missing = [path for path in GUIDES if not (ROOT / path).exists()]
     assert not missing, f"guides missing: {missing}"
+
+
+def _imported_and_bound(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """(names bound by imports, every name the code binds) of a parsed block."""
+    imported, bound = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                name = alias.asname or alias.name.split(".")[0]
+                imported.add(name)
+                bound.add(name)
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return imported, bound
+
+
+def test_readme_blocks_that_open_with_imports_stand_alone():
+    # The suite runs a file's blocks in one namespace, so a block that uses `jax` without
+    # importing it passes here and fails with a NameError when pasted alone. A README
+    # block that opens with imports is one a reader pastes alone: it imports every module
+    # it uses (a module: a name some README block imports).
+    parsed = [(b, ast.parse(b.code)) for b in python_blocks("README.md")]
+    modules = set().union(*(_imported_and_bound(tree)[0] for _, tree in parsed))
+    missing = {}
+    for block, tree in parsed:
+        if not tree.body or not isinstance(tree.body[0], (ast.Import, ast.ImportFrom)):
+            continue
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        unbound = sorted((used & modules) - _imported_and_bound(tree)[1])
+        if unbound:
+            missing[f"README.md:{block.line}"] = unbound
+    assert not missing, f"blocks that use modules they do not import: {missing}"

@@ -42,3 +42,57 @@ def test_unknown_baseline():
 def test_runner_knows_scripts():
     assert "mlp" in run.scripts()
     assert "harness" not in run.scripts() and "run" not in run.scripts()
+
+
+def test_merge_memory_keeps_times_and_says_when_memory_was_remeasured(tmp_path, monkeypatch):
+    # A memory-only run updates the compiled figures of matching rows; the times, the run
+    # figures and rows it did not measure stay those of the timed run.
+    timed = {
+        "title": "t",
+        "baseline": "a",
+        "rows": [
+            {
+                "variant": "a",
+                "temp_bytes": 10,
+                "peak_bytes": 20,
+                "time_ratio": 1.0,
+                "compile_s": 1.0,
+            },
+            {
+                "variant": "b",
+                "temp_bytes": 30,
+                "peak_bytes": 40,
+                "time_ratio": 2.5,
+                "compile_s": 1.0,
+            },
+        ],
+    }
+    fresh = {
+        "title": "t",
+        "baseline": "a",
+        "rows": [
+            {
+                "variant": "a",
+                "temp_bytes": 8,
+                "peak_bytes": 18,
+                "time_ratio": None,
+                "compile_s": 9.0,
+            },
+        ],
+    }
+    results, memory_only = tmp_path / "results", tmp_path / "fresh"
+    monkeypatch.setattr(harness, "RESULTS", results)
+    harness.save("unit", [timed])
+    monkeypatch.setattr(harness, "RESULTS", memory_only)
+    harness.save("unit", [fresh])
+    monkeypatch.setattr(harness, "RESULTS", results)
+    changed = run.merge_memory(memory_only, "2026-12-01")
+    assert changed == ["unit: a: temp_bytes 10 -> 8", "unit: a: peak_bytes 20 -> 18"]
+    merged = json.loads((results / "unit.json").read_text())
+    a, b = merged["tables"][0]["rows"]
+    assert (a["temp_bytes"], a["time_ratio"], a["compile_s"]) == (8, 1.0, 1.0)
+    assert (b["temp_bytes"], b["time_ratio"]) == (30, 2.5)
+    monkeypatch.setattr(run, "scripts", lambda: ["unit"])
+    page = run.markdown()
+    assert "Compiled memory re-measured 2026-12-01 (same versions, nothing run)" in page
+    assert "Re-checked" not in page and "Since then" not in page

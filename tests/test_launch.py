@@ -124,3 +124,23 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     )
     assert proc.returncode != 0 and "no such script" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "option, words",
+    [
+        (["--port", "99999"], "--port 99999 is not a TCP port; pass one in 1-65535"),
+        (["--port", "0"], "--port 0 is not a TCP port"),
+        (["--timeout", "-3"], "--timeout -3 must be a positive number of seconds"),
+        (["--timeout", "nan"], "--timeout nan must be a positive number"),
+        (["--init-timeout", "0"], "--init-timeout 0 must be >= 1"),
+    ],
+)
+def test_out_of_range_options_are_refused_before_any_process_starts(tmp_path, option, words):
+    from memwise.launch import main
+
+    script = tmp_path / "never_run.py"
+    script.write_text("raise SystemExit(7)\n")
+    with pytest.raises(SystemExit) as info:
+        main(["-n", "2", *option, str(script)])
+    assert words in str(info.value.code), info.value.code

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _close import assert_close
 
@@ -295,6 +296,218 @@ def test_matrix(case_name, shape_name, dtype_name, transform):
 
 
 # --------------------------------------------------------------------------------------
+# Closures over integers traced by an enclosing transformation.
+#
+# The function given to a primitive reads an integer ``k`` that an enclosing loop,
+# branch, checkpoint or jit traces (nested loops whose inner bound is the outer
+# counter; a solver loop that carries its step count). Each row is ``(memwise,
+# reference)``, both ``(w, k) -> array`` with ``w`` a float32 vector and ``k`` an int32
+# scalar; the reference is the plain-JAX computation (``lax.scan``, a masked scan for
+# the while loop, dense maps and reductions, ``jax.jvp``, a dense Sinkhorn), evaluated
+# in float64 under the same enclosing transformation.
+
+_XS = jnp.linspace(-1.0, 1.0, 15).reshape(5, 3)
+_YS = jnp.linspace(-0.5, 1.5, 12).reshape(4, 3)
+
+
+def _closure_scan(w, k):
+    step = lambda h, x: (jnp.tanh(w * h + x) + 0.1 * k, h * k)  # noqa: E731
+    return step, jnp.zeros(3, w.dtype), _XS.astype(w.dtype)
+
+
+def _closure_scan_carried(w, k):
+    # k is a carry leaf the body returns unchanged (a loop constant).
+    step = lambda c, x: ((jnp.tanh(w * c[0] + x) * c[1], c[1]), c[0])  # noqa: E731
+    return step, (jnp.zeros(3, w.dtype), k), _XS.astype(w.dtype)
+
+
+def _closure_while(carried):
+    """A loop of k + 1 steps whose bound (and a term of the body) is the integer k; with
+    ``carried``, k travels in the carry unchanged, as a solver's ``max_steps`` does."""
+
+    def parts(w, k):
+        def body(s):
+            h, i = s[0], s[1]
+            bound = s[2] if carried else k
+            return (jnp.tanh(w * h) + 0.1 * bound, i + 1) + ((s[2],) if carried else ())
+
+        def cond(s):
+            return s[1] < (s[2] if carried else k) + 1
+
+        init = (jnp.ones(3, w.dtype), jnp.int32(0)) + ((k,) if carried else ())
+        return cond, body, init
+
+    def memwise(w, k):
+        cond, body, init = parts(w, k)
+        return mw.while_loop(cond, body, init, max_steps=8, checkpoints=2)[0]
+
+    def reference(w, k):  # the same steps as a scan of max_steps, masked past the bound
+        cond, body, init = parts(w, k)
+        step = lambda s, _: (jax.tree.map(functools.partial(jnp.where, cond(s)), body(s), s), None)  # noqa: E731
+        return jax.lax.scan(step, init, None, length=8)[0][0]
+
+    return memwise, reference
+
+
+def _dense_reg_cost(cost, x, y, epsilon=0.5, iterations=300):
+    """Dense log-domain Sinkhorn between uniform clouds, envelope gradient by autodiff."""
+    c = jax.vmap(jax.vmap(cost, (None, 0)), (0, None))(x, y)
+    c0 = jax.lax.stop_gradient(c)
+    log_a, log_b = -jnp.log(len(x)) * jnp.ones(len(x)), -jnp.log(len(y)) * jnp.ones(len(y))
+
+    def step(g, _):
+        f = -epsilon * jax.nn.logsumexp(log_b + (g - c0) / epsilon, axis=1)
+        return -epsilon * jax.nn.logsumexp(log_a[:, None] + (f[:, None] - c0) / epsilon, 0), None
+
+    g = jax.lax.scan(step, jnp.zeros(len(y), c.dtype), None, length=iterations)[0]
+    f = -epsilon * jax.nn.logsumexp(log_b + (g - c0) / epsilon, axis=1)
+    f, g = jax.lax.stop_gradient((f, g))
+    a, b = jnp.exp(log_a), jnp.exp(log_b)
+    plan = a[:, None] * b[None] * jnp.exp((f[:, None] + g[None] - c) / epsilon)
+    return a @ f + b @ g + epsilon * (1.0 - plan.sum())
+
+
+def _lin_net(k):
+    return lambda p, x: jnp.tanh(x * p).sum(-1) * k
+
+
+def _ntk_net(k):
+    return lambda p, x: jnp.tanh(x * p) * k
+
+
+def _dense_ntk(net, p, xs):
+    jac = jax.jacobian(lambda p: net(p, xs))(p)  # (n, out, params)
+    return jnp.einsum("iap,jbp->ijab", jac, jac)
+
+
+def _ot_cost(w, k):
+    return lambda u, v: jnp.sum((u - v * w) ** 2) / k
+
+
+CLOSURE_PRIMITIVES = {
+    "scan": (
+        lambda w, k: jnp.concatenate(mw.scan(*_closure_scan(w, k), checkpoints=2)[1]),
+        lambda w, k: jnp.concatenate(jax.lax.scan(*_closure_scan(w, k))[1]),
+    ),
+    "scan_carried_int": (
+        lambda w, k: mw.scan(*_closure_scan_carried(w, k), checkpoints=2)[1].ravel(),
+        lambda w, k: jax.lax.scan(*_closure_scan_carried(w, k))[1].ravel(),
+    ),
+    "while_loop": _closure_while(carried=False),
+    "while_loop_carried_int": _closure_while(carried=True),
+    "chunked_map": (
+        lambda w, k: mw.chunked_map(
+            lambda x: jnp.sin(w * x) + k, _XS.astype(w.dtype), chunk_size=2
+        ),
+        lambda w, k: jnp.sin(w * _XS.astype(w.dtype)) + k,
+    ),
+    "chunked_sum": (
+        lambda w, k: mw.chunked_sum(
+            lambda x: jnp.sin(w * x) * k, _XS.astype(w.dtype), chunk_size=2
+        ),
+        lambda w, k: jnp.sum(jnp.sin(w * _XS.astype(w.dtype)) * k, 0),
+    ),
+    "pairwise_reduce": (
+        lambda w, k: mw.pairwise_reduce(
+            lambda a, b: -jnp.sum((a - b * w) ** 2) / k,
+            _XS.astype(w.dtype),
+            _YS.astype(w.dtype),
+            reduce="logsumexp",
+            chunk_size=(2, 3),
+        ),
+        lambda w, k: jax.nn.logsumexp(
+            -jnp.sum((_XS[:, None].astype(w.dtype) - _YS[None].astype(w.dtype) * w) ** 2, -1) / k,
+            1,
+        ),
+    ),
+    "linearize": (
+        lambda w, k: mw.linearize(_lin_net(k), w)(1.5 * w, _XS.astype(w.dtype)),
+        lambda w, k: sum(jax.jvp(lambda p: _lin_net(k)(p, _XS.astype(w.dtype)), (w,), (0.5 * w,))),
+    ),
+    "ntk_empirical": (
+        lambda w, k: mw.ntk.empirical(_ntk_net(k), w, _XS.astype(w.dtype), chunk_size=2),
+        lambda w, k: _dense_ntk(_ntk_net(k), w, _XS.astype(w.dtype)),
+    ),
+    "sinkhorn": (
+        lambda w, k: (
+            mw.ot.sinkhorn(
+                _XS.astype(w.dtype),
+                _YS.astype(w.dtype),
+                epsilon=0.5,
+                cost=_ot_cost(w, k),
+                chunk_size=3,
+                threshold=1e-7,
+            ).reg_ot_cost
+        ),
+        lambda w, k: _dense_reg_cost(_ot_cost(w, k), _XS.astype(w.dtype), _YS.astype(w.dtype)),
+    ),
+}
+
+
+def _sq(prim):
+    return lambda w, k: jnp.sum(jnp.asarray(prim(w, k), jnp.float64) ** 2)
+
+
+# Each ``(prim, w) -> loss`` calls prim with an int32 k traced by the named enclosing
+# transformation (k = 1 and 2 where it loops).
+ENCLOSING = {
+    "scan": lambda prim, w: jax.lax.scan(
+        lambda acc, k: (acc + _sq(prim)(w, k), None), 0.0, jnp.arange(1, 3, dtype=jnp.int32)
+    )[0],
+    "fori_loop": lambda prim, w: jax.lax.fori_loop(
+        1, 3, lambda k, acc: acc + _sq(prim)(w, k), jnp.float64(0.0)
+    ),
+    "map": lambda prim, w: jax.lax.map(
+        lambda k: _sq(prim)(w, k), jnp.arange(1, 3, dtype=jnp.int32)
+    ).sum(),
+    "vmap": lambda prim, w: jax.vmap(lambda k: _sq(prim)(w, k))(
+        jnp.arange(1, 3, dtype=jnp.int32)
+    ).sum(),
+    "cond": lambda prim, w: jax.lax.cond(
+        jnp.sum(w) < 100.0,
+        _sq(prim),
+        lambda w, k: jnp.sum(w * 0.0, dtype=jnp.float64),
+        w,
+        jnp.int32(2),
+    ),
+    "switch": lambda prim, w: jax.lax.switch(
+        jnp.int32(1), [_sq(prim), lambda w, k: _sq(prim)(w, k + 1)], w, jnp.int32(1)
+    ),
+    "checkpoint": lambda prim, w: jax.checkpoint(_sq(prim))(w, jnp.int32(2)),
+    "jit": lambda prim, w: jax.jit(_sq(prim))(w, jnp.int32(2)),
+}
+
+
+@pytest.mark.parametrize("enclosing", sorted(ENCLOSING))
+@pytest.mark.parametrize("primitive", sorted(CLOSURE_PRIMITIVES))
+@pytest.mark.slow
+def test_closes_over_an_int_traced_by_an_enclosing_transformation(primitive, enclosing):
+    ours, reference = CLOSURE_PRIMITIVES[primitive]
+    wrap = ENCLOSING[enclosing]
+    w = jnp.array([0.7, -0.4, 1.1], jnp.float32)
+    value, grad = jax.value_and_grad(lambda w: wrap(ours, w))(w)
+    expected, expected_grad = jax.value_and_grad(lambda w: wrap(reference, w))(
+        w.astype(jnp.float64)
+    )
+    assert grad.dtype == jnp.float32
+    _close(value, expected, "float32", "value", min_tolerance=1e-5)
+    _close(grad, expected_grad, "float32", "gradient", min_tolerance=1e-5)
+
+
+def test_int_traced_by_a_jit_under_grad_matches_lax_scan():
+    """A body that reads an int traced by an enclosing jit, that jit under grad."""
+
+    def loss(scan, w, n):
+        return scan(lambda h, x: (jnp.sin(w * h) + n * 2, None), jnp.ones(2), None, length=5)[
+            0
+        ].sum()
+
+    ours = jax.grad(jax.jit(functools.partial(loss, mw.scan)))(0.7, 2)
+    expected = jax.grad(jax.jit(functools.partial(loss, jax.lax.scan)))(0.7, 2)
+    assert_close(ours, expected, 1e-6, "gradient")
+
+
+# --------------------------------------------------------------------------------------
 # Bad input: a memwise TypeError/ValueError that names the argument, never a raw JAX
 # traceback.
 
@@ -336,6 +549,52 @@ BAD_INPUTS = {
         lambda: mw.pairwise_reduce(_PAIR, _X, _X, chunk_size="big"),
         ValueError,
         "chunk_size",
+    ),
+    # Non-arrays among the data: the primitive's own argument, not "not a valid JAX type".
+    "chunked_map xs string": (
+        lambda: mw.chunked_map(jnp.sin, "abc", chunk_size=2),
+        TypeError,
+        "xs must be an array, got 'abc' (type str)",
+    ),
+    "chunked_sum xs object leaf": (
+        lambda: mw.chunked_sum(jnp.sin, {"a": _X, "b": object()}, chunk_size=2),
+        TypeError,
+        "xs['b'] must be an array",
+    ),
+    "chunked_map xs string array": (
+        lambda: mw.chunked_map(len, np.array(["ab", "cd"]), chunk_size=2),
+        TypeError,
+        "(type ndarray, dtype <U2)",
+    ),
+    "pairwise x string": (
+        lambda: mw.pairwise_reduce(_PAIR, "abc", _X),
+        TypeError,
+        "x must be an array, got 'abc' (type str)",
+    ),
+    "pairwise y object": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, object()),
+        TypeError,
+        "(type object)",
+    ),
+    "pairwise weights string": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, weights="abc"),
+        TypeError,
+        "weights must be an array, got 'abc'",
+    ),
+    "while_loop init string": (
+        lambda: mw.while_loop(lambda s: s < 3, lambda s: s + 1, "abc", max_steps=3),
+        TypeError,
+        "init must be an array, got 'abc' (type str)",
+    ),
+    "while_loop init object leaf": (
+        lambda: mw.while_loop(lambda s: True, lambda s: s, (0.0, object()), checkpoints=2),
+        TypeError,
+        "init[1] must be an array",
+    ),
+    "scan init string": (
+        lambda: mw.scan(_STEP, "abc", _X),
+        TypeError,
+        "init must be an array, got 'abc' (type str)",
     ),
     "attention shapes": (lambda: mw.attention(_K, _K[:, :, :3], _K), ValueError, "feature dim"),
     "attention float mask": (
@@ -384,6 +643,27 @@ BAD_INPUTS = {
         lambda: mw.scan(lambda h, x: (h.astype(int), None), jnp.zeros(2), _X),
         TypeError,
         "carry",
+    ),
+    "scan Python float carry returned as int32": (
+        lambda: mw.scan(lambda h, x: (h.astype(jnp.int32), None), 0.0, _X),
+        TypeError,
+        "changed the type of the carry: init is float64[] (weakly typed",
+    ),
+    "scan carry leaf path": (
+        lambda: mw.scan(
+            lambda c, x: ({"h": c["h"] + x, "n": c["n"] + 0.5}, None),
+            {"h": jnp.zeros(2), "n": jnp.int32(0)},
+            _X,
+        ),
+        TypeError,
+        "carry['n']: init is int32[] but f returned float64[]",
+    ),
+    "while_loop Python float carry returned as int32": (
+        lambda: mw.while_loop(
+            lambda s: s < 3, lambda s: (s + 1).astype(jnp.int32), 0.0, max_steps=5
+        ),
+        TypeError,
+        "body_fun changed the type of the carry",
     ),
     "while_loop max_steps": (
         lambda: mw.while_loop(lambda s: s < 3, lambda s: s + 1, 0.0, max_steps=0),

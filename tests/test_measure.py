@@ -503,3 +503,22 @@ def test_format_bytes():
     assert measure.format_bytes(0) == "0 B"
     assert measure.format_bytes(1536) == "1.5 KiB"
     assert measure.format_bytes(3 * 2**30) == "3.0 GiB"
+
+
+def test_a_derivative_helper_is_named_for_the_operation_it_differentiates():
+    # jnp.tanh keeps tanh(x) and 1 - tanh(x); JAX names the second "sub", which is not in
+    # the user's code. h ** 2 keeps 2 * h ("mul"). A helper with a telling name keeps it
+    # (sin keeps cos), and the user's own arithmetic that a later operation needs stays
+    # itself (log keeps its input, exp(x) - 0.5).
+    def layer(w, x):
+        h = jnp.tanh(x @ w)  # tanh line
+        return jnp.sum(h**2)  # square line
+
+    kept = {r.what for r in mw.measure.residuals(layer, jnp.ones((4, 4)), jnp.ones((2, 4)))}
+    assert kept == {"tanh, tanh derivative", "integer_pow derivative", "argument"}, kept
+    sin = mw.measure.residuals(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(8))
+    assert [r.what for r in sin] == ["cos"]
+    own = mw.measure.residuals(lambda x: jnp.sum(jnp.log(jnp.exp(x) - 0.5)), jnp.ones(8))
+    assert [r.what for r in own] == ["exp, sub"]
+    sigmoid = mw.measure.residuals(lambda x: jnp.sum(jax.nn.sigmoid(x)), jnp.ones(8))
+    assert [r.what for r in sigmoid] == ["logistic derivative"]

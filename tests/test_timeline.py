@@ -228,6 +228,11 @@ def test_to_dict_plot_and_text(tmp_path):
     assert path.stat().st_size > 10_000
     with pytest.raises(ValueError, match=r"no \.bogus format"):
         tl.plot(tmp_path / "timeline.bogus")
+    # The CLI's check, shared: matplotlib's own FileNotFoundError would not say what to do.
+    with pytest.raises(ValueError, match=r"cannot write path .*does not exist.*writable folder"):
+        tl.plot(tmp_path / "missing" / "timeline.png")
+    with pytest.raises(ValueError, match="it is a folder; pass a file path"):
+        tl.plot(tmp_path)
     assert "memory timeline: gradient of checkpointed" in tl.to_text()
 
 

@@ -8,6 +8,11 @@ saved-residual analysis names arguments through them). Everything a trace would 
 with a raw JAX traceback (a string or a function among the traced arguments, argnums out
 of range or naming a static argument) is checked first, with a message that names the
 argument and the fix.
+
+It is also the one place for the check every primitive makes of its data arguments
+(:func:`check_arrays`: a carry, the items to map over, the points of a reduction), so a
+string or an object there is named by the primitive's own argument, never by JAX's
+"not a valid JAX type".
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax
 
 __all__ = [
     "abstract",
+    "check_arrays",
     "check_static_options",
     "describe",
     "index_tuple",
@@ -166,12 +172,50 @@ def describe(fn: Callable, where: int | str) -> str:
     return f"argument {where}" + (f" ({positional[where]!r})" if where < len(positional) else "")
 
 
+# NumPy dtype kinds JAX cannot hold: strings, bytes, Python objects, dates and times.
+_NOT_NUMERIC = frozenset("USOMm")
+
+
 def _is_array_like(leaf: Any) -> bool:
+    if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__jax_array__"):
+        return True
+    dtype = getattr(leaf, "dtype", None)
+    # getattr: JAX's extended dtypes (PRNG keys) are arrays without a NumPy kind
     return (
-        isinstance(leaf, (bool, int, float, complex))
-        or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
-        or hasattr(leaf, "__jax_array__")
+        hasattr(leaf, "shape")
+        and dtype is not None
+        and getattr(dtype, "kind", "") not in _NOT_NUMERIC
     )
+
+
+def check_arrays(value: Any, arg: str) -> None:
+    """Raises a ``TypeError`` naming ``arg`` unless every leaf of ``value`` is an array.
+
+    Arrays (JAX or NumPy, of numbers or booleans) and Python numbers pass; a string, an
+    object or an array of strings is named with its place in the pytree
+    (``init['a'] must be an array, got 'abc' (type str)``), where JAX would say only that the value "is not a valid
+    JAX type". Lists and tuples are pytrees, as everywhere in JAX: their items are the
+    leaves.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> check_arrays({"w": jnp.ones(2), "n": 3}, "init")
+        >>> check_arrays({"w": "abc"}, "init")
+        Traceback (most recent call last):
+        ...
+        TypeError: init['w'] must be an array, got 'abc' (type str); pass a JAX or NumPy array ...
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if not _is_array_like(leaf):
+            kind = type(leaf).__name__
+            if getattr(leaf, "dtype", None) is not None:
+                kind = f"{kind}, dtype {leaf.dtype}"
+            shown = repr(leaf) if len(repr(leaf)) <= 40 else repr(leaf)[:37] + "..."
+            raise TypeError(
+                f"{arg}{jax.tree_util.keystr(path)} must be an array, got {shown} (type {kind}); "
+                "pass a JAX or NumPy array of numbers (or a pytree of them)"
+            )
 
 
 def _check_traceable(fn: Callable, args: Sequence[Any], kwargs: dict) -> None:

@@ -71,7 +71,7 @@ class Loop:
 
     Attributes:
       body: ``(carry, x, *consts) -> (new_carry, y)`` on lists of leaves, the user's
-        function with its closed-over arrays made arguments (``jax.closure_convert``).
+        function with its closed-over arrays made arguments (:func:`memwise._vjp.closure_convert`).
       schedule: the binomial schedule of ``schedule.n_steps`` steps.
       reverse, unroll: as in ``lax.scan`` (the forward pass only).
       forward_mode_error, second_order_error: the ``TypeError`` messages for forward

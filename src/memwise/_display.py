@@ -34,17 +34,36 @@ def _pyplot():
 
 
 def check_plot_path(path: str | os.PathLike, arg: str = "path") -> None:
-    """Raises ``ValueError`` naming ``arg`` when matplotlib cannot write ``path``'s format.
+    """Raises ``ValueError`` naming ``arg`` when a plot cannot be written to ``path``.
 
-    A path without an extension is written in matplotlib's default format (PNG).
+    Checked before any work: ``path`` must not be a folder, its folder must exist and be
+    writable, and matplotlib must know its format (a path without an extension is
+    written in matplotlib's default format, PNG). The CLI's ``--plot`` and every
+    ``plot`` method share this check, with one wording.
+
+    Example::
+
+        >>> check_plot_path("no/such/folder/peak.png")
+        Traceback (most recent call last):
+        ...
+        ValueError: cannot write path 'no/such/folder/peak.png': folder ... does not exist ...
     """
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        raise ValueError(f"cannot write {arg} {text!r}: it is a folder; pass a file path")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"cannot write {arg} {text!r}: folder {folder!r} does not exist or is not "
+            "writable; pass a path in a writable folder"
+        )
     _pyplot()
     from matplotlib.backend_bases import FigureCanvasBase
 
-    extension = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    extension = os.path.splitext(text)[1].lower().lstrip(".")
     supported = sorted(FigureCanvasBase.get_supported_filetypes())
     if extension and extension not in supported:
         raise ValueError(
-            f"cannot write {arg} {os.fspath(path)!r}: matplotlib has no .{extension} format; "
+            f"cannot write {arg} {text!r}: matplotlib has no .{extension} format; "
             f"end the file name with one of {', '.join('.' + e for e in supported)}"
         )

@@ -19,7 +19,9 @@ This module holds the small pieces those rules share:
   and the sublist a ``jax.vjp`` differentiates, and back to the list of cotangents a
   backward rule returns (``None`` for a zero);
 * :func:`is_zero` / :func:`dense` recognise and instantiate symbolic-zero cotangents;
-* :func:`add` accumulates cotangents in a loop carry.
+* :func:`add` accumulates cotangents in a loop carry;
+* :func:`closure_convert` makes every traced value a user's function closes over an
+  explicit argument of the custom VJP, integers and booleans included.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
@@ -48,6 +51,7 @@ __all__ = [
     "dense",
     "is_differentiable",
     "add",
+    "closure_convert",
 ]
 
 
@@ -224,3 +228,61 @@ def is_differentiable(leaf: Any) -> bool:
 def add(acc: Sequence[Any], new: Sequence[Any]) -> list:
     """Accumulated cotangents plus new ones, cast to the accumulators' dtypes."""
     return [a + n.astype(a.dtype) for a, n in zip(acc, new)]
+
+
+def closure_convert(fn: Callable, *examples: Any) -> tuple[Callable, list]:
+    """``jax.closure_convert(fn, *examples)`` that hoists every traced constant.
+
+    Returns ``(converted, consts)``: ``converted(*args, *consts)`` computes
+    ``fn(*args)`` for arguments shaped like ``examples``, and ``consts`` are the traced
+    values (tracers of an enclosing ``jit``, ``scan``, ``fori_loop``, ``cond`` branch,
+    ``jax.checkpoint``, ``vmap`` or ``grad``) that ``fn`` reads from its closure.
+
+    Why not ``jax.closure_convert`` itself: it hoists only the values that may carry a
+    tangent (floating-point tracers) and leaves integer and boolean tracers inside the
+    converted function. A custom VJP holds that function as static data and traces its
+    rules later, elsewhere (the backward pass of an enclosing loop, the transpose of an
+    enclosing ``jit``), where such a tracer is out of scope: JAX raises
+    ``UnexpectedTracerError`` or "No constant handler". Here they are arguments too, of
+    the custom VJP; their flags say they are not perturbed, so their cotangent is zero
+    (``float0``). Concrete arrays stay inside the function as constants.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> hoisted = []
+        >>> def scale(n):
+        ...     converted, consts = closure_convert(lambda x: x * n, jnp.ones(2))
+        ...     hoisted.append([str(c.dtype) for c in consts])
+        ...     return converted(jnp.ones(2), *consts)
+        >>> jax.jit(scale)(3)  # n is an int32 tracer of the jit: an argument, not a constant
+        Array([3., 3.], dtype=float32)
+        >>> hoisted
+        [['int32']]
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*examples)
+    jaxpr = closed.jaxpr
+    traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+    kept_vars = [v for v, t in zip(jaxpr.constvars, traced) if not t]
+    hoisted_vars = [v for v, t in zip(jaxpr.constvars, traced) if t]
+    consts = [c for c, t in zip(closed.consts, traced) if t]
+    run = jax.extend.core.jaxpr_as_fun(
+        jax.extend.core.ClosedJaxpr(
+            jaxpr.replace(constvars=kept_vars, invars=list(jaxpr.invars) + hoisted_vars),
+            [c for c, t in zip(closed.consts, traced) if not t],
+        )
+    )
+    in_tree = jax.tree.structure(examples)
+    out_tree = jax.tree.structure(out_shape)
+    n_args = len(examples)
+
+    def converted(*args_and_consts: Any) -> Any:
+        args, hoisted = args_and_consts[:n_args], args_and_consts[n_args:]
+        leaves, tree = jax.tree.flatten(args)
+        if tree != in_tree:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
+            raise TypeError(
+                f"a closure-converted function takes arguments structured as {in_tree}, got {tree}"
+            )
+        return jax.tree.unflatten(out_tree, run(*leaves, *hoisted))
+
+    return converted, consts

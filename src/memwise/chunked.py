@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from memwise._arguments import check_arrays
 from memwise._vjp import (
     Static,
     add,
@@ -227,6 +228,7 @@ def _chunked_1d(f, xs, chunk_size, kind, mesh, axis_name, *, follow_data=True):
     if not callable(f):
         raise TypeError(f"f must be a callable of one item of xs, got {type(f).__name__}")
     _check_chunk_size(chunk_size)
+    check_arrays(xs, "xs")
     xs = jax.tree.map(jnp.asarray, xs)
     if leading_length(xs, "xs") == 0:
         return _empty_result(f, xs, kind)

@@ -3,8 +3,9 @@
 ``demo`` compiles each scenario's naive and memwise programs, compares their compiled
 peaks (XLA ``memory_analysis()``), runs them where they fit and checks they agree.
 ``report`` prints the memory report of a user's function (``--timeline``: live
-memory along its compiled schedule). ``bench`` runs the benchmark
-scripts of a source checkout and regenerates BENCHMARKS.md.
+memory along its compiled schedule; ``--plot`` and ``--timeline-plot``: either plot, or
+both). ``bench`` runs the benchmark scripts of a source checkout and regenerates
+BENCHMARKS.md.
 
 Exit status: 0 on success, 1 when a budget cannot be met (or a demo disagrees), 2 for a
 usage error (bad arguments or budget, a module or factory that cannot be found, input
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -42,24 +44,17 @@ def _raised_by_memwise(error: BaseException) -> bool:
     return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
 
 
-def _check_plot_path(plot: str | None) -> None:
-    """Fail before compiling anything when --plot cannot be written."""
+def _check_plot_path(plot: str | None, option: str = "--plot") -> None:
+    """Fail before compiling anything when a plot cannot be written (the check every
+    ``plot`` method makes, with the option's name)."""
     if plot is None:
         return
-    folder = os.path.dirname(os.path.abspath(plot))
-    if os.path.isdir(plot):
-        raise UsageError(f"cannot write --plot {plot!r}: it is a folder; pass a file path")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise UsageError(
-            f"cannot write --plot {plot!r}: folder {folder!r} does not exist or is not "
-            "writable; pass a path in a writable folder"
-        )
     try:
-        from memwise.measure import check_plot_path
+        from memwise._display import check_plot_path
 
-        check_plot_path(plot, "--plot")
+        check_plot_path(plot, option)
     except ImportError as error:
-        raise UsageError(f"--plot {error}") from None
+        raise UsageError(f"{option} {error}") from None
     except ValueError as error:
         raise UsageError(str(error)) from None
 
@@ -101,7 +96,20 @@ def _demo_row(name: str, size: str) -> dict:
         "memwise_constants": memwise_mem.constant_bytes,
         "agree": agree,
         "seconds": time.perf_counter() - start,
+        "headline": scenario.headline,
     }
+
+
+def _headline(row: dict) -> str:
+    """The figure a scenario is about: its peak, or (a naive program that fails to load
+    because of what it bakes in) its constants."""
+    from memwise.measure import format_bytes
+
+    if row.get("headline", "peak") == "constants":
+        naive, mine = row["naive_constants"], row["memwise_constants"]
+        return f"constants {format_bytes(naive)} -> {format_bytes(mine)}"
+    ratio = row["naive_peak"] / max(row["memwise_peak"], 1)
+    return f"peak {ratio:.1f}x lower" if ratio >= 1 else f"peak {1 / ratio:.1f}x higher"
 
 
 def _print_demo_table(rows: Sequence[dict]) -> None:
@@ -109,9 +117,9 @@ def _print_demo_table(rows: Sequence[dict]) -> None:
 
     header = (
         "scenario",
+        "memwise vs naive",
         "naive peak",
         "memwise peak",
-        "ratio",
         "constants naive/memwise",
         "agree",
         "wall s",
@@ -119,9 +127,9 @@ def _print_demo_table(rows: Sequence[dict]) -> None:
     cells = [
         (
             r["scenario"],
+            _headline(r),
             format_bytes(r["naive_peak"]),
             format_bytes(r["memwise_peak"]),
-            f"{r['naive_peak'] / max(r['memwise_peak'], 1):.1f}x",
             f"{format_bytes(r['naive_constants'])} / {format_bytes(r['memwise_constants'])}",
             r["agree"],
             f"{r['seconds']:.1f}",
@@ -129,7 +137,8 @@ def _print_demo_table(rows: Sequence[dict]) -> None:
         for r in rows
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    line = "  ".join(f"{{:<{w}}}" if i in (0, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
+    left = (0, 1, 5)
+    line = "  ".join(f"{{:<{w}}}" if i in left else f"{{:>{w}}}" for i, w in enumerate(widths))
     print(line.format(*header))
     print(line.format(*("-" * w for w in widths)))
     for c in cells:
@@ -143,9 +152,8 @@ def _plot_demo(rows: Sequence[dict], path: str) -> None:
     from memwise.measure import _pyplot
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.6 * len(rows)))
-    names = [r["scenario"] for r in rows][::-1]
-    positions = range(len(names))
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.8 * len(rows)))
+    positions = range(len(rows))
     ax.barh(
         [p + 0.2 for p in positions],
         [r["naive_peak"] / 2**20 for r in rows][::-1],
@@ -160,7 +168,9 @@ def _plot_demo(rows: Sequence[dict], path: str) -> None:
         label="memwise",
         color="tab:blue",
     )
-    ax.set_yticks(list(positions), names)
+    # Each row's label carries its headline: a peak ratio, or the constants that made the
+    # naive program fail to load (its bars then show peaks that are alike).
+    ax.set_yticks(list(positions), [f"{r['scenario']}\n{_headline(r)}" for r in rows][::-1])
     ax.set_xscale("log")
     ax.set_xlabel("compiled peak memory (MiB, log scale)")
     ax.legend()
@@ -236,12 +246,39 @@ def load_factory(spec: str) -> tuple[Any, tuple, dict]:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise UsageError(f"{module_name} has no function {factory_name!r}")
+    required = _required_parameters(factory)
+    if required:  # the function to measure named instead of its factory
+        example = ", ".join(required) + ("," if len(required) == 1 else "")
+        raise UsageError(
+            f"{factory_name} takes arguments ({', '.join(required)}), but FACTORY must be a "
+            f"zero-argument function returning (fn, args), e.g. "
+            f"def factory(): return {factory_name}, ({example})"
+        )
     made = factory()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise UsageError(f"{factory_name}() must return (fn, args) or (fn, args, kwargs)")
+        raise UsageError(
+            f"{factory_name}() must return (fn, args) or (fn, args, kwargs), got "
+            f"{type(made).__name__}"
+        )
     fn, args = made[0], tuple(made[1])
     kwargs = dict(made[2]) if len(made) == 3 else {}
     return fn, args, kwargs
+
+
+def _required_parameters(factory: Callable) -> list[str]:
+    """The parameters ``factory()`` would be missing (none for a callable without a
+    Python signature: calling it is the only check)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and (p.kind in positional or p.kind is inspect.Parameter.KEYWORD_ONLY)
+    ]
 
 
 def _static_options(args: tuple, kwargs: dict) -> dict:
@@ -268,9 +305,17 @@ def report(
     plot: str | None,
     budget: str | None = None,
     timeline: bool = False,
+    timeline_plot: str | None = None,
 ) -> int:
     from memwise.fit import MemoryBudgetError, fit
     from memwise.measure import memory_report, parse_budget
+
+    timeline_option = "--timeline-plot"
+    if timeline and timeline_plot is None and plot is not None:
+        # Without --timeline-plot, --timeline makes --plot the timeline's plot (as before
+        # --timeline-plot existed); with it, --plot is always the residuals' chart.
+        plot, timeline_plot, timeline_option = None, plot, "--plot"
+    timeline = timeline or timeline_plot is not None
 
     budget_bytes = None
     if budget is not None:
@@ -279,6 +324,12 @@ def report(
         except ValueError as error:
             raise UsageError(f"--budget: {error}") from None
     _check_plot_path(plot)
+    _check_plot_path(timeline_plot, timeline_option)
+    if plot and timeline_plot and os.path.abspath(plot) == os.path.abspath(timeline_plot):
+        raise UsageError(
+            f"--plot and --timeline-plot both name {plot!r}; pass two paths "
+            "(one for the residuals, one for the timeline)"
+        )
     fn, args, kwargs = load_factory(spec)
     static = _static_options(args, kwargs)
     try:
@@ -310,9 +361,10 @@ def report(
         if live is not None:
             print()
             print(live.to_text())
-    if plot:
-        _save_plot((live or result).plot, plot)
-        print(f"wrote {plot}", file=sys.stderr)
+    for path, save in ((plot, result.plot), (timeline_plot, live.plot if live else None)):
+        if path and save is not None:
+            _save_plot(save, path)
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -362,12 +414,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument(
         "--plot",
         metavar="PATH",
-        help="bar chart of the largest residuals (with --timeline: the timeline)",
+        help="bar chart of the largest residuals (with --timeline and no --timeline-plot: "
+        "the timeline)",
     )
     p_report.add_argument(
         "--timeline",
         action="store_true",
         help="live memory along the compiled schedule: the peak step and the buffers alive there",
+    )
+    p_report.add_argument(
+        "--timeline-plot",
+        metavar="PATH",
+        help="plot of the timeline (implies --timeline); with --plot, both plots in one call",
     )
     p_report.add_argument(
         "--budget", help="fit fn's 'auto' knobs to this budget (e.g. 2GiB, '2.5 GB', 1e9)"
@@ -385,7 +443,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return demo(args.names, args.size, args.plot)
         if args.command == "report":
-            return report(args.factory, args.grad, args.json, args.plot, args.budget, args.timeline)
+            return report(
+                args.factory,
+                args.grad,
+                args.json,
+                args.plot,
+                args.budget,
+                args.timeline,
+                args.timeline_plot,
+            )
         return bench(args.names, args.quick)
     except UsageError as error:
         print(f"memwise {args.command}: {error}", file=sys.stderr)

@@ -120,6 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     if opts.processes < 1:
         raise SystemExit("memwise.launch: -n/--processes must be >= 1")
+    if opts.port is not None and not 1 <= opts.port <= 65535:
+        raise SystemExit(
+            f"memwise.launch: --port {opts.port} is not a TCP port; pass one in 1-65535 "
+            "(or leave it out for a free one)"
+        )
+    if opts.timeout is not None and not opts.timeout > 0:
+        raise SystemExit(
+            f"memwise.launch: --timeout {opts.timeout:g} must be a positive number of seconds "
+            "(or leave it out to wait as long as the processes run)"
+        )
+    if opts.init_timeout < 1:
+        raise SystemExit(f"memwise.launch: --init-timeout {opts.init_timeout} must be >= 1 s")
     if not os.path.isfile(opts.script):
         raise SystemExit(f"memwise.launch: no such script: {opts.script}")
     env = dict(os.environ)

@@ -47,6 +47,7 @@ import numpy as np
 
 from memwise._vjp import (
     Static,
+    closure_convert,
     cotangents,
     custom_vjp,
     dense,
@@ -117,13 +118,13 @@ def _convert(
     f: Callable, point: _Skeleton, point_leaves: list, inputs: _Skeleton, input_leaves: list
 ) -> tuple[Callable, list]:
     """``f`` as a function of (point leaves, operands) and its closed-over arrays
-    (``jax.closure_convert``, as every memwise custom VJP does)."""
+    (:func:`memwise._vjp.closure_convert`, as every memwise custom VJP does)."""
 
     def flat(point_leaves, input_leaves):
         args, kwargs = inputs.rebuild(input_leaves)
         return f(point.rebuild(point_leaves), *args, **kwargs)
 
-    converted, consts = jax.closure_convert(flat, point_leaves, input_leaves)
+    converted, consts = closure_convert(flat, point_leaves, input_leaves)
     n_inputs = len(input_leaves)
 
     def of_operands(point_leaves, operands):

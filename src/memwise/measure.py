@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise import _arguments, _constants, _jax_private
+from memwise import _arguments, _constants, _jax_private, _residual_labels
 from memwise import timeline as _timeline
 from memwise._display import _pyplot, check_plot_path, format_bytes  # noqa: F401 - re-exported
 
@@ -315,7 +315,11 @@ def saved_residuals(
         debug_info=debug._replace(result_paths=None),
     )
     names = debug.arg_names or ("",) * len(jaxpr.invars)
-    return _jax_private.saved_residuals_of_jaxpr(jaxpr, names)
+    saved = _jax_private.saved_residuals_of_jaxpr(jaxpr, names)
+    # "tanh derivative", not the "sub" that tanh's differentiation rule computes
+    return _residual_labels.name_derivatives(
+        closed.jaxpr, len(closed.jaxpr.outvars) - n_residuals, saved
+    )
 
 
 def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:

@@ -54,6 +54,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.scipy.sparse.linalg import cg
 
+from memwise._vjp import closure_convert
 from memwise.pairwise import pairwise_reduce
 from memwise.sharding import devices, first_items, has_explicit_axes, row_sharding
 from memwise.tiling import Tiling, item_bytes, tiling
@@ -765,7 +766,7 @@ def _resolve_cost(cost: str | CostFn, x: Array, y: Array) -> tuple[Callable, tup
         )
     # Closed-over arrays (a learned metric, ...) become explicit arguments, so the
     # custom vjp can return their gradient and the solver loop can stop it.
-    converted, consts = jax.closure_convert(cost, x[0], y[0])
+    converted, consts = closure_convert(cost, x[0], y[0])
     return converted, tuple(consts)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from memwise._arguments import check_arrays
 from memwise.engine import Ring, sum_dtype, tiled_reduce
 from memwise.sharding import (
     check_divisible,
@@ -129,9 +130,11 @@ def pairwise_reduce(
         raise ValueError(f"axis must be 1 (reduce over y) or 0 (reduce over x), got {axis!r}")
     if not callable(fn):
         raise TypeError(f"fn must be a callable of two points, got {type(fn).__name__}")
+    check_arrays(x, "x")
+    check_arrays(y, "y")
     if weights is not None:
+        check_arrays(weights, "weights")
         weights = jnp.asarray(weights)
-    # Which side is split over devices: x's rows (mesh= always means x), else y's.
     # Which sides are split over devices: mesh= always means x; else each side's own.
     x_shard = row_sharding(x, mesh, axis_name, "x")
     if mesh is None:

@@ -12,8 +12,8 @@ replays up to the step and differentiates it. The schedule enters as integer arr
 the compiled program and its compile time do not depend on n.
 
 This module is the public face: it checks the inputs, resolves ``checkpoints``, makes
-the arrays the body closes over explicit (``jax.closure_convert``) so that they receive
-gradients, and offers the transformation-transparent alternatives (``schedule="nested"``,
+the arrays the body closes over explicit (:func:`memwise._vjp.closure_convert`) so that they
+receive gradients, and offers the transformation-transparent alternatives (``schedule="nested"``,
 ``"per_step"``, ``"none"``). ``xs`` are read by index (never copied into checkpoints) and
 ``ys`` are written once by the forward pass.
 
@@ -55,8 +55,9 @@ from jax import lax
 
 from memwise import _binomial, _online, knobs
 from memwise import schedule as schedule_lib
+from memwise._arguments import check_arrays
 from memwise._jax_private import hoist_constant_casts, varying_axes
-from memwise._vjp import fill, select
+from memwise._vjp import closure_convert, fill, select
 from memwise.sharding import first_items, vary, varying_over
 
 __all__ = ["scan", "while_loop", "resolve_checkpoints"]
@@ -178,8 +179,27 @@ def _check_callable(fn: Any, name: str) -> None:
         raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
 
 
-def _describe(tree: Any) -> str:
-    return str(jax.tree_util.tree_map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
+def _type_of(leaf: Any, *, init: bool = False) -> str:
+    weak = " (weakly typed: a Python scalar)" if init and getattr(leaf, "weak_type", False) else ""
+    return f"{leaf.dtype}{list(leaf.shape)}{weak}"
+
+
+def _carry_type_error(name: str, path: Any, a: Any, b: Any) -> TypeError:
+    where = f"carry{jax.tree_util.keystr(path)}" if path else "the carry"
+    if a.shape != b.shape:
+        fix = f"keep {where}'s shape {list(a.shape)} (reshape or index the new value)"
+    elif getattr(a, "weak_type", False):
+        fix = (
+            f"return {where} as {a.dtype} (e.g. new.astype(jnp.result_type(old))), or "
+            f"start from an init of the dtype {name} returns ({b.dtype})"
+        )
+    else:
+        fix = f"cast the new value to the init's dtype (new.astype(jnp.{a.dtype}))"
+    return TypeError(
+        f"{name} changed the type of {where}: init is {_type_of(a, init=True)} but {name} returned "
+        f"{_type_of(b)}; a loop carry keeps its shape and dtype, as in jax.lax.scan and "
+        f"jax.lax.while_loop: {fix}"
+    )
 
 
 def _strong_carry(
@@ -187,9 +207,12 @@ def _strong_carry(
 ) -> tuple[Any, list[bool]]:
     """Checks that f keeps the carry's structure, shapes and dtypes: ``(init, read_only)``.
 
-    Like ``lax.scan``, a weakly typed init (a Python float) takes the dtype the body
-    returns, so ``init=0.0`` works with a float32 body. ``read_only[i]`` is True when f
-    returns carry leaf i unchanged (the same value, not a copy).
+    As in ``lax.scan`` and ``lax.while_loop``, a weakly typed init leaf (a Python float)
+    is first promoted with the dtype the body returns (``jnp.result_type``), so
+    ``init=0.0`` works with a float32 body, and the body is traced again on the promoted
+    init; a body that still returns another dtype (a float init returned as int32) is
+    an error, never a silent cast. ``read_only[i]`` is True when f returns carry leaf i
+    unchanged (the same value, not a copy).
     """
     init = jax.tree_util.tree_map(jnp.asarray, init)
     closed, out = jax.make_jaxpr(f, return_shape=True)(init, x_example)
@@ -203,22 +226,25 @@ def _strong_carry(
             f"{name} changed the carry's structure: init is {in_def} but {name} returned "
             f"{out_def}; return a carry with the same pytree structure as init"
         )
-    fixed = []
-    for a, b in zip(jax.tree_util.tree_leaves(init), jax.tree_util.tree_leaves(new_carry)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            if a.shape == b.shape and getattr(a, "weak_type", False):
-                fixed.append(lax.convert_element_type(a, b.dtype))
-                continue
-            raise TypeError(
-                f"{name} changed the carry's shapes/dtypes: init is {_describe(init)} but "
-                f"{name} returned {_describe(new_carry)}; cast the new carry to the init's "
-                "dtypes and keep its shapes"
-            )
-        fixed.append(a)
-    n = len(fixed)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(init)[0]]
+    leaves = jax.tree_util.tree_leaves(init)
+    promoted = False
+    for i, (path, a, b) in enumerate(zip(paths, leaves, jax.tree_util.tree_leaves(new_carry))):
+        if a.shape == b.shape and a.dtype == b.dtype:
+            continue
+        if a.shape != b.shape or not getattr(a, "weak_type", False):
+            raise _carry_type_error(name, path, a, b)
+        dtype = jnp.result_type(a, b.dtype)
+        if dtype != b.dtype:
+            raise _carry_type_error(name, path, a, b)
+        leaves[i] = lax.convert_element_type(a, dtype)
+        promoted = True
+    if promoted:  # the body may type its output by its input's: check it on the new init
+        return _strong_carry(f, jax.tree_util.tree_unflatten(in_def, leaves), x_example, name=name)
+    n = len(leaves)
     jaxpr = closed.jaxpr
     read_only = [o is i for o, i in zip(jaxpr.outvars[:n], jaxpr.invars[:n])]
-    return jax.tree_util.tree_unflatten(in_def, fixed), read_only
+    return init, read_only
 
 
 def _loop_body(
@@ -245,7 +271,7 @@ def _loop_body(
         return [vary(a, varying_axes(c)) for a, c in zip(select(new_carry, moving), loop_carry)], y
 
     loop_carry = select(carry, moving)
-    body, consts = jax.closure_convert(step, loop_carry, first_items(xs))
+    body, consts = closure_convert(step, loop_carry, first_items(xs))
     axes = varying_over(loop_carry, xs, consts)
     if not axes:
         return body, list(consts), loop_carry, xs
@@ -330,6 +356,8 @@ def scan(
         True
     """
     _check_callable(f, "f")
+    check_arrays(init, "init")
+    check_arrays(xs, "xs")
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {_SCHEDULES}")
     n = _scan_length(xs, length)
@@ -501,6 +529,7 @@ def while_loop(
     """
     _check_callable(cond_fun, "cond_fun")
     _check_callable(body_fun, "body_fun")
+    check_arrays(init, "init")
     if max_steps is not None:
         if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)):
             raise TypeError(
@@ -540,7 +569,7 @@ def while_loop(
         return cond_fun(jax.tree_util.tree_unflatten(carry_def, leaves))
 
     body_conv, body_consts, loop_carry, _ = _loop_body(flat_body, carry_leaves, [], read_only)
-    cond_conv, cond_consts = jax.closure_convert(flat_cond, loop_carry)
+    cond_conv, cond_consts = closure_convert(flat_cond, loop_carry)
     # The predicate is not differentiated: its closed-over arrays need no cotangent.
     cond_consts = [lax.stop_gradient(a) for a in cond_consts]
     loop = _online.OnlineLoop(

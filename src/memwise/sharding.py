@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from memwise._jax_private import varying_axes
+from memwise._vjp import closure_convert
 
 # Where an axis is split: a mesh (concrete, or abstract under jit) and its axis name(s).
 Split = tuple[Any, Any]
@@ -102,7 +103,7 @@ def first_items(tree: Any) -> Any:
 def convert(
     fn: Callable, data: tuple, examples: Callable[[tuple], tuple]
 ) -> tuple[Callable, list, tuple, bool]:
-    """``jax.closure_convert`` of ``fn`` at example points of ``data``.
+    """:func:`memwise._vjp.closure_convert` of ``fn`` at example points of ``data``.
 
     Inside a user's ``shard_map`` the traced jaxpr pins which values are replicated, so
     the data is first cast to vary over every mesh axis any input or closed-over constant
@@ -110,11 +111,11 @@ def convert(
     gradient of a replicated input needs), and the closure constants are then left as
     they are (``vary_consts=False``). Returns ``(converted, consts, data, vary_consts)``.
     """
-    converted, consts = jax.closure_convert(fn, *examples(data))
+    converted, consts = closure_convert(fn, *examples(data))
     axes = varying_over(data, consts)
     if axes:
         data = vary(data, axes)
-        converted, consts = jax.closure_convert(fn, *examples(data))
+        converted, consts = closure_convert(fn, *examples(data))
     return converted, list(consts), data, not axes
 
 

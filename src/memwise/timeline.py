@@ -408,7 +408,8 @@ class Timeline:
         steps where they are live, labelled with shape, operation and source line.
 
         Raises:
-          ValueError: when matplotlib cannot write ``path``'s file format.
+          ValueError: when ``path`` is a folder, its folder does not exist or is not
+            writable, or matplotlib cannot write its file format (checked first).
         """
         check_plot_path(path)
         plt = _pyplot()

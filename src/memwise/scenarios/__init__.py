@@ -16,10 +16,13 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["NAMES", "Scenario", "available", "load"]
+__all__ = ["HEADLINES", "NAMES", "Scenario", "available", "load"]
 
 # Demo order: the worked example first, then the user reports.
 NAMES = ("mlp", "lstm", "pointcloud", "kip", "linearize")
+
+# What a scenario's memwise program changes (Scenario.headline).
+HEADLINES = ("peak", "constants")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,11 @@ class Scenario:
       memwise: the memwise program, a function of the same ``*args`` giving the same
         pytree (up to ``rtol``/``atol``).
       args: the arguments both programs are compiled and run with.
+      rtol, atol: the tolerances of :meth:`agree`.
+      headline: what the memwise program changes, the demo table's first figure:
+        ``"peak"`` (the compiled peak, naive over memwise) or ``"constants"`` (the bytes
+        baked into the program, naive -> memwise, for a scenario whose naive program
+        fails because of them, not because of its peak).
     """
 
     name: str
@@ -42,6 +50,11 @@ class Scenario:
     args: tuple
     rtol: float = 1e-4
     atol: float = 1e-5
+    headline: str = "peak"
+
+    def __post_init__(self) -> None:
+        if self.headline not in HEADLINES:
+            raise ValueError(f"headline must be one of {HEADLINES}, got {self.headline!r}")
 
     def agree(self, naive_out: Any, memwise_out: Any) -> bool:
         """Whether both programs' outputs have one structure and are close."""
