@@ -151,6 +151,63 @@ def test_constants_are_reported_and_warned():
     assert "warning" not in small.to_text()
 
 
+def _warning(report):
+    return next(line for line in report.to_text().splitlines() if "warning" in line)
+
+
+def test_constants_warning_names_a_closed_over_linearized():
+    # Closing over a mw.linearize result re-bakes its parameters into the program: the
+    # warning names the object and says to pass it as an argument, not "use mw.linearize".
+    params = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(512, 512)), jnp.float32)}
+    lin = mw.linearize(lambda p, x: jnp.tanh(x @ p["w"]), params)
+    x = jnp.ones((4, 512))
+
+    def step(new_params, x):
+        return jnp.sum(lin(new_params, x) ** 2)
+
+    warning = _warning(mw.memory_report(step, params, x, grad=True))
+    assert "'lin', a mw.linearize result that 'step' closes over" in warning
+    assert "as an argument" in warning and "1.0 MiB of them" in warning
+    assert "keeps its parameters" not in warning
+
+    # Reached through a loss the step calls, as an attribute of a callable object too.
+    def outer(new_params, x):
+        return 2 * step(new_params, x)
+
+    class Model:
+        def __init__(self):
+            self.linearized = lin
+
+        def __call__(self, new_params, x):
+            return jnp.sum(self.linearized(new_params, x))
+
+    assert "'lin', a mw.linearize result that 'step'" in _warning(
+        mw.memory_report(outer, params, x)
+    )
+    assert "'self.linearized', a mw.linearize result that 'Model'" in _warning(
+        mw.memory_report(Model(), params, x)
+    )
+    # Passed as an argument: no constants, no warning.
+    as_argument = mw.memory_report(lambda p, lin, x: jnp.sum(lin(p, x)), params, lin, x)
+    assert as_argument.constant_bytes == 0 and "warning" not in as_argument.to_text()
+
+
+def test_constants_warning_names_other_closed_over_arrays():
+    weights = jnp.ones((512, 512))
+    f_jvp = jax.linearize(lambda x: jnp.tanh(x @ weights), jnp.ones((4, 512)))[1]
+
+    def closes_over(x):
+        return jnp.sum(x @ weights)
+
+    def naive_linearized(t):  # jax.linearize's result is a pytree holding the weights
+        return jnp.sum(f_jvp(t))
+
+    warning = _warning(mw.memory_report(closes_over, jnp.ones((4, 512))))
+    assert "held by 'weights' (1.0 MiB, closed over by 'closes_over')" in warning
+    warning = _warning(mw.memory_report(naive_linearized, jnp.ones((4, 512))))
+    assert "held by 'f_jvp'" in warning and "mw.linearize keeps its parameters" in warning
+
+
 def test_to_text_and_to_dict():
     report = mw.memory_report(mlp_loss, *mlp_args(), grad=True)
     text = report.to_text()

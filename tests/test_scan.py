@@ -350,6 +350,13 @@ def test_forward_mode_and_grad_of_grad_binomial_raise_naming_nested(transform, u
     # JAX's own errors ("can't apply forward-mode autodiff (jvp) to a custom_vjp
     # function", the while_loop's reverse-mode error) came instead under jit and for
     # linearize / grad of grad.
+    if transform in ("jvp of jit", "linearize of jit") and getattr(
+        jax.config, "jax_custom_vjp3", False
+    ):
+        pytest.xfail(
+            "JAX's next custom_vjp raises a bare NotImplementedError when it differentiates "
+            "the enclosing jit's program, where memwise cannot name the fix"
+        )
     n = 9
     w, xa, h0 = make_inputs(n)
     ours = loss_with(mw.scan, n, checkpoints=3)

@@ -44,6 +44,7 @@ from memwise._jax_private import forbid_forward_mode, forbid_reverse_mode, varyi
 from memwise._vjp import (
     Static,
     cotangents,
+    custom_vjp,
     fill,
     is_differentiable,
     is_zero,
@@ -117,7 +118,9 @@ def run(loop: Loop, consts: list, carry: list, xs: list) -> tuple[list, list]:
 # the custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(
+    custom_vjp, nondiff_argnums=(0,), forward_mode_error=lambda loop: loop.forward_mode_error
+)
 def _run(loop, consts, carry, xs):
     carry, ys, _ = _sweep(loop, consts, carry, xs, buffers=None)
     return carry, ys
@@ -187,7 +190,7 @@ def _run_bwd(loop, residuals, output_cotangents):
     )
 
 
-_run.defvjp(_run_fwd, _run_bwd, symbolic_zeros=True)
+_run.defvjp(_run_fwd, _run_bwd)
 
 
 # --------------------------------------------------------------------------------------

@@ -177,6 +177,18 @@ def forbid_reverse_mode(value: Any, message: str) -> Any:
     return _reverse_guard_p.bind(value, message=message)
 
 
+def is_unsupported_forward_mode(error: NotImplementedError) -> bool:
+    """True for the error JAX's next ``custom_vjp`` raises for forward mode through it.
+
+    Why: with ``jax_custom_vjp3`` (JAX's reimplementation of ``custom_vjp``, off by
+    default in 0.10), ``jax.jvp`` of a rule with symbolic zeros raises a bare
+    ``NotImplementedError`` and ``jax.linearize`` one saying that a ``lin`` method is
+    missing, where the default implementation raises a ``TypeError``; only the text tells
+    them from other missing features.
+    """
+    return not error.args or str(error.args[0]).startswith("for linearize support")
+
+
 def hoist_constant_casts(closed: Any) -> tuple[Any, list]:
     """``(jaxpr, consts)``: ``closed`` with its constants as leading inputs, and each
     top-level ``pvary`` cast of a constant applied once, here, instead of inside.

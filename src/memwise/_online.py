@@ -59,7 +59,7 @@ from memwise._binomial import (
     replayed_cotangents,
 )
 from memwise._jax_private import forbid_forward_mode, varying_axes
-from memwise._vjp import Static, is_differentiable, is_zero, select, unwrap
+from memwise._vjp import Static, custom_vjp, is_differentiable, is_zero, select, unwrap
 from memwise.sharding import typed_zeros, vary
 
 __all__ = ["OnlineLoop", "run", "segment_advances", "revolve_split"]
@@ -325,7 +325,9 @@ def _place(
 # the custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(
+    custom_vjp, nondiff_argnums=(0,), forward_mode_error=lambda loop: loop.forward_mode_error
+)
 def _run(loop, consts, cond_consts, carry):
     def body(state):
         i, carry = state
@@ -446,4 +448,4 @@ def _run_bwd(loop, residuals, ct_carry):
     )
 
 
-_run.defvjp(_run_fwd, _run_bwd, symbolic_zeros=True)
+_run.defvjp(_run_fwd, _run_bwd)

@@ -9,6 +9,9 @@ asked for (``grad`` with respect to parameters never builds the cotangent of the
 
 This module holds the small pieces those rules share:
 
+* :func:`custom_vjp` declares such a function (``@functools.partial(custom_vjp,
+  nondiff_argnums=...)``, then ``.defvjp(fwd, bwd)``) so that its rules see the same
+  arguments under both of JAX's custom-VJP implementations (see :class:`CustomVJP`);
 * :func:`unwrap` splits ``CustomVJPPrimal`` inputs into values and perturbed flags;
 * :class:`Static` carries such flags (or any hashable Python data) through the
   residuals, which must be a pytree of arrays: it is a pytree with no leaves;
@@ -24,6 +27,7 @@ This module holds the small pieces those rules share:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,9 +35,13 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+from memwise._jax_private import is_unsupported_forward_mode
 
 __all__ = [
+    "custom_vjp",
+    "CustomVJP",
     "Static",
     "unwrap",
     "select",
@@ -62,9 +70,114 @@ class Static:
     value: Any
 
 
+class CustomVJP:
+    """A ``jax.custom_vjp`` with symbolic zeros whose rules see the same arguments under
+    both of JAX's implementations (the default one and ``jax_custom_vjp3``).
+
+    Why: JAX is moving ``custom_vjp`` to a reimplementation (``jax_custom_vjp3``, off by
+    default in JAX 0.10), which differs from the default in two ways that reach memwise's
+    rules. Its forward rule gets *every* argument as ``CustomVJPPrimal`` leaves, the
+    non-differentiable ones too (the default passes those as they are), so a forward rule
+    reading the static spec's fields fails; and forward mode raises a bare
+    ``NotImplementedError`` instead of the default's ``TypeError``. The forward rule is
+    therefore called with the non-differentiable arguments unwrapped, and that error is
+    raised as a ``TypeError`` (where it surfaces in this call: under ``jvp`` of an
+    enclosing ``jit`` JAX raises it outside). The flag is read when the function is
+    declared (JAX picks the implementation then), i.e. when memwise is imported.
+
+    Args:
+      fun: the primal function; its static parts are the ``nondiff_argnums`` arguments.
+      nondiff_argnums: positions of the non-differentiable (static, hashable) arguments.
+      forward_mode_error: the forward-mode ``TypeError``'s message, from the static
+        arguments (default: JAX's own wording).
+    """
+
+    def __init__(
+        self,
+        fun: Callable,
+        *,
+        nondiff_argnums: tuple[int, ...],
+        forward_mode_error: Callable[..., str] | None = None,
+    ) -> None:
+        self._rule = jax.custom_vjp(fun, nondiff_argnums=nondiff_argnums)
+        self._nondiff_argnums = frozenset(nondiff_argnums)
+        self._forward_mode_error = forward_mode_error
+        functools.update_wrapper(self, fun)
+
+    def defvjp(self, fwd: Callable, bwd: Callable) -> None:
+        """Define the rules (with ``symbolic_zeros=True``): ``fwd(*args)`` receives
+        ``CustomVJPPrimal`` leaves for the differentiable arguments only, ``bwd(*static,
+        residuals, cotangent)`` as with ``jax.custom_vjp``."""
+        nondiff = self._nondiff_argnums
+
+        @functools.wraps(fwd)
+        def forward(*args):
+            return fwd(*(_plain(a) if i in nondiff else a for i, a in enumerate(args)))
+
+        self._rule.defvjp(forward, bwd, symbolic_zeros=True)
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self._rule(*args)
+        except NotImplementedError as error:
+            if not is_unsupported_forward_mode(error):
+                raise
+            static = [a for i, a in enumerate(args) if i in self._nondiff_argnums]
+            message = (
+                self._forward_mode_error(*static)
+                if self._forward_mode_error is not None
+                else "can't apply forward-mode autodiff (jvp) to a custom_vjp function; "
+                "use reverse mode (jax.grad, jax.vjp, jax.jacrev)"
+            )
+            raise TypeError(message) from error
+
+
+def custom_vjp(
+    fun: Callable,
+    *,
+    nondiff_argnums: tuple[int, ...],
+    forward_mode_error: Callable[..., str] | None = None,
+) -> CustomVJP:
+    """Declare ``fun`` as a :class:`CustomVJP` (use as ``functools.partial`` decorator).
+
+    Example::
+
+        >>> import functools, jax, jax.numpy as jnp
+        >>> @functools.partial(custom_vjp, nondiff_argnums=(0,))
+        ... def scale(factor, x):
+        ...     return factor * x
+        >>> def scale_fwd(factor, x):
+        ...     return factor * x.value, None
+        >>> def scale_bwd(factor, _, ct):
+        ...     return (factor * ct,)
+        >>> scale.defvjp(scale_fwd, scale_bwd)
+        >>> float(jax.grad(lambda x: scale(3.0, x))(1.0))
+        3.0
+    """
+    return CustomVJP(fun, nondiff_argnums=nondiff_argnums, forward_mode_error=forward_mode_error)
+
+
+def _plain(static: Any) -> Any:
+    """A non-differentiable argument without ``jax_custom_vjp3``'s ``CustomVJPPrimal``."""
+    wrapped = lambda leaf: isinstance(leaf, CustomVJPPrimal)  # noqa: E731
+    if not any(wrapped(leaf) for leaf in jax.tree.leaves(static, is_leaf=wrapped)):
+        return static  # the default implementation: passed as it is
+    return jax.tree.map(
+        lambda leaf: leaf.value if isinstance(leaf, CustomVJPPrimal) else leaf,
+        static,
+        is_leaf=wrapped,
+    )
+
+
 def unwrap(primals: Sequence[Any]) -> tuple[list, tuple[bool, ...]]:
-    """``(values, perturbed flags)`` of ``custom_vjp(symbolic_zeros=True)`` primal inputs."""
-    return [p.value for p in primals], tuple(bool(p.perturbed) for p in primals)
+    """``(values, perturbed flags)`` of ``custom_vjp(symbolic_zeros=True)`` primal inputs.
+
+    Values are arrays: ``jax_custom_vjp3`` under ``jax.checkpoint`` passes a program's
+    integer and float literals as Python scalars (``TypedInt``, ``TypedFloat``), which
+    have no ``shape``; ``jnp.asarray`` gives the same (weakly typed) array type.
+    """
+    values = [p.value if hasattr(p.value, "shape") else jnp.asarray(p.value) for p in primals]
+    return values, tuple(bool(p.perturbed) for p in primals)
 
 
 def select(values: Sequence[Any], flags: Sequence[bool]) -> list:

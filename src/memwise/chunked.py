@@ -28,7 +28,17 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from memwise._arguments import check_arrays
-from memwise._vjp import Static, add, cotangents, dense, fill, is_zero, select, unwrap
+from memwise._vjp import (
+    Static,
+    add,
+    cotangents,
+    custom_vjp,
+    dense,
+    fill,
+    is_zero,
+    select,
+    unwrap,
+)
 from memwise.engine import accumulation_dtype, sum_dtype
 from memwise.sharding import (
     check_divisible,
@@ -105,7 +115,7 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     return jax.tree.map(lambda t, s: t.astype(sum_dtype(s.dtype)), total, one)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(custom_vjp, nondiff_argnums=(0,))
 def _map_core(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     return _map_forward(spec, xs_leaves, consts)
 
@@ -167,7 +177,7 @@ def _map_core_bwd(spec, res, ct):
     return cotangents(xs_flags, dxs), cotangents(const_flags, acc)
 
 
-_map_core.defvjp(_map_core_fwd, _map_core_bwd, symbolic_zeros=True)
+_map_core.defvjp(_map_core_fwd, _map_core_bwd)
 
 
 def _check_chunk_size(chunk_size: Any) -> None:

@@ -55,7 +55,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memwise._vjp import Static, add, cotangents, dense, fill, is_zero, select, unwrap
+from memwise._vjp import (
+    Static,
+    add,
+    cotangents,
+    custom_vjp,
+    dense,
+    fill,
+    is_zero,
+    select,
+    unwrap,
+)
 from memwise.sharding import psum_replicated, typed_zeros, vary, varying_over
 from memwise.tiling import Chunking, Tiling, leading_length
 
@@ -365,7 +375,7 @@ def _tiled_forward(
     return _finish(spec.reduce, first, stats)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(custom_vjp, nondiff_argnums=(0,))
 def _tiled_core(
     spec: _TileSpec, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
 ) -> Any:
@@ -605,7 +615,7 @@ def _score_cotangent(reduce, out, row_data, r_valid, c_valid, c_ids):
     return jnp.where(valid & hit, jnp.broadcast_to(ct_b, s.shape), 0)
 
 
-_tiled_core.defvjp(_tiled_core_fwd, _tiled_core_bwd, symbolic_zeros=True)
+_tiled_core.defvjp(_tiled_core_fwd, _tiled_core_bwd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -705,7 +715,7 @@ def _ring_statistics(
     return first, stats
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(custom_vjp, nondiff_argnums=(0, 1))
 def _ring_core(
     spec: _TileSpec, ring: Ring, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
 ) -> Any:
@@ -772,7 +782,7 @@ def _ring_core_bwd(spec, ring, res, ct):
     )
 
 
-_ring_core.defvjp(_ring_core_fwd, _ring_core_bwd, symbolic_zeros=True)
+_ring_core.defvjp(_ring_core_fwd, _ring_core_bwd)
 
 
 def _item_length(tree: Any, batch: tuple, arg: str) -> int:

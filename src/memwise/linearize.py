@@ -49,6 +49,7 @@ from memwise._vjp import (
     Static,
     closure_convert,
     cotangents,
+    custom_vjp,
     dense,
     fill,
     is_differentiable,
@@ -183,7 +184,7 @@ def _check_new_params(point: _Skeleton, point_leaves: list, new_params: Any) -> 
     return new_leaves
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(custom_vjp, nondiff_argnums=(0,))
 def _apply(spec: _Apply, point_leaves: list, new_leaves: list, operands: Any) -> Any:
     return _value(spec, point_leaves, new_leaves, operands)
 
@@ -219,7 +220,7 @@ def _apply_bwd(spec, residuals, cotangent):
     )
 
 
-_apply.defvjp(_apply_fwd, _apply_bwd, symbolic_zeros=True)
+_apply.defvjp(_apply_fwd, _apply_bwd)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise import _arguments, _jax_private, _residual_labels
+from memwise import _arguments, _constants, _jax_private, _residual_labels
 from memwise import timeline as _timeline
 from memwise._display import _pyplot, check_plot_path, format_bytes  # noqa: F401 - re-exported
 
@@ -163,21 +163,20 @@ def compile_measured(
         >>> compiled(jnp.zeros(1000)).shape, mem.output_bytes  # the gradient, 1000 floats
         ((1000,), 4000)
     """
-    lowered, constant_bytes = _lower(
-        fn, args, kwargs, grad, argnums, static_argnums, static_argnames
-    )
-    return _compile(lowered, constant_bytes)
+    lowered, consts = _lower(fn, args, kwargs, grad, argnums, static_argnums, static_argnames)
+    return _compile(lowered, consts)
 
 
-def _compile(lowered: Any, constant_bytes: int) -> tuple[Any, CompiledMemory]:
+def _compile(lowered: Any, consts: list) -> tuple[Any, CompiledMemory]:
     compiled = lowered.compile()
+    constant_bytes = sum(int(np.asarray(c).nbytes) for c in consts)
     return compiled, CompiledMemory.from_compiled(
         compiled, program_bytes=len(lowered.as_text()), constant_bytes=constant_bytes
     )
 
 
 def _lower(fn, args, kwargs, grad, argnums, static_argnums, static_argnames):
-    """(``jax.stages.Lowered``, bytes of baked-in constants) of the measured program."""
+    """(``jax.stages.Lowered``, the array constants baked into it) of the measured program."""
     fn, args, kwargs, nums = _arguments.prepare(
         fn,
         args,
@@ -191,10 +190,7 @@ def _lower(fn, args, kwargs, grad, argnums, static_argnums, static_argnames):
         if grad:
             _check_differentiable(fn, args, kwargs, nums)
         traced = jax.jit(_target(fn, grad, nums)).trace(*args, **kwargs)
-    constant_bytes = sum(
-        int(np.asarray(c).nbytes) if hasattr(c, "shape") else 0 for c in traced.jaxpr.consts
-    )
-    return traced.lower(), constant_bytes
+    return traced.lower(), [c for c in traced.jaxpr.consts if hasattr(c, "shape")]
 
 
 def compiled_memory(
@@ -525,6 +521,10 @@ class MemoryReport(CompiledMemory):
     residuals: tuple[Residual, ...] = ()
     # The lowered program, kept to compile it again with XLA's dump for timeline().
     _lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # The closed-over objects that hold the constants, named in the warning.
+    _constant_holders: tuple[_constants.Holder, ...] = dataclasses.field(
+        default=(), repr=False, compare=False
+    )
 
     @property
     def residual_bytes(self) -> int:
@@ -601,11 +601,7 @@ class MemoryReport(CompiledMemory):
         # parameters a closure captured, as in a linearized network whose closure holds
         # them next to a batch as large); small tables such as a scan's schedule are not.
         if self.constant_bytes >= max(_CONSTANT_WARNING_BYTES, self.argument_bytes // 4):
-            lines.append(
-                f"  warning: {format_bytes(self.constant_bytes)} of arrays are baked into the "
-                "program as constants (closed-over arrays); pass them as arguments "
-                "(e.g. mw.linearize keeps parameters as pytree leaves)"
-            )
+            lines.append("  " + _constants.warning(self.constant_bytes, self._constant_holders))
         if self.grad:
             lines.append("")
             if not self.residuals:
@@ -702,14 +698,13 @@ def memory_report(
           residuals kept for the backward pass ...
     """
     static: dict[str, Any] = {"static_argnums": static_argnums, "static_argnames": static_argnames}
-    lowered, constant_bytes = _lower(
-        fn, args, kwargs, grad, argnums, static_argnums, static_argnames
-    )
-    memory = _compile(lowered, constant_bytes)[1]
+    lowered, consts = _lower(fn, args, kwargs, grad, argnums, static_argnums, static_argnames)
+    memory = _compile(lowered, consts)[1]
     return MemoryReport(
         name=getattr(fn, "__name__", type(fn).__name__),
         grad=grad,
         residuals=residuals(fn, *args, argnums=argnums, **static, **kwargs) if grad else (),
         _lowered=lowered,
+        _constant_holders=_constants.holders(fn, consts),
         **dataclasses.asdict(memory),
     )
