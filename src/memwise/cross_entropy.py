@@ -1,0 +1,385 @@
+"""``linear_cross_entropy``: a language model's loss without its (tokens, vocabulary) logits.
+
+The output layer of a language model turns hidden states ``x (tokens, d)`` into logits
+``x @ W + b`` over a vocabulary of ``V`` words and takes their softmax cross-entropy
+with the next tokens. The logits (and their gradient, of the same size) are usually the
+largest buffers of the whole training step: 8,192 tokens x 128,256 words in float32 is
+4.2 GB each. Here they are never formed, in either pass.
+
+The loss of token ``i`` needs two numbers per token: the log-sum-exp of its scores over
+the vocabulary and the score of its label. Both are one ``"logsumexp"`` reduction of
+:func:`memwise.engine.tiled_reduce` (the one tile engine), over tiles of tokens x
+vocabulary words, with two channels per score: the score itself, and the score where
+the word is the label (``-inf`` elsewhere), whose log-sum-exp is exactly the label's
+score. The backward is the engine's: each tile's probabilities re-formed from the saved
+log-sum-exp (the FlashAttention backward, Dao et al., NeurIPS 2022; for this loss,
+Wijmans et al., *Cut Your Losses in Large-Vocabulary Language Models*, arXiv:2411.09009),
+and the tile's ``jax.vjp`` gives ``dx`` and ``dW`` as one matrix product each. Label
+smoothing needs the mean score, in closed form ``x . mean(W) + mean(b)`` (one more
+tiled sum when the scores are soft-capped); PaLM's z-loss (Chowdhery et al., 2022) is
+``z * lse^2`` of the kept log-sum-exp.
+
+Memory, both passes: ``x``, ``W``, their gradients and one tile of scores; no buffer
+grows with tokens x vocabulary. An argmax (accuracy without logits) is one more tiled
+forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from memwise.engine import accumulation_dtype, tiled_reduce
+from memwise.tiling import ChunkSize, Tiling, item_bytes, tiling
+
+__all__ = ["linear_cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+_LAYOUTS = ("dv", "vd")
+
+
+def linear_cross_entropy(
+    x: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    layout: str = "dv",
+    ignore_index: int | None = None,
+    where: jax.Array | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_soft_cap: float | None = None,
+    reduction: str = "mean",
+    return_lse: bool = False,
+    return_argmax: bool = False,
+    chunk_size: ChunkSize = "auto",
+) -> Any:
+    """Softmax cross-entropy of the logits ``x @ w + bias`` with integer ``labels``, tiled.
+
+    The same loss as ``optax.softmax_cross_entropy_with_integer_labels(x @ w + bias,
+    labels)`` (with ``optax.smooth_labels`` for ``label_smoothing``), computed over
+    tiles of tokens x vocabulary words: the ``(tokens, V)`` logits are never formed, in
+    the forward or the backward pass. Per token ``i`` with label ``y``, scores ``s_v``
+    (soft-capped: ``cap * tanh(s_v / cap)``) and ``lse = logsumexp_v s_v``::
+
+        loss_i = lse - (1 - a) s_y - a mean_v(s_v) + z lse**2
+
+    with ``a = label_smoothing`` and ``z = z_loss``. Tokens whose label is
+    ``ignore_index`` or whose ``where`` is False are ignored: loss 0, no gradient, and
+    not counted by ``reduction="mean"``. With every token ignored the mean is 0 (not
+    0/0), with zero gradients.
+
+    Out-of-range labels (neither ``ignore_index`` nor in ``[0, V)``): with concrete
+    labels (eager) a ``ValueError``; under ``jit`` (traced labels, not checkable) the
+    token's loss is NaN, as ``optax`` gives, so the mean is NaN too.
+
+    Memory, forward and backward: the inputs, their gradients and one ``chunk_size``
+    tile of float32 scores (two channels). Compute: the forward is one pass of tile
+    matrix products (``x W``), the backward re-forms each tile's scores and takes ``dx``
+    and ``dW`` as one matrix product each, about 3x the forward's products as for the
+    dense computation. Label smoothing with a soft cap costs one more forward and
+    backward pass (the mean of the capped scores), ``return_argmax`` one more forward
+    pass. With ``layout="dv"`` the engine reads ``w`` vocabulary-first: one transposed
+    copy of ``w`` (and of its gradient) is made; the tied layout ``"vd"`` needs none.
+    bfloat16/float16 inputs: scores, log-sum-exp and gradient sums are float32; results
+    are cast to the inputs' dtype.
+
+    Args:
+      x: hidden states, ``(..., d)``.
+      w: output weights, ``(d, V)`` (``layout="dv"``, a ``Dense`` kernel) or ``(V, d)``
+        (``layout="vd"``, an embedding table: tied embeddings).
+      labels: integer labels, ``x.shape[:-1]``.
+      bias: optional ``(V,)`` bias added to the logits.
+      layout: ``"dv"`` or ``"vd"``, the axes of ``w``.
+      ignore_index: a label value whose tokens are ignored (e.g. ``-100`` for padding).
+      where: optional boolean mask, ``labels.shape``; False tokens are ignored.
+      label_smoothing: ``a`` in ``[0, 1)``: the target is ``(1 - a) onehot + a / V``.
+      z_loss: coefficient of ``lse**2`` (PaLM's auxiliary loss; 1e-4 is common).
+      logit_soft_cap: ``cap > 0``: scores ``cap * tanh(logits / cap)`` (Gemma 2).
+      reduction: ``"mean"`` (over the tokens not ignored), ``"sum"`` or ``"none"``
+        (per-token losses, ``labels.shape``).
+      return_lse: also return the per-token log-sum-exp (``labels.shape``,
+        differentiable).
+      return_argmax: also return the per-token argmax of the scores (int32, the
+        predicted word, e.g. for accuracy).
+      chunk_size: the tile ``(tokens, words)``, an int, ``"auto"``
+        (:func:`memwise.knobs.auto`, so :func:`memwise.fit` can set it) or a
+        :class:`memwise.tiling.Tiling`.
+
+    Returns:
+      The loss (a scalar, or ``labels.shape`` for ``"none"``) in the inputs' dtype;
+      with ``return_lse``/``return_argmax`` a tuple ``(loss, lse?, argmax?)`` in that
+      order.
+
+    Raises:
+      TypeError: non-float ``x``/``w``/``bias``, non-integer ``labels``, non-boolean
+        ``where``.
+      ValueError: shapes that do not match, an unknown ``layout``/``reduction``, options
+        out of range, out-of-range concrete labels.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp, memwise as mw
+        >>> x = jax.random.normal(jax.random.PRNGKey(0), (6, 8))
+        >>> w = jax.random.normal(jax.random.PRNGKey(1), (8, 50))
+        >>> labels = jnp.array([1, 4, 9, 49, 0, 3])
+        >>> loss = mw.linear_cross_entropy(x, w, labels, chunk_size=(4, 16))
+        >>> logp = jax.nn.log_softmax(x @ w)                  # the dense computation
+        >>> dense = -jnp.take_along_axis(logp, labels[:, None], 1).mean()
+        >>> bool(jnp.allclose(loss, dense, rtol=1e-6))
+        True
+    """
+    x, w, labels = _as_arrays(x, w, labels)
+    bias = None if bias is None else _float_array(bias, "bias")
+    if layout not in _LAYOUTS:
+        raise ValueError(
+            f"layout must be 'dv' (w is (d, V)) or 'vd' (w is (V, d), tied embeddings), "
+            f"got {layout!r}"
+        )
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    d, vocab = _check_shapes(x, w, labels, bias, layout)
+    valid = _check_mask(where, labels)
+    smoothing = _check_fraction(label_smoothing)
+    z = _check_nonnegative(z_loss, "z_loss")
+    cap = _check_cap(logit_soft_cap)
+    for flag, name in ((return_lse, "return_lse"), (return_argmax, "return_argmax")):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if ignore_index is not None:
+        if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
+            ignore_index, (int, np.integer)
+        ):
+            raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
+        valid = valid & (labels != ignore_index)
+    in_range = (labels >= 0) & (labels < vocab)
+    _check_labels_in_range(labels, in_range, valid, vocab, ignore_index)
+
+    dtype = jnp.result_type(x, w, *(() if bias is None else (bias,)))
+    shape = labels.shape
+    n = math.prod(shape)
+    if n == 0:
+        if chunk_size != "auto" and not isinstance(chunk_size, Tiling):
+            tiling(1, 1, chunk_size)
+        loss = jnp.zeros(shape if reduction == "none" else (), dtype)
+        extras = [jnp.zeros(shape, dtype)] * return_lse
+        extras += [jnp.zeros(shape, jnp.int32)] * return_argmax
+        return (loss, *extras) if extras else loss
+
+    x2 = x.reshape(n, d)
+    flat_labels = jnp.where(in_range, labels, 0).reshape(n)
+    w_rows = w.T if layout == "dv" else w  # the engine reads the vocabulary first
+    cols: dict = {"w": w_rows}
+    if bias is not None:
+        cols["b"] = bias
+    tiles = tiling(n, vocab, chunk_size, pair_bytes=lambda: _pair_bytes(x2, w_rows, cap))
+
+    lse, label_score = _lse_and_label(x2, flat_labels, cols, cap, tiles)
+    loss = lse - label_score
+    if smoothing:
+        mean_score = _mean_score(x2, w, bias, layout, cols, cap, tiles)
+        loss = loss + smoothing * (label_score - mean_score)
+    if z:
+        loss = loss + z * lse**2
+    loss = jnp.where(in_range, loss.reshape(shape), jnp.nan)
+    valid = jnp.broadcast_to(valid, shape)
+    loss = jnp.where(valid, loss, 0.0)
+    if reduction == "sum":
+        loss = jnp.sum(loss)
+    elif reduction == "mean":
+        loss = jnp.sum(loss) / jnp.maximum(jnp.sum(valid), 1).astype(loss.dtype)
+    out = [loss.astype(dtype)]
+    if return_lse:
+        out.append(lse.reshape(shape).astype(dtype))
+    if return_argmax:
+        out.append(_argmax(x2, cols, cap, tiles).reshape(shape))
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+def _scores(xb: jax.Array, cb: dict, cap: float | None) -> jax.Array:
+    """One tile's scores ``x W^T + b`` (soft-capped), in at least float32."""
+    acc = accumulation_dtype(jnp.result_type(xb, cb["w"]))
+    s = jnp.dot(xb, cb["w"].T, preferred_element_type=acc)
+    if "b" in cb:
+        s = s + cb["b"].astype(acc)[None, :]
+    if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+    return s
+
+
+def _lse_and_label(x2, labels, cols, cap, tiles):
+    """Per-token ``(log-sum-exp, label score)``, float32: one tiled pass.
+
+    The second channel keeps only the label's score (``-inf`` elsewhere): its
+    log-sum-exp is that score exactly, and its gradient is the label's one-hot, so the
+    label needs no gather of ``W`` and no scatter into ``dW``.
+    """
+
+    def tile_fn(rb, cb, _pairs, _consts, _row_ids, col_ids):
+        s = _scores(rb["x"], cb, cap)
+        hit = col_ids[None, :] == rb["y"][:, None]
+        return jnp.stack([s, jnp.where(hit, s, -jnp.inf)], axis=-1)
+
+    both = tiled_reduce(
+        tile_fn, {"x": x2, "y": labels}, cols, reduce="logsumexp", tiles=tiles, upcast=True
+    )
+    return both[:, 0], both[:, 1]
+
+
+def _mean_score(x2, w, bias, layout, cols, cap, tiles):
+    """Per-token mean score over the vocabulary, float32."""
+    if cap is None:
+        # Linear in the scores: x . mean(W) + mean(b), no pass over the vocabulary tiles.
+        acc = accumulation_dtype(x2.dtype)
+        w_mean = jnp.mean(w, axis=1 if layout == "dv" else 0, dtype=acc)
+        # In float32: the mean of W is not representable in bfloat16 (an x-sized copy).
+        mean = jnp.dot(x2.astype(acc), w_mean)
+        if bias is not None:
+            mean = mean + jnp.mean(bias, dtype=acc)
+        return mean
+
+    def tile_fn(xb, cb, _pairs, _consts, _row_ids, _col_ids):
+        return _scores(xb, cb, cap)
+
+    total = tiled_reduce(tile_fn, x2, cols, reduce="sum", tiles=tiles, upcast=True)
+    return total / tiles.shape[1]
+
+
+def _argmax(x2, cols, cap, tiles):
+    """Per-token argmax of the scores (int32): one tiled forward pass, no gradient."""
+
+    def tile_fn(xb, cb, _pairs, _consts, _row_ids, _col_ids):
+        return _scores(xb, cb, cap)
+
+    x2, cols = jax.lax.stop_gradient((x2, cols))
+    return tiled_reduce(tile_fn, x2, cols, reduce="max", tiles=tiles)[1]
+
+
+def _pair_bytes(x2: jax.Array, w_rows: jax.Array, cap: float | None) -> int:
+    """Bytes per (token, word) pair for ``"auto"``: THE rule, on one score."""
+    acc = accumulation_dtype(jnp.result_type(x2, w_rows))
+
+    def score(xi, wv):
+        s = jnp.dot(xi, wv, preferred_element_type=acc)
+        if cap is not None:
+            s = cap * jnp.tanh(s / cap)
+        return jnp.stack([s, s])
+
+    return item_bytes(
+        score, jnp.zeros(x2.shape[1:], x2.dtype), jnp.zeros(w_rows.shape[1:], w_rows.dtype)
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Input checks (up front, naming the argument).
+
+
+def _float_array(a: Any, name: str) -> jax.Array:
+    a = jnp.asarray(a)
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a real float array, got dtype {a.dtype}")
+    return a
+
+
+def _as_arrays(x: Any, w: Any, labels: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, w = _float_array(x, "x"), _float_array(w, "w")
+    labels = jnp.asarray(labels)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(
+            f"labels must be an integer array (word indices), got dtype {labels.dtype}; "
+            "for soft targets use optax.softmax_cross_entropy on dense logits, or cast "
+            "class indices with labels.astype(jnp.int32)"
+        )
+    return x, w, labels
+
+
+def _check_shapes(x, w, labels, bias, layout) -> tuple[int, int]:
+    if x.ndim < 1:
+        raise ValueError("x must have shape (..., d), got a scalar")
+    if w.ndim != 2:
+        raise ValueError(
+            f"w must be a 2-D matrix, (d, V) for layout='dv' or (V, d) for layout='vd'; "
+            f"got shape {w.shape}"
+        )
+    d, vocab = w.shape if layout == "dv" else w.shape[::-1]
+    if x.shape[-1] != d:
+        hint = (
+            " (w looks like (V, d): pass layout='vd')"
+            if layout == "dv" and w.shape[1] == x.shape[-1]
+            else ""
+        )
+        raise ValueError(
+            f"x's last dim {x.shape[-1]} must equal w's d = {d} (w {w.shape}, "
+            f"layout={layout!r}){hint}"
+        )
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(
+            f"labels must have shape x.shape[:-1] = {x.shape[:-1]} (one per token), "
+            f"got {labels.shape}"
+        )
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"bias must have shape (V,) = ({vocab},), got {bias.shape}")
+    if vocab < 1:
+        raise ValueError(f"w must have at least one vocabulary word, got shape {w.shape}")
+    return int(d), int(vocab)
+
+
+def _check_mask(where: Any, labels: jax.Array) -> jax.Array:
+    if where is None:
+        return jnp.ones((), bool)
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+        raise TypeError(
+            f"where must be a boolean array (True = count the token), got {where.dtype}"
+        )
+    try:
+        full = jnp.broadcast_shapes(where.shape, labels.shape)
+    except ValueError:
+        full = None
+    if full != labels.shape:
+        raise ValueError(f"where must broadcast to labels' shape {labels.shape}, got {where.shape}")
+    return where
+
+
+def _check_fraction(value: Any) -> float:
+    value = _check_nonnegative(value, "label_smoothing")
+    if value >= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {value}")
+    return value
+
+
+def _check_nonnegative(value: Any, name: str) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} must be a Python float, got {value!r}")
+    value = float(value)
+    if not value >= 0.0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite float >= 0, got {value}")
+    return value
+
+
+def _check_cap(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = _check_nonnegative(value, "logit_soft_cap")
+    if value == 0.0:
+        raise ValueError("logit_soft_cap must be > 0 (e.g. 30.0), or None for no cap")
+    return value
+
+
+def _check_labels_in_range(labels, in_range, valid, vocab, ignore_index) -> None:
+    """Raise for out-of-range labels when they are concrete (traced: NaN losses)."""
+    if isinstance(labels, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
+        return
+    bad = np.asarray(valid & ~in_range)
+    if bad.any():
+        first = np.asarray(labels)[np.broadcast_to(bad, labels.shape)][0]
+        ignored = "" if ignore_index is None else f" (ignore_index={ignore_index})"
+        raise ValueError(
+            f"labels must be in [0, {vocab}) or ignore_index{ignored}; got {int(first)} "
+            f"at {int(bad.sum())} token(s). Under jit such tokens give a NaN loss."
+        )
