@@ -26,12 +26,15 @@ forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from memwise.engine import accumulation_dtype, tiled_reduce
 from memwise.tiling import ChunkSize, Tiling, item_bytes, tiling
@@ -84,10 +87,11 @@ def linear_cross_entropy(
     and ``dW`` as one matrix product each, about 3x the forward's products as for the
     dense computation. Label smoothing with a soft cap costs one more forward and
     backward pass (the mean of the capped scores), ``return_argmax`` one more forward
-    pass. With ``layout="dv"`` the engine reads ``w`` vocabulary-first: one transposed
-    copy of ``w`` (and of its gradient) is made; the tied layout ``"vd"`` needs none.
-    bfloat16/float16 inputs: scores, log-sum-exp and gradient sums are float32; results
-    are cast to the inputs' dtype.
+    pass. Both layouts of ``w`` are read in place (each tile slices its words from
+    ``w``; no transposed or padded copy, also for a ragged last tile). bfloat16/float16
+    inputs: scores, log-sum-exp and gradient sums are float32 (the backward then holds
+    a float32 copy of ``w`` and a float32 ``dW`` accumulator); results are cast to the
+    inputs' dtype.
 
     Args:
       x: hidden states, ``(..., d)``.
@@ -173,17 +177,13 @@ def linear_cross_entropy(
 
     x2 = x.reshape(n, d)
     flat_labels = jnp.where(in_range, labels, 0).reshape(n)
-    w_rows = w.T if layout == "dv" else w  # the engine reads the vocabulary first
-    cols: dict = {"w": w_rows}
-    if bias is not None:
-        cols["b"] = bias
-    tiles = tiling(n, vocab, chunk_size, pair_bytes=lambda: _pair_bytes(x2, w_rows, cap))
+    head = _Head(w, bias, layout, cap)
+    tiles = tiling(n, vocab, chunk_size, pair_bytes=lambda: _pair_bytes(x2, w, layout, cap))
 
-    lse, label_score = _lse_and_label(x2, flat_labels, cols, cap, tiles)
+    lse, label_score = _lse_and_label(head, x2, flat_labels, tiles)
     loss = lse - label_score
     if smoothing:
-        mean_score = _mean_score(x2, w, bias, layout, cols, cap, tiles)
-        loss = loss + smoothing * (label_score - mean_score)
+        loss = loss + smoothing * (label_score - _mean_score(head, x2, tiles))
     if z:
         loss = loss + z * lse**2
     loss = jnp.where(in_range, loss.reshape(shape), jnp.nan)
@@ -197,22 +197,59 @@ def linear_cross_entropy(
     if return_lse:
         out.append(lse.reshape(shape).astype(dtype))
     if return_argmax:
-        out.append(_argmax(x2, cols, cap, tiles).reshape(shape))
+        out.append(_argmax(head, x2, tiles).reshape(shape))
     return tuple(out) if len(out) > 1 else out[0]
 
 
-def _scores(xb: jax.Array, cb: dict, cap: float | None) -> jax.Array:
-    """One tile's scores ``x W^T + b`` (soft-capped), in at least float32."""
-    acc = accumulation_dtype(jnp.result_type(xb, cb["w"]))
-    s = jnp.dot(xb, cb["w"].T, preferred_element_type=acc)
-    if "b" in cb:
-        s = s + cb["b"].astype(acc)[None, :]
-    if cap is not None:
-        s = cap * jnp.tanh(s / cap)
-    return s
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """The output layer: ``w`` in either layout, an optional bias, a soft cap.
+
+    ``w`` reaches the engine whole, as a const, and each tile slices its vocabulary
+    block from it (along axis 1 for ``"dv"``, 0 for ``"vd"``): no transposed or padded
+    copy of ``w`` is made for a layout or a ragged last tile, and the engine's
+    per-tile gradient of that slice is added in place into the ``dW`` accumulator. The
+    engine's columns are the bias, or an empty ``(V, 0)`` array that only carries the
+    vocabulary's length.
+    """
+
+    w: jax.Array
+    bias: jax.Array | None
+    layout: str
+    cap: float | None
+
+    def reduce(self, tile_fn: Callable, rows: Any, tiles: Tiling, reduce: str) -> Any:
+        """``tiled_reduce`` over the vocabulary of ``tile_fn(rows_blk, head_blk)``."""
+        vocab = tiles.shape[1]
+        cols = jnp.zeros((vocab, 0), self.w.dtype) if self.bias is None else self.bias
+
+        def engine_fn(rb, bias_blk, _pairs, w, _row_ids, col_ids):
+            return tile_fn(rb, lambda xb: self.scores(xb, w, bias_blk, col_ids), col_ids)
+
+        return tiled_reduce(
+            engine_fn, rows, cols, reduce=reduce, tiles=tiles, consts=self.w, upcast=True
+        )
+
+    def scores(self, xb: jax.Array, w: jax.Array, bias_blk: jax.Array, col_ids: jax.Array):
+        """One tile's scores ``x W + b`` (soft-capped), in at least float32."""
+        axis = 1 if self.layout == "dv" else 0
+        size, vocab = col_ids.shape[0], w.shape[axis]
+        start = col_ids[0]
+        clamped = jnp.minimum(start, vocab - size)
+        blk = lax.dynamic_slice_in_dim(w, clamped, size, axis=axis)
+        if vocab % size:  # the ragged last tile: slot k holds word start + k (see Chunking.block)
+            blk = jnp.roll(blk, clamped - start, axis=axis)
+        acc = accumulation_dtype(jnp.result_type(xb, blk))
+        # One matrix product per tile, and so one each for dx and dW in its vjp.
+        s = lax.dot_general(xb, blk, (((1,), (1 - axis,)), ((), ())), preferred_element_type=acc)
+        if self.bias is not None:
+            s = s + bias_blk.astype(acc)[None, :]
+        if self.cap is not None:
+            s = self.cap * jnp.tanh(s / self.cap)
+        return s
 
 
-def _lse_and_label(x2, labels, cols, cap, tiles):
+def _lse_and_label(head: _Head, x2: jax.Array, labels: jax.Array, tiles: Tiling):
     """Per-token ``(log-sum-exp, label score)``, float32: one tiled pass.
 
     The second channel keeps only the label's score (``-inf`` elsewhere): its
@@ -220,49 +257,44 @@ def _lse_and_label(x2, labels, cols, cap, tiles):
     label needs no gather of ``W`` and no scatter into ``dW``.
     """
 
-    def tile_fn(rb, cb, _pairs, _consts, _row_ids, col_ids):
-        s = _scores(rb["x"], cb, cap)
+    def tile_fn(rb, scores, col_ids):
+        s = scores(rb["x"])
         hit = col_ids[None, :] == rb["y"][:, None]
         return jnp.stack([s, jnp.where(hit, s, -jnp.inf)], axis=-1)
 
-    both = tiled_reduce(
-        tile_fn, {"x": x2, "y": labels}, cols, reduce="logsumexp", tiles=tiles, upcast=True
-    )
+    both = head.reduce(tile_fn, {"x": x2, "y": labels}, tiles, "logsumexp")
     return both[:, 0], both[:, 1]
 
 
-def _mean_score(x2, w, bias, layout, cols, cap, tiles):
+def _mean_score(head: _Head, x2: jax.Array, tiles: Tiling) -> jax.Array:
     """Per-token mean score over the vocabulary, float32."""
-    if cap is None:
+    if head.cap is None:
         # Linear in the scores: x . mean(W) + mean(b), no pass over the vocabulary tiles.
         acc = accumulation_dtype(x2.dtype)
-        w_mean = jnp.mean(w, axis=1 if layout == "dv" else 0, dtype=acc)
+        w_mean = jnp.mean(head.w, axis=1 if head.layout == "dv" else 0, dtype=acc)
         # In float32: the mean of W is not representable in bfloat16 (an x-sized copy).
         mean = jnp.dot(x2.astype(acc), w_mean)
-        if bias is not None:
-            mean = mean + jnp.mean(bias, dtype=acc)
+        if head.bias is not None:
+            mean = mean + jnp.mean(head.bias, dtype=acc)
         return mean
-
-    def tile_fn(xb, cb, _pairs, _consts, _row_ids, _col_ids):
-        return _scores(xb, cb, cap)
-
-    total = tiled_reduce(tile_fn, x2, cols, reduce="sum", tiles=tiles, upcast=True)
+    total = head.reduce(lambda xb, scores, _ids: scores(xb), x2, tiles, "sum")
     return total / tiles.shape[1]
 
 
-def _argmax(x2, cols, cap, tiles):
+def _argmax(head: _Head, x2: jax.Array, tiles: Tiling) -> jax.Array:
     """Per-token argmax of the scores (int32): one tiled forward pass, no gradient."""
+    head = dataclasses.replace(
+        head,
+        w=lax.stop_gradient(head.w),
+        bias=None if head.bias is None else lax.stop_gradient(head.bias),
+    )
+    x2 = lax.stop_gradient(x2)
+    return head.reduce(lambda xb, scores, _ids: scores(xb), x2, tiles, "max")[1]
 
-    def tile_fn(xb, cb, _pairs, _consts, _row_ids, _col_ids):
-        return _scores(xb, cb, cap)
 
-    x2, cols = jax.lax.stop_gradient((x2, cols))
-    return tiled_reduce(tile_fn, x2, cols, reduce="max", tiles=tiles)[1]
-
-
-def _pair_bytes(x2: jax.Array, w_rows: jax.Array, cap: float | None) -> int:
-    """Bytes per (token, word) pair for ``"auto"``: THE rule, on one score."""
-    acc = accumulation_dtype(jnp.result_type(x2, w_rows))
+def _pair_bytes(x2: jax.Array, w: jax.Array, layout: str, cap: float | None) -> int:
+    """Bytes per (token, word) pair for ``"auto"``: THE rule, on one two-channel score."""
+    acc = accumulation_dtype(jnp.result_type(x2, w))
 
     def score(xi, wv):
         s = jnp.dot(xi, wv, preferred_element_type=acc)
@@ -270,9 +302,8 @@ def _pair_bytes(x2: jax.Array, w_rows: jax.Array, cap: float | None) -> int:
             s = cap * jnp.tanh(s / cap)
         return jnp.stack([s, s])
 
-    return item_bytes(
-        score, jnp.zeros(x2.shape[1:], x2.dtype), jnp.zeros(w_rows.shape[1:], w_rows.dtype)
-    )
+    d = x2.shape[1]
+    return item_bytes(score, jnp.zeros((d,), x2.dtype), jnp.zeros((d,), w.dtype))
 
 
 # ---------------------------------------------------------------------------------------
