@@ -331,3 +331,23 @@ def test_bad_input_names_the_argument(name):
         call(x, w, y)
     assert words in str(info.value), str(info.value)
     assert "jax._src" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_fit_chooses_the_tile_for_a_budget():
+    x, w, _, y = _data(tokens=512, vocab=4096)
+
+    def loss(x, w):
+        return mw.linear_cross_entropy(x, w, y, chunk_size="auto")
+
+    def fixed(x, w):
+        return mw.linear_cross_entropy(x, w, y, chunk_size=(64, 128))
+
+    budget = int(1.02 * compiled_memory(fixed, x, w, grad=True, argnums=(0, 1)).peak_bytes)
+    fitted = mw.fit(loss, budget=budget, argnums=(0, 1), policies=False)
+    assert compiled_memory(fitted, x, w, grad=True, argnums=(0, 1)).peak_bytes <= budget
+    tile = fitted.plan_for(x, w).entries[-1]
+    assert tile.kind == "chunk_size"
+    assert compiled_memory(loss, x, w, grad=True, argnums=(0, 1)).peak_bytes > budget
+    for got, want in zip(jax.grad(fitted, (0, 1))(x, w), jax.grad(fixed, (0, 1))(x, w)):
+        assert_close(got, want, 1e-5, "fitted gradient")
