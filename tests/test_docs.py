@@ -38,6 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:JAXopt is no longer maintained:D
 GUIDES = [
     "docs/guides/long-loops.md",
     "docs/guides/pairwise-and-attention.md",
+    "docs/guides/language-model-loss.md",
     "docs/guides/optimal-transport.md",
     "docs/guides/linearized-ntk-kip.md",
     "docs/guides/fitting-a-budget.md",
