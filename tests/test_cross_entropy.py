@@ -351,3 +351,22 @@ def test_fit_chooses_the_tile_for_a_budget():
     assert compiled_memory(loss, x, w, grad=True, argnums=(0, 1)).peak_bytes > budget
     for got, want in zip(jax.grad(fitted, (0, 1))(x, w), jax.grad(fixed, (0, 1))(x, w)):
         assert_close(got, want, 1e-5, "fitted gradient")
+
+
+@pytest.mark.slow
+def test_demo_scenario_agrees_and_is_leaner():
+    from memwise import scenarios
+    from memwise.measure import compile_measured
+    from memwise.scenarios import lmhead
+
+    assert "lmhead" in scenarios.available()
+    small = lmhead.make(tokens=64, d=16, vocab=1001)
+    assert small.agree(jax.jit(small.naive)(*small.args), jax.jit(small.memwise)(*small.args))
+    scenario = scenarios.load("lmhead")
+    naive = compile_measured(scenario.naive, *scenario.args)[1]
+    tiled = compile_measured(scenario.memwise, *scenario.args)[1]
+    # The naive program holds the logits and their gradient; memwise only one tile more
+    # than its arguments and outputs.
+    tokens, vocab = scenario.args[0].shape[0], scenario.args[1].shape[0]
+    assert naive.temp_bytes >= tokens * vocab * 4
+    assert tiled.temp_bytes <= 0.02 * tokens * vocab * 4
