@@ -21,7 +21,9 @@ tiled sum when the scores are soft-capped); PaLM's z-loss (Chowdhery et al., 202
 
 Memory, both passes: ``x``, ``W``, their gradients and one tile of scores; no buffer
 grows with tokens x vocabulary. An argmax (accuracy without logits) is one more tiled
-forward pass.
+forward pass. On many devices the vocabulary may be split too (Megatron's
+vocabulary-parallel cross-entropy, Shoeybi et al., arXiv:1909.08053): each device
+reduces its own words, and one log-sum-exp collective per call combines both channels.
 """
 
 from __future__ import annotations
@@ -35,8 +37,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from memwise._cross_entropy_inputs import (
+    as_arrays,
+    check_cap,
+    check_fraction,
+    check_labels_in_range,
+    check_mask,
+    check_nonnegative,
+    check_shapes,
+    float_array,
+    vocabulary_split,
+)
 from memwise.engine import accumulation_dtype, tiled_reduce
+from memwise.pairwise import _combine_over_devices as combine_over_devices
+from memwise.sharding import check_divisible, sharded_call
 from memwise.tiling import ChunkSize, Tiling, item_bytes, tiling
 
 __all__ = ["linear_cross_entropy"]
@@ -61,6 +77,9 @@ def linear_cross_entropy(
     return_lse: bool = False,
     return_argmax: bool = False,
     chunk_size: ChunkSize = "auto",
+    mesh: jax.sharding.Mesh | None = None,
+    token_axis: str | tuple[str, ...] | None = None,
+    vocab_axis: str | tuple[str, ...] | None = None,
 ) -> Any:
     """Softmax cross-entropy of the logits ``x @ w + bias`` with integer ``labels``, tiled.
 
@@ -114,6 +133,17 @@ def linear_cross_entropy(
       chunk_size: the tile ``(tokens, words)``, an int, ``"auto"``
         (:func:`memwise.knobs.auto`, so :func:`memwise.fit` can set it) or a
         :class:`memwise.tiling.Tiling`.
+      mesh: run on many devices (``shard_map``) with ``x``'s first axis (tokens) split
+        over mesh axis ``token_axis`` and ``w``'s vocabulary split over ``vocab_axis``
+        (either may be None). Each device reduces its own tokens against its own words;
+        the per-token log-sum-exp and label score are combined over ``vocab_axis`` by
+        one small collective (Megatron's vocabulary-parallel cross-entropy), a mean or
+        sum over ``token_axis`` by one more, and each device's ``dW`` block stays on it.
+        Without ``mesh`` the split follows the data, eagerly and under ``jit``: ``x``'s
+        and ``w``'s ``NamedSharding`` (or types split over Explicit mesh axes), else,
+        on a mesh with Auto axes, the tokens over all of them.
+      token_axis: the mesh axis (or axes) splitting the tokens, with ``mesh``.
+      vocab_axis: the mesh axis (or axes) splitting the vocabulary, with ``mesh``.
 
     Returns:
       The loss (a scalar, or ``labels.shape`` for ``"none"``) in the inputs' dtype;
@@ -124,7 +154,8 @@ def linear_cross_entropy(
       TypeError: non-float ``x``/``w``/``bias``, non-integer ``labels``, non-boolean
         ``where``.
       ValueError: shapes that do not match, an unknown ``layout``/``reduction``, options
-        out of range, out-of-range concrete labels.
+        out of range, out-of-range concrete labels, a split that does not divide the
+        tokens or the vocabulary evenly, or tokens and vocabulary on the same mesh axis.
 
     Example::
 
@@ -138,8 +169,8 @@ def linear_cross_entropy(
         >>> bool(jnp.allclose(loss, dense, rtol=1e-6))
         True
     """
-    x, w, labels = _as_arrays(x, w, labels)
-    bias = None if bias is None else _float_array(bias, "bias")
+    x, w, labels = as_arrays(x, w, labels)
+    bias = None if bias is None else float_array(bias, "bias")
     if layout not in _LAYOUTS:
         raise ValueError(
             f"layout must be 'dv' (w is (d, V)) or 'vd' (w is (V, d), tied embeddings), "
@@ -147,11 +178,11 @@ def linear_cross_entropy(
         )
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    d, vocab = _check_shapes(x, w, labels, bias, layout)
-    valid = _check_mask(where, labels)
-    smoothing = _check_fraction(label_smoothing)
-    z = _check_nonnegative(z_loss, "z_loss")
-    cap = _check_cap(logit_soft_cap)
+    d, vocab = check_shapes(x, w, labels, bias, layout)
+    valid = check_mask(where, labels)
+    smoothing = check_fraction(label_smoothing)
+    z = check_nonnegative(z_loss, "z_loss")
+    cap = check_cap(logit_soft_cap)
     for flag, name in ((return_lse, "return_lse"), (return_argmax, "return_argmax")):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -162,7 +193,7 @@ def linear_cross_entropy(
             raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
         valid = valid & (labels != ignore_index)
     in_range = (labels >= 0) & (labels < vocab)
-    _check_labels_in_range(labels, in_range, valid, vocab, ignore_index)
+    check_labels_in_range(labels, in_range, valid, vocab, ignore_index)
 
     dtype = jnp.result_type(x, w, *(() if bias is None else (bias,)))
     shape = labels.shape
@@ -175,30 +206,110 @@ def linear_cross_entropy(
         extras += [jnp.zeros(shape, jnp.int32)] * return_argmax
         return (loss, *extras) if extras else loss
 
-    x2 = x.reshape(n, d)
-    flat_labels = jnp.where(in_range, labels, 0).reshape(n)
-    head = _Head(w, bias, layout, cap)
-    tiles = tiling(n, vocab, chunk_size, pair_bytes=lambda: _pair_bytes(x2, w, layout, cap))
-
-    lse, label_score = _lse_and_label(head, x2, flat_labels, tiles)
-    loss = lse - label_score
-    if smoothing:
-        loss = loss + smoothing * (label_score - _mean_score(head, x2, tiles))
-    if z:
-        loss = loss + z * lse**2
-    loss = jnp.where(in_range, loss.reshape(shape), jnp.nan)
     valid = jnp.broadcast_to(valid, shape)
+    safe_labels = jnp.where(in_range, labels, 0)
+    options = _Options(layout, cap, smoothing, z, reduction, return_lse, return_argmax, chunk_size)
+    split = vocabulary_split(x, w, labels, layout, mesh, token_axis, vocab_axis)
+    if split is None:
+        out = _local(options, vocab, None, None, x, w, safe_labels, valid, in_range, bias)
+    else:
+        mesh, token_axes, vocab_axes = split
+        if vocab_axes is not None:
+            check_divisible(vocab, mesh, vocab_axes, "w's vocabulary")
+        if token_axes is not None:
+            check_divisible(shape[0], mesh, token_axes, "x's first axis (tokens)")
+
+        def local(*args):
+            return _local(options, vocab, token_axes, vocab_axes, *args)
+
+        tokens = P(token_axes)
+        w_spec = P(None, vocab_axes) if layout == "dv" else P(vocab_axes, None)
+        per_token = [tokens] * (return_lse + return_argmax)
+        out_specs = (tokens if reduction == "none" else P(), *per_token)
+        in_specs = (tokens, w_spec, tokens, tokens, tokens, P(vocab_axes))
+        out = sharded_call(
+            local, mesh, in_specs, out_specs, x, w, safe_labels, valid, in_range, bias
+        )
+    out = tuple(a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in out)
+    return out if len(out) > 1 else out[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The checked static options of one call."""
+
+    layout: str
+    cap: float | None
+    smoothing: float
+    z: float
+    reduction: str
+    return_lse: bool
+    return_argmax: bool
+    chunk_size: Any
+
+
+def _local(
+    opts: _Options,
+    vocab: int,
+    token_axes: Any,
+    vocab_axes: Any,
+    x,
+    w,
+    labels,
+    valid,
+    in_range,
+    bias,
+) -> tuple:
+    """The loss (and the per-token extras) of this device's tokens and words.
+
+    With the vocabulary split over ``vocab_axes`` (inside ``shard_map``), every device
+    reduces its own words and the two channels (log-sum-exp, label score) are combined
+    over the devices by one log-sum-exp collective per token: the label's score is
+    finite on the one device that holds the label (Megatron's vocabulary-parallel
+    cross-entropy, Shoeybi et al., arXiv:1909.08053). With the tokens split over
+    ``token_axes``, the sum and the count of a mean are summed over them.
+    """
+    shape = labels.shape
+    n = math.prod(shape)
+    x2 = x.reshape(n, x.shape[-1])
+    head = _Head(w, bias, opts.layout, opts.cap)
+    local_vocab = w.shape[1 if opts.layout == "dv" else 0]
+    offset = 0 if vocab_axes is None else lax.axis_index(vocab_axes) * local_vocab
+    labels2 = labels.reshape(n) - offset  # the label channel hits only on its owner
+    tiles = tiling(
+        n,
+        local_vocab,
+        opts.chunk_size,
+        pair_bytes=lambda: _pair_bytes(x2, w, opts.layout, opts.cap),
+    )
+    both = _lse_and_label(head, x2, labels2, tiles)
+    if vocab_axes is not None:
+        both = combine_over_devices(both, "logsumexp", vocab_axes, local_vocab)
+    lse, label_score = both[:, 0], both[:, 1]
+    loss = lse - label_score
+    if opts.smoothing:
+        total = _score_sum(head, x2, tiles)
+        if vocab_axes is not None:
+            total = lax.psum(total, vocab_axes)
+        loss = loss + opts.smoothing * (label_score - total / vocab)
+    if opts.z:
+        loss = loss + opts.z * lse**2
+    loss = jnp.where(in_range, loss.reshape(shape), jnp.nan)
     loss = jnp.where(valid, loss, 0.0)
-    if reduction == "sum":
-        loss = jnp.sum(loss)
-    elif reduction == "mean":
-        loss = jnp.sum(loss) / jnp.maximum(jnp.sum(valid), 1).astype(loss.dtype)
-    out = [loss.astype(dtype)]
-    if return_lse:
-        out.append(lse.reshape(shape).astype(dtype))
-    if return_argmax:
-        out.append(_argmax(head, x2, tiles).reshape(shape))
-    return tuple(out) if len(out) > 1 else out[0]
+    if opts.reduction != "none":
+        total, count = jnp.sum(loss), jnp.sum(valid)
+        if token_axes is not None:
+            total, count = lax.psum((total, count), token_axes)
+        loss = total if opts.reduction == "sum" else total / jnp.maximum(count, 1)
+    out = [loss]
+    if opts.return_lse:
+        out.append(lse.reshape(shape))
+    if opts.return_argmax:
+        value, arg = _argmax(head, x2, tiles)
+        if vocab_axes is not None:
+            arg = combine_over_devices((value, arg), "argmax", vocab_axes, local_vocab)
+        out.append(arg.reshape(shape))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +361,7 @@ class _Head:
 
 
 def _lse_and_label(head: _Head, x2: jax.Array, labels: jax.Array, tiles: Tiling):
-    """Per-token ``(log-sum-exp, label score)``, float32: one tiled pass.
+    """Per-token ``(log-sum-exp, label score)`` as ``(n, 2)``, float32: one tiled pass.
 
     The second channel keeps only the label's score (``-inf`` elsewhere): its
     log-sum-exp is that score exactly, and its gradient is the label's one-hot, so the
@@ -263,33 +374,32 @@ def _lse_and_label(head: _Head, x2: jax.Array, labels: jax.Array, tiles: Tiling)
         return jnp.stack([s, jnp.where(hit, s, -jnp.inf)], axis=-1)
 
     both = head.reduce(tile_fn, {"x": x2, "y": labels}, tiles, "logsumexp")
-    return both[:, 0], both[:, 1]
+    return both
 
 
-def _mean_score(head: _Head, x2: jax.Array, tiles: Tiling) -> jax.Array:
-    """Per-token mean score over the vocabulary, float32."""
+def _score_sum(head: _Head, x2: jax.Array, tiles: Tiling) -> jax.Array:
+    """Per-token sum of the scores over (this device's) vocabulary, float32."""
     if head.cap is None:
-        # Linear in the scores: x . mean(W) + mean(b), no pass over the vocabulary tiles.
+        # Linear in the scores: x . sum(W) + sum(b), no pass over the vocabulary tiles.
         acc = accumulation_dtype(x2.dtype)
-        w_mean = jnp.mean(head.w, axis=1 if head.layout == "dv" else 0, dtype=acc)
-        # In float32: the mean of W is not representable in bfloat16 (an x-sized copy).
-        mean = jnp.dot(x2.astype(acc), w_mean)
+        w_sum = jnp.sum(head.w, axis=1 if head.layout == "dv" else 0, dtype=acc)
+        # In float32: the sum of W is not representable in bfloat16 (an x-sized copy).
+        total = jnp.dot(x2.astype(acc), w_sum)
         if head.bias is not None:
-            mean = mean + jnp.mean(head.bias, dtype=acc)
-        return mean
-    total = head.reduce(lambda xb, scores, _ids: scores(xb), x2, tiles, "sum")
-    return total / tiles.shape[1]
+            total = total + jnp.sum(head.bias, dtype=acc)
+        return total
+    return head.reduce(lambda xb, scores, _ids: scores(xb), x2, tiles, "sum")
 
 
-def _argmax(head: _Head, x2: jax.Array, tiles: Tiling) -> jax.Array:
-    """Per-token argmax of the scores (int32): one tiled forward pass, no gradient."""
+def _argmax(head: _Head, x2: jax.Array, tiles: Tiling) -> tuple[jax.Array, jax.Array]:
+    """Per-token ``(max score, argmax)`` (int32): one tiled forward pass, no gradient."""
     head = dataclasses.replace(
         head,
         w=lax.stop_gradient(head.w),
         bias=None if head.bias is None else lax.stop_gradient(head.bias),
     )
     x2 = lax.stop_gradient(x2)
-    return head.reduce(lambda xb, scores, _ids: scores(xb), x2, tiles, "max")[1]
+    return lax.stop_gradient(head.reduce(lambda xb, scores, _ids: scores(xb), x2, tiles, "max"))
 
 
 def _pair_bytes(x2: jax.Array, w: jax.Array, layout: str, cap: float | None) -> int:
@@ -304,113 +414,3 @@ def _pair_bytes(x2: jax.Array, w: jax.Array, layout: str, cap: float | None) -> 
 
     d = x2.shape[1]
     return item_bytes(score, jnp.zeros((d,), x2.dtype), jnp.zeros((d,), w.dtype))
-
-
-# ---------------------------------------------------------------------------------------
-# Input checks (up front, naming the argument).
-
-
-def _float_array(a: Any, name: str) -> jax.Array:
-    a = jnp.asarray(a)
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-        raise TypeError(f"{name} must be a real float array, got dtype {a.dtype}")
-    return a
-
-
-def _as_arrays(x: Any, w: Any, labels: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    x, w = _float_array(x, "x"), _float_array(w, "w")
-    labels = jnp.asarray(labels)
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(
-            f"labels must be an integer array (word indices), got dtype {labels.dtype}; "
-            "for soft targets use optax.softmax_cross_entropy on dense logits, or cast "
-            "class indices with labels.astype(jnp.int32)"
-        )
-    return x, w, labels
-
-
-def _check_shapes(x, w, labels, bias, layout) -> tuple[int, int]:
-    if x.ndim < 1:
-        raise ValueError("x must have shape (..., d), got a scalar")
-    if w.ndim != 2:
-        raise ValueError(
-            f"w must be a 2-D matrix, (d, V) for layout='dv' or (V, d) for layout='vd'; "
-            f"got shape {w.shape}"
-        )
-    d, vocab = w.shape if layout == "dv" else w.shape[::-1]
-    if x.shape[-1] != d:
-        hint = (
-            " (w looks like (V, d): pass layout='vd')"
-            if layout == "dv" and w.shape[1] == x.shape[-1]
-            else ""
-        )
-        raise ValueError(
-            f"x's last dim {x.shape[-1]} must equal w's d = {d} (w {w.shape}, "
-            f"layout={layout!r}){hint}"
-        )
-    if labels.shape != x.shape[:-1]:
-        raise ValueError(
-            f"labels must have shape x.shape[:-1] = {x.shape[:-1]} (one per token), "
-            f"got {labels.shape}"
-        )
-    if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"bias must have shape (V,) = ({vocab},), got {bias.shape}")
-    if vocab < 1:
-        raise ValueError(f"w must have at least one vocabulary word, got shape {w.shape}")
-    return int(d), int(vocab)
-
-
-def _check_mask(where: Any, labels: jax.Array) -> jax.Array:
-    if where is None:
-        return jnp.ones((), bool)
-    where = jnp.asarray(where)
-    if where.dtype != jnp.bool_:
-        raise TypeError(
-            f"where must be a boolean array (True = count the token), got {where.dtype}"
-        )
-    try:
-        full = jnp.broadcast_shapes(where.shape, labels.shape)
-    except ValueError:
-        full = None
-    if full != labels.shape:
-        raise ValueError(f"where must broadcast to labels' shape {labels.shape}, got {where.shape}")
-    return where
-
-
-def _check_fraction(value: Any) -> float:
-    value = _check_nonnegative(value, "label_smoothing")
-    if value >= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {value}")
-    return value
-
-
-def _check_nonnegative(value: Any, name: str) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{name} must be a Python float, got {value!r}")
-    value = float(value)
-    if not value >= 0.0 or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite float >= 0, got {value}")
-    return value
-
-
-def _check_cap(value: Any) -> float | None:
-    if value is None:
-        return None
-    value = _check_nonnegative(value, "logit_soft_cap")
-    if value == 0.0:
-        raise ValueError("logit_soft_cap must be > 0 (e.g. 30.0), or None for no cap")
-    return value
-
-
-def _check_labels_in_range(labels, in_range, valid, vocab, ignore_index) -> None:
-    """Raise for out-of-range labels when they are concrete (traced: NaN losses)."""
-    if isinstance(labels, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
-        return
-    bad = np.asarray(valid & ~in_range)
-    if bad.any():
-        first = np.asarray(labels)[np.broadcast_to(bad, labels.shape)][0]
-        ignored = "" if ignore_index is None else f" (ignore_index={ignore_index})"
-        raise ValueError(
-            f"labels must be in [0, {vocab}) or ignore_index{ignored}; got {int(first)} "
-            f"at {int(bad.sum())} token(s). Under jit such tokens give a NaN loss."
-        )
