@@ -72,6 +72,13 @@ ILLUSTRATIVE: dict[tuple[str, str], str] = {
         "continues the KIP example on the user's MNIST arrays; the NTK and KIP guide runs "
         "ntk.predict on small arrays"
     ),
+    (
+        "docs/guides/language-model-loss.md",
+        'mesh = jax.make_mesh((2, 4), ("data", "model"))  # 8 devices',
+    ): (
+        "needs 8 devices (a 2 x 4 mesh); tests/test_cross_entropy.py runs the same calls "
+        "on 8 CPU devices against one device"
+    ),
     ("docs/guides/optimal-transport.md", "@jax.jit"): (
         "the OTT-JAX issue 417 program with OTT's online mode (batch_size=), which fails "
         "on current JAX inside OTT-JAX 0.6 (the guide quotes the issue's and the "
