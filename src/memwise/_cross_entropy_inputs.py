@@ -50,7 +50,9 @@ def as_arrays(x: Any, w: Any, labels: Any) -> tuple[jax.Array, jax.Array, jax.Ar
     return x, w, labels
 
 
-def check_shapes(x, w, labels, bias, layout) -> tuple[int, int]:
+def check_shapes(
+    x: jax.Array, w: jax.Array, labels: jax.Array, bias: jax.Array | None, layout: str
+) -> tuple[int, int]:
     if x.ndim < 1:
         raise ValueError("x must have shape (..., d), got a scalar")
     if w.ndim != 2:
@@ -123,7 +125,13 @@ def check_cap(value: Any) -> float | None:
     return value
 
 
-def check_labels_in_range(labels, in_range, valid, vocab, ignore_index) -> None:
+def check_labels_in_range(
+    labels: jax.Array,
+    in_range: jax.Array,
+    valid: jax.Array,
+    vocab: int,
+    ignore_index: int | None,
+) -> None:
     """Raise for out-of-range labels when they are concrete (traced: NaN losses)."""
     if isinstance(labels, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
         return
@@ -137,7 +145,9 @@ def check_labels_in_range(labels, in_range, valid, vocab, ignore_index) -> None:
         )
 
 
-def vocabulary_split(x, w, labels, layout, mesh, token_axis, vocab_axis):
+def vocabulary_split(
+    x: jax.Array, w: jax.Array, layout: str, mesh: Any, token_axis: Any, vocab_axis: Any
+) -> tuple[Any, Any, Any] | None:
     """``(mesh, token axes, vocabulary axes)`` when the call runs on many devices.
 
     Explicit ``mesh=`` with ``token_axis=``/``vocab_axis=``; otherwise the split the
@@ -162,7 +172,9 @@ def vocabulary_split(x, w, labels, layout, mesh, token_axis, vocab_axis):
                 return None
         if tokens is not None and words is not None and tokens[0] != words[0]:
             raise ValueError("x and w are split over different meshes; put them on one mesh")
-        mesh = (tokens or words)[0]
+        split = tokens if tokens is not None else words
+        assert split is not None  # both None returned above
+        mesh = split[0]
         token_axis = None if tokens is None else tokens[1]
         vocab_axis = None if words is None else words[1]
     else:

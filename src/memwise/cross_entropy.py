@@ -209,7 +209,7 @@ def linear_cross_entropy(
     valid = jnp.broadcast_to(valid, shape)
     safe_labels = jnp.where(in_range, labels, 0)
     options = _Options(layout, cap, smoothing, z, reduction, return_lse, return_argmax, chunk_size)
-    split = vocabulary_split(x, w, labels, layout, mesh, token_axis, vocab_axis)
+    split = vocabulary_split(x, w, layout, mesh, token_axis, vocab_axis)
     if split is None:
         out = _local(options, vocab, None, None, x, w, safe_labels, valid, in_range, bias)
     else:
@@ -253,12 +253,12 @@ def _local(
     vocab: int,
     token_axes: Any,
     vocab_axes: Any,
-    x,
-    w,
-    labels,
-    valid,
-    in_range,
-    bias,
+    x: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    valid: jax.Array,
+    in_range: jax.Array,
+    bias: jax.Array | None,
 ) -> tuple:
     """The loss (and the per-token extras) of this device's tokens and words.
 
@@ -341,7 +341,9 @@ class _Head:
             engine_fn, rows, cols, reduce=reduce, tiles=tiles, consts=self.w, upcast=True
         )
 
-    def scores(self, xb: jax.Array, w: jax.Array, bias_blk: jax.Array, col_ids: jax.Array):
+    def scores(
+        self, xb: jax.Array, w: jax.Array, bias_blk: jax.Array, col_ids: jax.Array
+    ) -> jax.Array:
         """One tile's scores ``x W + b`` (soft-capped), in at least float32."""
         axis = 1 if self.layout == "dv" else 0
         size, vocab = col_ids.shape[0], w.shape[axis]
@@ -360,7 +362,7 @@ class _Head:
         return s
 
 
-def _lse_and_label(head: _Head, x2: jax.Array, labels: jax.Array, tiles: Tiling):
+def _lse_and_label(head: _Head, x2: jax.Array, labels: jax.Array, tiles: Tiling) -> jax.Array:
     """Per-token ``(log-sum-exp, label score)`` as ``(n, 2)``, float32: one tiled pass.
 
     The second channel keeps only the label's score (``-inf`` elsewhere): its

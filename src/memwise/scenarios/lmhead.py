@@ -27,7 +27,7 @@ SIZES = {
 
 def dense_loss(h: jax.Array, table: jax.Array, labels: jax.Array) -> jax.Array:
     """What users write: the tied head's logits, then optax."""
-    import optax
+    import optax  # type: ignore[import-untyped]  # no py.typed
 
     logits = h @ table.T
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
