@@ -115,6 +115,7 @@ def test_matches_optax_values_and_gradients(opts):
         assert not np.any(np.asarray(got_g[2]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_no_worse_than_dense(dtype):
     x, w, b, y = _data(dtype, seed=1)
@@ -185,6 +186,7 @@ def test_out_of_range_labels_raise_eagerly_and_are_nan_under_jit():
     assert np.isnan(jax.jit(lambda y: mw.linear_cross_entropy(x, w, y, chunk_size=TILE))(bad))
 
 
+@pytest.mark.slow
 def test_lse_and_argmax_outputs():
     x, w, b, y = _data()
     logits = x @ w + b
@@ -204,6 +206,7 @@ def test_lse_and_argmax_outputs():
     assert_close(g, jax.grad(lambda x: jax.nn.logsumexp(x @ w + b, -1).sum())(x), 1e-6, "d lse")
 
 
+@pytest.mark.slow
 def test_result_does_not_depend_on_chunk_size():
     x, w, b, y = _data()
     losses = [
@@ -238,6 +241,7 @@ def test_backward_is_one_matrix_product_each_for_dx_and_dw_per_tile(layout):
     assert shapes == sorted([(rows, cols), (back, cols), (back, d), dw]), shapes
 
 
+@pytest.mark.slow
 def test_gradient_memory_is_one_tile_and_flat_in_vocabulary():
     """Temporaries of the gradient (beyond the outputs dx, dW) at two vocabulary sizes:
     the same, and under 2% of the dense logits."""
