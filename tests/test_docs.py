@@ -39,6 +39,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:JAXopt is no longer maintained:D
 GUIDES = [
     "docs/guides/long-loops.md",
     "docs/guides/pairwise-and-attention.md",
+    "docs/guides/language-model-loss.md",
     "docs/guides/optimal-transport.md",
     "docs/guides/linearized-ntk-kip.md",
     "docs/guides/fitting-a-budget.md",
@@ -71,6 +72,13 @@ ILLUSTRATIVE: dict[tuple[str, str], str] = {
     ("README.md", "mean, cov = ntk.predict("): (
         "continues the KIP example on the user's MNIST arrays; the NTK and KIP guide runs "
         "ntk.predict on small arrays"
+    ),
+    (
+        "docs/guides/language-model-loss.md",
+        'mesh = jax.make_mesh((2, 4), ("data", "model"))  # 8 devices',
+    ): (
+        "needs 8 devices (a 2 x 4 mesh); tests/test_cross_entropy.py runs the same calls "
+        "on 8 CPU devices against one device"
     ),
     ("docs/guides/optimal-transport.md", "@jax.jit"): (
         "the OTT-JAX issue 417 program with OTT's online mode (batch_size=), which fails "

@@ -197,6 +197,58 @@ def _linearize(n, chunk, dtype):
     return f, dense, (w, v, x)
 
 
+def _dense_cross_entropy(x, w, b, labels, *, smoothing=0.0, cap=None, keep=None):
+    logits = x @ w + b
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
+    logp = jax.nn.log_softmax(logits, -1)
+    safe = jnp.where(labels >= 0, labels, 0)
+    nll = -jnp.take_along_axis(logp, safe[:, None], 1)[:, 0]
+    loss = (1 - smoothing) * nll - smoothing * jnp.mean(logp, -1)
+    return loss if keep is None else jnp.where(keep, loss, 0.0)
+
+
+def _cross_entropy(variant):
+    """Per-token losses (bias, an ignored token, smoothing); the mean over a soft-capped
+    tied head; or the mean with every token ignored. V = 2n + 3 is ragged for the tile."""
+
+    def build(n, chunk, dtype):
+        vocab = 2 * n + 3
+        x, w, b = _inputs(dtype, (n, 4), (4, vocab), (vocab,))
+        labels = (jnp.arange(n) * 7) % vocab
+        if variant == "per_token" and n > 1:
+            labels = labels.at[0].set(-100)
+        if variant == "all_ignored":
+            labels = jnp.full((n,), -100)
+        keep = labels != -100
+        opts = {"per_token": dict(smoothing=0.1), "capped_tied": dict(cap=2.0)}.get(variant, {})
+
+        def f(x, w, b):
+            tied = variant == "capped_tied"
+            return mw.linear_cross_entropy(
+                x,
+                w.T if tied else w,
+                labels,
+                bias=b,
+                layout="vd" if tied else "dv",
+                ignore_index=-100,
+                label_smoothing=opts.get("smoothing", 0.0),
+                logit_soft_cap=opts.get("cap"),
+                reduction="none" if variant == "per_token" else "mean",
+                chunk_size=(chunk, chunk + 1),
+            )
+
+        def dense(x, w, b):
+            loss = _dense_cross_entropy(x, w, b, labels, keep=keep, **opts)
+            if variant == "per_token":
+                return loss
+            return jnp.sum(loss) / jnp.maximum(jnp.sum(keep), 1)
+
+        return f, dense, (x, w, b)
+
+    return build
+
+
 CASES = {
     "chunked_map": Case(_chunked_map),
     "chunked_sum": Case(_chunked_sum),
@@ -209,6 +261,9 @@ CASES = {
     "while_loop": Case(_while_loop),
     "sinkhorn_divergence": Case(_divergence, min_tolerance=1e-5),
     "linearize": Case(_linearize),
+    "cross_entropy": Case(_cross_entropy("per_token")),
+    "cross_entropy_capped_tied": Case(_cross_entropy("capped_tied")),
+    "cross_entropy_all_ignored": Case(_cross_entropy("all_ignored")),
 }
 
 
@@ -737,6 +792,31 @@ BAD_INPUTS = {
         lambda: mw.ntk.kernels.AvgPool((2, 2), strides=(2,)),
         ValueError,
         "strides",
+    ),
+    "linear_cross_entropy labels float": (
+        lambda: mw.linear_cross_entropy(_X, _X.T, jnp.zeros(4)),
+        TypeError,
+        "labels",
+    ),
+    "linear_cross_entropy labels out of range": (
+        lambda: mw.linear_cross_entropy(_X, _X.T, jnp.array([0, 1, 2, 4])),
+        ValueError,
+        "labels must be in [0, 4)",
+    ),
+    "linear_cross_entropy labels shape": (
+        lambda: mw.linear_cross_entropy(_X, _X.T, jnp.zeros(3, int)),
+        ValueError,
+        "labels must have shape",
+    ),
+    "linear_cross_entropy w shape": (
+        lambda: mw.linear_cross_entropy(_X, jnp.ones((3, 4)), jnp.zeros(4, int)),
+        ValueError,
+        "x's last dim",
+    ),
+    "linear_cross_entropy reduction": (
+        lambda: mw.linear_cross_entropy(_X, _X.T, jnp.zeros(4, int), reduction="avg"),
+        ValueError,
+        "reduction",
     ),
     "memory_report fn": (lambda: mw.memory_report(3, _X), TypeError, "fn"),
     "fit budget": (lambda: mw.fit(jnp.sum, budget="lots"), ValueError, "budget"),

@@ -4,6 +4,7 @@ from memwise import knobs, measure, ntk, ot, schedule
 from memwise.accumulate import accumulate_grad
 from memwise.attention import attention
 from memwise.chunked import chunked_map, chunked_sum
+from memwise.cross_entropy import linear_cross_entropy
 from memwise.fit import MemoryBudgetError, fit, region
 from memwise.linearize import Linearized, TaylorExpanded, linearize, taylor_expand
 from memwise.measure import MemoryReport, Residual, memory_report
@@ -23,6 +24,7 @@ __all__ = [
     "chunked_map",
     "chunked_sum",
     "fit",
+    "linear_cross_entropy",
     "knobs",
     "linearize",
     "measure",

@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["HEADLINES", "NAMES", "Scenario", "available", "load"]
 
 # Demo order: the worked example first, then the user reports.
-NAMES = ("mlp", "lstm", "pointcloud", "kip", "linearize")
+NAMES = ("mlp", "lstm", "pointcloud", "kip", "linearize", "lmhead")
 
 # What a scenario's memwise program changes (Scenario.headline).
 HEADLINES = ("peak", "constants")
