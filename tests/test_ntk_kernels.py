@@ -458,3 +458,160 @@ def test_valid_window_larger_than_the_image_is_an_error_not_nan(layers, shape):
     # No output pixel would be left: the mean over none was a silent NaN kernel.
     with pytest.raises(ValueError, match="larger than"):
         k.serial(*layers)(jnp.ones(shape))
+
+
+# ----------------------------------------------------------------------------------------
+# Arc-cosine kernels on the diagonal: the angle of an input with itself is exactly 0, and
+# with its negative exactly pi; rounding of cos = cov / sqrt(var1 var2) must not move it.
+
+ARC_COSINE = {
+    "relu": (0.0, 1.0, k.Relu),
+    "leaky_relu": (0.1, 1.0, lambda: k.LeakyRelu(0.1)),
+    "abrelu": (-0.5, 1.5, lambda: k.ABRelu(-0.5, 1.5)),
+    "abs": (-1.0, 1.0, k.Abs),
+}
+
+
+def _aligned_stack(name):
+    a, b, activation = ARC_COSINE[name]
+    spec = [
+        ("dense", 1.3, 0.1),
+        ("act", a, b),
+        ("dense", 1.2, 0.05),
+        ("act", a, b),
+        ("dense", 1.0, 0.0),
+    ]
+    layers = [
+        k.Dense(W_std=w, b_std=bias) if kind == "dense" else activation() for kind, w, bias in spec
+    ]
+    return spec, k.serial(*layers)
+
+
+def _aligned_closed_form(spec, q):
+    """(nngp, ntk) at angle 0 for inputs with |x|^2 / d = q: ABRelu(a, b) scales both by
+    (a^2 + b^2) / 2 (the arc-cosine kernel at theta = 0), in float64."""
+    nngp, ntk = q, 0.0
+    for kind, u, v in spec:
+        if kind == "dense":
+            nngp = u**2 * nngp + v**2
+            ntk = nngp + u**2 * ntk
+        else:
+            nngp, ntk = (u**2 + v**2) / 2 * nngp, (u**2 + v**2) / 2 * ntk
+    return nngp, ntk
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(ARC_COSINE))
+def test_arc_cosine_diagonal_matches_the_closed_form(name, dtype):
+    spec, kernel_fn = _aligned_stack(name)
+    a, b, activation = ARC_COSINE[name]
+    antipodal_fn = k.serial(k.Dense(W_std=1.3), activation(), k.Dense())
+    x = np.random.default_rng(30).normal(size=(6, 784)).astype(dtype)
+    tolerance = {"float32": 1e-6, "float64": 1e-12}[dtype]
+
+    @jax.jit
+    def diagonals(x):
+        own = kernel_fn(x, get=("nngp", "ntk"))
+        cross = kernel_fn(x, x, get=("nngp", "ntk"))
+        antipodal = antipodal_fn(x, -x, get=("nngp", "ntk"))
+        return [jnp.diagonal(kernel) for kernel in (*own, *cross, *antipodal)]
+
+    with jax.enable_x64(dtype == "float64"):
+        got = [np.asarray(d, np.float64) for d in diagonals(jnp.asarray(x))]
+    q = np.sum(np.asarray(x, np.float64) ** 2, axis=1) / x.shape[1]
+    expected = _aligned_closed_form(spec, q)
+    for got_, expected_ in zip(got[:4], expected * 2):  # kernel_fn(x) and kernel_fn(x, x)
+        np.testing.assert_allclose(got_, expected_, rtol=tolerance, atol=0)
+    # x against -x: theta = pi, where ABRelu(a, b) scales by a b (its derivative's value).
+    v = 1.3**2 * q
+    for got_, expected_ in zip(got[4:], (-a * b * v, -2 * a * b * v)):
+        np.testing.assert_allclose(got_, expected_, rtol=0, atol=tolerance * np.max(v))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_arc_cosine_gradient_on_the_diagonal_is_the_closed_form(dtype):
+    # The diagonal entry is affine in q = |x|^2 / d at angle 0, so its gradient is
+    # slope * 2 x / d; the cross kernel's gradient in its first argument is half of it
+    # (the angle's derivative counts as zero there, as neural-tangents').
+    spec, kernel_fn = _aligned_stack("abrelu")
+    x = np.random.default_rng(31).normal(size=(3, 7)).astype(dtype)
+    slope = _aligned_closed_form(spec, 1.0)[1] - _aligned_closed_form(spec, 0.0)[1]
+    expected = slope * 2 * np.asarray(x, np.float64) / x.shape[1]
+    tolerance = {"float32": 2e-6, "float64": 1e-12}[dtype]
+
+    @jax.jit
+    def grads(x):
+        own = jax.grad(lambda x: jnp.trace(kernel_fn(x)))(x)
+        cross = jax.grad(lambda x1: jnp.trace(kernel_fn(x1, x)))(x)
+        return own, cross
+
+    with jax.enable_x64(dtype == "float64"):
+        own, cross = grads(jnp.asarray(x))
+        assert own.dtype == jnp.dtype(dtype)
+        if dtype == "float64":  # the whole self-kernel is smooth: finite differences agree
+            check_grads(jax.jit(lambda x: kernel_fn(x)), (jnp.asarray(x),), order=1, modes=["rev"])
+    np.testing.assert_allclose(own, expected, rtol=tolerance, atol=0)
+    np.testing.assert_allclose(cross, expected / 2, rtol=tolerance, atol=0)
+
+
+# Every layer constructor's arguments: a TypeError/ValueError naming the layer and the
+# argument, before any tracing.
+LAYER_BAD_INPUTS = {
+    "Dense W_std str": (lambda: k.Dense(W_std="x"), TypeError, "Dense W_std"),
+    "Dense W_std negative": (lambda: k.Dense(W_std=-1.0), ValueError, "Dense W_std"),
+    "Dense W_std inf": (lambda: k.Dense(W_std=float("inf")), ValueError, "Dense W_std"),
+    "Dense b_std str": (lambda: k.Dense(b_std="0.1"), TypeError, "Dense b_std"),
+    "Dense b_std nan": (lambda: k.Dense(b_std=float("nan")), ValueError, "Dense b_std"),
+    "Conv filter_shape int": (lambda: k.Conv(3), TypeError, "Conv filter_shape"),
+    "Conv filter_shape float": (lambda: k.Conv((2.5, 3)), TypeError, "Conv filter_shape"),
+    "Conv filter_shape zero": (lambda: k.Conv((0, 3)), ValueError, "Conv filter_shape"),
+    "Conv filter_shape empty": (lambda: k.Conv(()), ValueError, "Conv filter_shape"),
+    "Conv strides int": (lambda: k.Conv((3, 3), strides=2), TypeError, "Conv strides"),
+    "Conv strides length": (lambda: k.Conv((3, 3), strides=(1,)), ValueError, "Conv strides"),
+    "Conv strides zero": (lambda: k.Conv((3, 3), strides=(1, 0)), ValueError, "Conv strides"),
+    "Conv padding": (lambda: k.Conv((3, 3), padding="FULL"), ValueError, "Conv padding"),
+    "Conv padding type": (lambda: k.Conv((3, 3), padding=1), ValueError, "Conv padding"),
+    "Conv W_std": (lambda: k.Conv((3, 3), W_std="x"), TypeError, "Conv W_std"),
+    "Conv b_std": (lambda: k.Conv((3, 3), b_std=-0.1), ValueError, "Conv b_std"),
+    "AvgPool window_shape": (lambda: k.AvgPool("2"), TypeError, "AvgPool window_shape"),
+    "AvgPool window_shape zero": (lambda: k.AvgPool((2, 0)), ValueError, "AvgPool window_shape"),
+    "AvgPool strides": (lambda: k.AvgPool((2, 2), strides=(0, 0)), ValueError, "AvgPool strides"),
+    "AvgPool strides type": (lambda: k.AvgPool((2, 2), strides=2), TypeError, "AvgPool strides"),
+    "AvgPool padding": (lambda: k.AvgPool((2, 2), padding="FULL"), ValueError, "AvgPool padding"),
+    "ABRelu a": (lambda: k.ABRelu("0", 1.0), TypeError, "ABRelu a"),
+    "ABRelu b": (lambda: k.ABRelu(0.0, None), TypeError, "ABRelu b"),
+    "ABRelu b inf": (lambda: k.ABRelu(0.0, float("inf")), ValueError, "ABRelu b"),
+    "LeakyRelu alpha": (lambda: k.LeakyRelu("a"), TypeError, "LeakyRelu alpha"),
+    "LeakyRelu alpha nan": (lambda: k.LeakyRelu(float("nan")), ValueError, "LeakyRelu alpha"),
+    "Erf a": (lambda: k.Erf(a="1"), TypeError, "Erf a"),
+    "Erf b": (lambda: k.Erf(b=True), TypeError, "Erf b"),
+    "Erf c": (lambda: k.Erf(c=float("inf")), ValueError, "Erf c"),
+    "Sin a": (lambda: k.Sin(a=[1.0]), TypeError, "Sin a"),
+    "Sin b": (lambda: k.Sin(b="2"), TypeError, "Sin b"),
+    "Sin c": (lambda: k.Sin(c=float("nan")), ValueError, "Sin c"),
+    "LayerNorm eps": (lambda: k.LayerNorm(eps="1e-6"), TypeError, "LayerNorm eps"),
+    "LayerNorm eps negative": (lambda: k.LayerNorm(eps=-1.0), ValueError, "LayerNorm eps"),
+    "FanOut n zero": (lambda: k.FanOut(0), ValueError, "FanOut n"),
+    "FanOut n float": (lambda: k.FanOut(2.0), TypeError, "FanOut n"),
+    "FanOut n bool": (lambda: k.FanOut(True), TypeError, "FanOut n"),
+    "parallel empty": (lambda: k.parallel(), ValueError, "parallel()"),
+    "parallel layer": (lambda: k.parallel(k.Relu(), "conv"), TypeError, "parallel()"),
+    "serial layer": (lambda: k.serial(k.Dense(), k.Relu), TypeError, "serial()"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_BAD_INPUTS))
+def test_layer_bad_input_names_the_layer_and_argument(name):
+    call, error, words = LAYER_BAD_INPUTS[name]
+    with pytest.raises(error) as info:
+        call()
+    assert words in str(info.value), str(info.value)
+    assert "jax._src" not in str(info.value)
+
+
+def test_layer_hyperparameters_accept_numpy_numbers():
+    # NumPy scalars are numbers: stored as Python floats/ints, the same layer as 1.5 / 2.
+    assert k.Dense(W_std=np.float32(1.5), b_std=np.float64(0.5)) == k.Dense(1.5, 0.5)
+    assert k.Conv((np.int64(3), 3), strides=np.array([1, 1])) == k.Conv((3, 3))
+    assert k.FanOut(np.int32(2)) == k.FanOut(2)
+    assert k.LeakyRelu(np.float64(0.1)) == k.ABRelu(0.1, 1.0)

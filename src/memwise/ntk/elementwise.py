@@ -9,7 +9,9 @@ expectations have closed forms for the layers here, which reproduce neural-tange
 
 * ``ABRelu(a, b)`` (``a min(x, 0) + b max(x, 0)``; ``Relu``, ``LeakyRelu``, ``Abs``): the
   arc-cosine kernel of degree 1 (Cho & Saul 2009, "Kernel methods for deep learning"),
-  leaky variant as in Tsuchida, Roosta & Gallagher 2018.
+  leaky variant as in Tsuchida, Roosta & Gallagher 2018. The angle is exact for an input
+  with itself or its negative (see ``memwise.ntk._covariance._angle``: the arc-cosine
+  has an infinite slope there, so rounding in the cosine cost half the digits).
 * ``Erf(a, b, c)`` (``a erf(b x) + c``; ``Sigmoid_like``): Williams 1997, "Computing with
   infinite networks".
 * ``Gelu``: Tsuchida, Pearce, van der Heide, Roosta & Gallagher 2021, "Avoiding kernel
@@ -19,6 +21,9 @@ expectations have closed forms for the layers here, which reproduce neural-tange
 * ``LayerNorm``: in the infinite-width limit the feature mean is 0 and the feature
   variance is the input's variance at that pixel, so the covariance is divided by
   ``sqrt((eps + var1)(eps + var2))`` (neural-tangents' ``stax.LayerNorm`` over features).
+
+Hyperparameters are checked when a layer is built (a TypeError/ValueError naming the
+layer and the argument) and stored as Python floats.
 
 Each layer acts pixel by pixel (on a per-pixel or a pixel-by-pixel covariance alike) and
 reads each input's own variances, which :meth:`memwise.ntk.kernels.KernelFn.prepare`
@@ -31,7 +36,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from memwise.ntk._covariance import Layer, _correlation, _safe_sqrt, _scale_ntk
+from memwise.ntk._covariance import Layer, _angle, _real, _scale_ntk
 
 __all__ = [
     "ABRelu",
@@ -46,14 +51,11 @@ __all__ = [
 ]
 
 
-def _check_finite(layer: str, **values: float) -> None:
-    for name, value in values.items():
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or not (abs(value) < float("inf"))
-        ):
-            raise TypeError(f"{layer} {name} must be a finite float, got {value!r}")
+def _set_reals(layer: Layer, name: str, **limits: float | None) -> None:
+    """Check each named field of a frozen layer and store it as a Python float."""
+    for arg, at_least in limits.items():
+        value = _real(name, arg, getattr(layer, arg), at_least=at_least)
+        object.__setattr__(layer, arg, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +80,10 @@ class ABRelu(Layer):
     needs_variances = True
 
     def __post_init__(self):
-        _check_finite("ABRelu", a=self.a, b=self.b)
+        _set_reals(self, "ABRelu", a=None, b=None)
 
     def apply(self, state, layout):
-        norm, cos = _correlation(state.nngp, state.var1, state.var2)
-        sin = _safe_sqrt(1.0 - cos**2, "rounding")
-        theta = jnp.arctan2(sin, cos)
+        norm, cos, sin, theta = _angle(state.nngp, state.var1, state.var2)
         factor = (self.a - self.b) ** 2 / (2 * jnp.pi)
         derivative = (self.a**2 + self.b**2) / 2 - factor * theta
         nngp = norm * (factor * sin + derivative * cos)
@@ -118,7 +118,7 @@ def LeakyRelu(alpha: float) -> ABRelu:  # noqa: N802
         >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # (0.1^2 + 1) / 2
         0.505
     """
-    return ABRelu(alpha, 1.0)
+    return ABRelu(_real("LeakyRelu", "alpha", alpha), 1.0)
 
 
 def Abs() -> ABRelu:  # noqa: N802
@@ -158,7 +158,7 @@ class Erf(Layer):
     needs_variances = True
 
     def __post_init__(self):
-        _check_finite("Erf", a=self.a, b=self.b, c=self.c)
+        _set_reals(self, "Erf", a=None, b=None, c=None)
 
     def apply(self, state, layout):
         scale = self.b**2
@@ -246,7 +246,7 @@ class Sin(Layer):
     needs_variances = True
 
     def __post_init__(self):
-        _check_finite("Sin", a=self.a, b=self.b, c=self.c)
+        _set_reals(self, "Sin", a=None, b=None, c=None)
 
     def apply(self, state, layout):
         scale = self.b**2
@@ -277,9 +277,7 @@ class LayerNorm(Layer):
     needs_variances = True
 
     def __post_init__(self):
-        _check_finite("LayerNorm", eps=self.eps)
-        if self.eps < 0:
-            raise ValueError(f"LayerNorm eps must be >= 0, got {self.eps!r}")
+        _set_reals(self, "LayerNorm", eps=0.0)
 
     def apply(self, state, layout):
         inverse = 1 / jnp.sqrt((self.eps + state.var1) * (self.eps + state.var2))

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from memwise.engine import accumulation_dtype
@@ -54,6 +55,8 @@ from memwise.ntk._covariance import (
     _linear_ntk,
     _map_ntk,
     _pixel_diagonal,
+    _positive_ints,
+    _real,
     _State,
 )
 from memwise.ntk.elementwise import (
@@ -119,6 +122,9 @@ class Dense(Layer):
     W_std: float = 1.0
     b_std: float | None = None
 
+    def __post_init__(self):
+        _set_stds(self, "Dense")
+
     def apply(self, state, layout):
         nngp = self.W_std**2 * state.nngp
         if self.b_std is not None:
@@ -144,23 +150,23 @@ class Identity(Layer):
         return state.nngp, state.ntk
 
 
+def _set_stds(layer: Layer, name: str) -> None:
+    """Check a linear layer's W_std (>= 0) and b_std (>= 0 or None); store them as floats."""
+    object.__setattr__(layer, "W_std", _real(name, "W_std", layer.W_std, at_least=0.0))  # type: ignore[attr-defined]
+    b_std = _real(name, "b_std", layer.b_std, at_least=0.0, optional=True)  # type: ignore[attr-defined]
+    object.__setattr__(layer, "b_std", b_std)
+
+
 def _window(
     name: str, window: Sequence[int], strides: Sequence[int] | None, padding: str, window_arg: str
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validated (window, strides) of a conv or pooling layer; strides default to 1."""
-    try:
-        window = tuple(int(k) for k in window)
-    except TypeError:
-        raise TypeError(f"{name} {window_arg} must be a tuple of ints, got {window!r}") from None
-    if not window or min(window) < 1:
-        raise ValueError(f"{name} {window_arg} must be positive ints, got {window!r}")
-    strides_ = (1,) * len(window) if strides is None else tuple(strides)
-    if len(strides_) != len(window) or min(strides_) < 1:
-        raise ValueError(
-            f"{name} strides must be {len(window)} positive ints (one per pixel axis of "
-            f"{window_arg}), got {strides!r}"
-        )
-    if padding not in ("SAME", "VALID"):
+    window = _positive_ints(name, window_arg, window)
+    if strides is None:
+        strides_ = (1,) * len(window)
+    else:
+        strides_ = _positive_ints(name, "strides", strides, len(window))
+    if not isinstance(padding, str) or padding not in ("SAME", "VALID"):
         raise ValueError(f"{name} padding must be 'SAME' or 'VALID', got {padding!r}")
     return window, strides_
 
@@ -264,6 +270,7 @@ class Conv(Layer):
         )
         object.__setattr__(self, "filter_shape", window)
         object.__setattr__(self, "strides", strides)
+        _set_stds(self, "Conv")
 
     def out_layout(self, layout):
         _check_pixel_axes("Conv", self.filter_shape, layout)
@@ -486,10 +493,13 @@ class FanOut(Layer):
     n: int
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+        if not isinstance(self.n, (int, np.integer)) or isinstance(self.n, (bool, np.bool_)):
+            raise TypeError(f"FanOut n must be an int (the number of branches), got {self.n!r}")
+        if self.n < 1:
             raise ValueError(
                 f"FanOut n must be a positive int (the number of branches), got {self.n!r}"
             )
+        object.__setattr__(self, "n", int(self.n))
 
     def _leaves(self):
         return iter(())
