@@ -615,3 +615,56 @@ def test_layer_hyperparameters_accept_numpy_numbers():
     assert k.Conv((np.int64(3), 3), strides=np.array([1, 1])) == k.Conv((3, 3))
     assert k.FanOut(np.int32(2)) == k.FanOut(2)
     assert k.LeakyRelu(np.float64(0.1)) == k.ABRelu(0.1, 1.0)
+
+
+# The public names of memwise.ntk.kernels: each layer lives in the module of its concept
+# and is re-exported here; this list is the import contract.
+PUBLIC_KERNEL_NAMES = [
+    "ABRelu",
+    "Abs",
+    "AvgPool",
+    "Conv",
+    "Dense",
+    "Erf",
+    "FanInSum",
+    "FanOut",
+    "Flatten",
+    "Gelu",
+    "GlobalAvgPool",
+    "Identity",
+    "KernelFn",
+    "Layer",
+    "LayerNorm",
+    "LeakyRelu",
+    "Prepared",
+    "Relu",
+    "Sigmoid_like",
+    "Sin",
+    "parallel",
+    "serial",
+]
+
+
+def test_public_import_paths_keep_working():
+    import importlib
+
+    from memwise.ntk import _covariance
+
+    module = importlib.import_module("memwise.ntk.kernels")
+    assert sorted(module.__all__) == PUBLIC_KERNEL_NAMES
+    namespace: dict = {}
+    exec("from memwise.ntk.kernels import *", namespace)
+    for name in PUBLIC_KERNEL_NAMES:
+        assert namespace[name] is getattr(module, name)
+    # The registry is the list of layers: every registered constructor is exported, and
+    # every exported layer constructor is registered (error messages list the registry).
+    assert set(_covariance._LAYERS) == set(PUBLIC_KERNEL_NAMES) - {"KernelFn", "Layer", "Prepared"}
+    for name, constructor in _covariance._LAYERS.items():
+        assert getattr(module, name) is constructor
+        arguments = {"FanOut": (2,), "Conv": ((3,),), "AvgPool": ((2,),), "LeakyRelu": (0.1,)}
+        arguments.update({"ABRelu": (0.0, 1.0), "parallel": (k.Relu(),), "serial": (k.Relu(),)})
+        layer = constructor(*arguments.get(name, ()))
+        assert isinstance(layer, k.Layer), name
+    with pytest.raises(TypeError) as info:
+        k.serial(k.Dense(), "dense")
+    assert all(name in str(info.value) for name in _covariance._LAYERS)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -261,25 +261,32 @@ def _aligned_sin_theta_jvp(primals, tangents):
 # Checking a layer's hyperparameters (each layer's constructor, before any tracing)
 
 
-def _real(
-    layer: str, arg: str, value: Any, *, at_least: float | None = None, optional: bool = False
-) -> float | None:
+def _real(layer: str, arg: str, value: Any, *, at_least: float | None = None) -> float:
     """A layer's numeric hyperparameter as a Python float, or an error naming both.
 
     Layers are static (a kernel function is a pytree without leaves), so a hyperparameter
     is a Python or NumPy number, never an array.
     """
-    if value is None and optional:
-        return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        accepted = "a real number or None" if optional else "a real number"
-        raise TypeError(f"{layer} {arg} must be {accepted} (e.g. 1.0), got {value!r}")
+        raise TypeError(f"{layer} {arg} must be a real number (e.g. 1.0), got {value!r}")
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{layer} {arg} must be finite, got {value!r}")
     if at_least is not None and number < at_least:
         raise ValueError(f"{layer} {arg} must be >= {at_least:g}, got {value!r}")
     return number
+
+
+def _optional_real(
+    layer: str, arg: str, value: Any, *, at_least: float | None = None
+) -> float | None:
+    """:func:`_real`, or None for None (e.g. no bias)."""
+    if value is None:
+        return None
+    try:
+        return _real(layer, arg, value, at_least=at_least)
+    except TypeError:
+        raise TypeError(f"{layer} {arg} must be a real number or None, got {value!r}") from None
 
 
 def _positive_ints(layer: str, arg: str, value: Any, length: int | None = None) -> tuple[int, ...]:
@@ -310,7 +317,9 @@ class Layer:
     axes); layers that read each input's own variances (activations, ``LayerNorm``) set
     ``needs_variances``; layers that need the pixel-by-pixel covariance at their input
     (pooling) set ``pools``. Combinators (``serial``, ``FanOut``, ``parallel``,
-    ``FanInSum``) override :meth:`_walk` instead.
+    ``FanInSum``) override :meth:`_walk` instead. A public layer is decorated with
+    :func:`register` (and imported into :mod:`memwise.ntk.kernels`, which exports every
+    registered name).
 
     Example::
 
@@ -339,3 +348,40 @@ class Layer:
 
     def _walk(self, walk, flow):
         return walk.step(self, flow)
+
+
+# ----------------------------------------------------------------------------------------
+# The registry of public layers
+
+_Constructor = TypeVar("_Constructor", bound=Callable[..., Any])
+
+# Public name -> constructor (a Layer subclass, or a function returning a layer), in the
+# order the defining modules register them. memwise.ntk.kernels exports exactly these
+# (and its kernel types); error messages list them.
+_LAYERS: dict[str, Callable[..., Any]] = {}
+
+
+def register(constructor: _Constructor) -> _Constructor:
+    """Record a public layer (class or factory) under its ``__name__``; returns it as is.
+
+    Example::
+
+        >>> from memwise.ntk import _covariance, kernels as k
+        >>> _covariance._LAYERS["Dense"] is k.Dense
+        True
+    """
+    name = constructor.__name__
+    if _LAYERS.get(name, constructor) is not constructor:
+        raise ValueError(f"a layer named {name!r} is already registered")
+    _LAYERS[name] = constructor
+    return constructor
+
+
+def _check_layers(layers: Sequence[Any], where: str) -> None:
+    """Each of ``layers`` is a Layer, or a TypeError listing the layers to use."""
+    for layer in layers:
+        if not isinstance(layer, Layer):
+            names = ", ".join(_LAYERS)
+            raise TypeError(
+                f"{where}() takes layers from memwise.ntk.kernels ({names}), got {layer!r}"
+            )

@@ -36,7 +36,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from memwise.ntk._covariance import Layer, _angle, _real, _scale_ntk
+from memwise.ntk._covariance import Layer, _angle, _real, _scale_ntk, register
 
 __all__ = [
     "ABRelu",
@@ -58,6 +58,7 @@ def _set_reals(layer: Layer, name: str, **limits: float | None) -> None:
         object.__setattr__(layer, arg, value)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class ABRelu(Layer):
     """``a min(x, 0) + b max(x, 0)``: the arc-cosine kernel of degree 1 (Cho & Saul 2009).
@@ -90,6 +91,7 @@ class ABRelu(Layer):
         return nngp, _scale_ntk(state.ntk, derivative)
 
 
+@register
 def Relu() -> ABRelu:  # noqa: N802 (neural-tangents' layer names)
     """ReLU, ``max(x, 0)``: ``ABRelu(0, 1)``.
 
@@ -107,6 +109,7 @@ def Relu() -> ABRelu:  # noqa: N802 (neural-tangents' layer names)
     return ABRelu(0.0, 1.0)
 
 
+@register
 def LeakyRelu(alpha: float) -> ABRelu:  # noqa: N802
     """Leaky ReLU, ``alpha min(x, 0) + max(x, 0)``: ``ABRelu(alpha, 1)``.
 
@@ -121,6 +124,7 @@ def LeakyRelu(alpha: float) -> ABRelu:  # noqa: N802
     return ABRelu(_real("LeakyRelu", "alpha", alpha), 1.0)
 
 
+@register
 def Abs() -> ABRelu:  # noqa: N802
     """Absolute value, ``|x|``: ``ABRelu(-1, 1)``.
 
@@ -135,6 +139,7 @@ def Abs() -> ABRelu:  # noqa: N802
     return ABRelu(-1.0, 1.0)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class Erf(Layer):
     """``a erf(b x) + c`` (Williams 1997).
@@ -169,6 +174,7 @@ class Erf(Layer):
         return self.a**2 * nngp + self.c**2, _scale_ntk(state.ntk, self.a**2 * derivative)
 
 
+@register
 def Sigmoid_like() -> Erf:  # noqa: N802
     """``0.5 erf(x / 2.4020563531719796) + 0.5``, neural-tangents' sigmoid stand-in.
 
@@ -185,6 +191,7 @@ def Sigmoid_like() -> Erf:  # noqa: N802
     return Erf(a=0.5, b=1 / 2.4020563531719796, c=0.5)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class Gelu(Layer):
     """GELU, ``x Phi(x)`` (arXiv:2002.08517, as neural-tangents' ``stax.Gelu``).
@@ -223,6 +230,7 @@ class Gelu(Layer):
         return nngp, _scale_ntk(state.ntk, derivative)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class Sin(Layer):
     """``a sin(b x + c)``.
@@ -257,6 +265,7 @@ class Sin(Layer):
         return half_a2 * (plus - minus), _scale_ntk(state.ntk, half_a2 * scale * (plus + minus))
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class LayerNorm(Layer):
     """Layer normalisation over features (channels), per pixel.
