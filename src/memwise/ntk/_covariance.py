@@ -23,8 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memwise.engine import accumulation_dtype
-
 __all__ = ["Layer"]
 
 
@@ -145,7 +143,7 @@ def _safe_sqrt(x: jax.Array) -> jax.Array:
     whose tolerance is 1e-30); ``0.5 / sqrt(x)`` is finite for every positive float,
     subnormals included. An all-zero input has zero variance; its kernel row is the limit
     of a row scaled by t -> 0 (see :func:`_correlation`). For ``sin^2`` of an angle,
-    :func:`_angle` makes aligned pairs exactly zero first.
+    :func:`_aligned_sin2` makes aligned pairs exactly zero first.
     """
     return jnp.sqrt(jnp.maximum(x, 0.0))
 
@@ -184,19 +182,12 @@ def _inverse_sqrt(var: jax.Array) -> jax.Array:
 
 # Pairs whose sin(theta)^2 is below 2 * _ALIGNED_EPS machine epsilons (cosine within
 # about _ALIGNED_EPS eps of +-1) count as aligned: an input against itself, or against
-# its negative. See _angle.
+# its negative. See _aligned_sin2.
 _ALIGNED_EPS = 32
 
 
-class _Angle(NamedTuple):
-    norm: jax.Array  # sqrt(var1 var2)
-    cos: jax.Array
-    sin: jax.Array  # sin(theta) >= 0
-    theta: jax.Array  # in [0, pi]
-
-
-def _angle(cov: jax.Array, var1: jax.Array, var2: jax.Array) -> _Angle:
-    """The angle between two Gaussian pre-activations, exact where they align.
+def _aligned_sin2(cos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``((1 - c)(1 + c), sin(theta)^2 with aligned pairs made exactly 0)``.
 
     The arc-cosine kernels read ``theta = arccos(c)``, whose derivative is infinite at
     ``c = +-1``: ``theta ~ sqrt(2 (1 - c))``, so a rounding error ``delta`` in ``c``
@@ -207,54 +198,18 @@ def _angle(cov: jax.Array, var1: jax.Array, var2: jax.Array) -> _Angle:
     ``sqrt(eps)`` (3e-4 in float32) instead of 0 and a ReLU NTK 1e-4 too small.
 
     So ``sin^2 = (1 - c)(1 + c)`` (exact near +-1, where ``1 - c^2`` and ``arccos`` lose
-    half the digits) counts as zero below ``2 tol``, ``tol = 32 eps`` (a cosine within
-    ``tol`` of +-1), and between ``2 tol`` and ``4 tol`` ramps linearly from 0 back to its
-    own value: the kernel stays continuous, and beyond ``4 tol`` nothing changes. The
-    shift is never larger than the rounding noise of ``c`` itself: two distinct inputs
-    that close cannot be told apart from aligned ones by rounded arithmetic anyway (a
-    rounding error of a few eps in ``c`` moves ``theta`` as much). ``theta = atan2(sin,
-    c)`` is then exactly 0 (or pi) for aligned pairs.
-
-    The angle is computed in at least float32 (``tol`` from that dtype), and returned in
-    the covariance's dtype.
-
-    Derivatives: for aligned pairs ``sin`` and ``theta`` have zero derivative, the
-    derivative along the diagonal (an input moving with itself stays at angle 0), as
-    neural-tangents' ``_arccos``/``_sqrt``; elsewhere the true, finite one.
+    half the digits) counts as zero below ``2 tol``, ``tol = 32 eps`` of ``cos``'s dtype
+    (a cosine within ``tol`` of +-1), and between ``2 tol`` and ``4 tol`` ramps linearly
+    from 0 back to its own value: the kernel stays continuous, and beyond ``4 tol``
+    nothing changes. The shift is never larger than the rounding noise of ``c`` itself:
+    two distinct inputs that close cannot be told apart from aligned ones by rounded
+    arithmetic anyway (a rounding error of a few eps in ``c`` moves ``theta`` as much).
+    ``theta = atan2(sin, c)`` is then exactly 0 (or pi) for aligned pairs. Call it in at
+    least float32: 32 eps of bfloat16 would count angles up to 0.7 as zero.
     """
-    norm, cos = _correlation(cov, var1, var2)
-    # In at least float32: 32 eps of bfloat16 would count angles up to 0.7 as zero.
-    sin, theta = _aligned_sin_theta(cos.astype(accumulation_dtype(cos.dtype)))
-    return _Angle(norm, cos, sin.astype(cos.dtype), theta.astype(cos.dtype))
-
-
-def _aligned_sin2(cos: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``((1 - c)(1 + c), sin^2 snapped to 0 for aligned pairs)`` (see :func:`_angle`)."""
     tol = _ALIGNED_EPS * jnp.finfo(cos.dtype).eps
     sin2 = (1.0 - cos) * (1.0 + cos)
     return sin2, jnp.clip(2.0 * sin2 - 4.0 * tol, 0.0, sin2)
-
-
-# A custom JVP: the plain derivative of the clip, sqrt and atan2 chain keeps five
-# pair-sized residuals for the backward pass; this keeps two (the coefficients of dc).
-@jax.custom_jvp
-def _aligned_sin_theta(cos: jax.Array) -> tuple[jax.Array, jax.Array]:
-    sin = jnp.sqrt(_aligned_sin2(cos)[1])
-    return sin, jnp.arctan2(sin, cos)
-
-
-@_aligned_sin_theta.defjvp
-def _aligned_sin_theta_jvp(primals, tangents):
-    (cos,), (dcos,) = primals, tangents
-    sin, theta = _aligned_sin_theta(cos)
-    sin2, snapped = _aligned_sin2(cos)
-    # d snapped / d sin2: 1 beyond the ramp, 2 on it, 0 for aligned pairs.
-    slope = jnp.where(snapped == sin2, 1.0, jnp.where(snapped > 0, 2.0, 0.0))
-    positive = sin > 0
-    dsin = jnp.where(positive, -slope * cos / jnp.where(positive, sin, 1.0), 0.0)
-    # d atan2(sin, c) = (c dsin - sin dc) / (sin^2 + c^2); the denominator is ~1.
-    dtheta = (cos * dsin - sin) / (sin * sin + cos * cos)
-    return (sin, theta), (dsin * dcos, dtheta * dcos)
 
 
 # ----------------------------------------------------------------------------------------
