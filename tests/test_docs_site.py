@@ -35,6 +35,7 @@ EXTRA_PUBLIC_MODULES = [
     "memwise.timeline",
     "memwise.tiling",
     "memwise.costmodel",
+    "memwise.nt",
 ]
 
 

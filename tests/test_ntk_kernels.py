@@ -458,3 +458,97 @@ def test_valid_window_larger_than_the_image_is_an_error_not_nan(layers, shape):
     # No output pixel would be left: the mean over none was a silent NaN kernel.
     with pytest.raises(ValueError, match="larger than"):
         k.serial(*layers)(jnp.ones(shape))
+
+
+# ----------------------------------------------------------------------------------------
+# Arc-cosine kernels on the diagonal: the angle of an input with itself is exactly 0, and
+# with its negative exactly pi; rounding of cos = cov / sqrt(var1 var2) must not move it.
+
+ARC_COSINE = {
+    "relu": (0.0, 1.0, k.Relu),
+    "leaky_relu": (0.1, 1.0, lambda: k.LeakyRelu(0.1)),
+    "abrelu": (-0.5, 1.5, lambda: k.ABRelu(-0.5, 1.5)),
+    "abs": (-1.0, 1.0, k.Abs),
+}
+
+
+def _aligned_stack(name):
+    a, b, activation = ARC_COSINE[name]
+    spec = [
+        ("dense", 1.3, 0.1),
+        ("act", a, b),
+        ("dense", 1.2, 0.05),
+        ("act", a, b),
+        ("dense", 1.0, 0.0),
+    ]
+    layers = [
+        k.Dense(W_std=w, b_std=bias) if kind == "dense" else activation() for kind, w, bias in spec
+    ]
+    return spec, k.serial(*layers)
+
+
+def _aligned_closed_form(spec, q):
+    """(nngp, ntk) at angle 0 for inputs with |x|^2 / d = q: ABRelu(a, b) scales both by
+    (a^2 + b^2) / 2 (the arc-cosine kernel at theta = 0), in float64."""
+    nngp, ntk = q, 0.0
+    for kind, u, v in spec:
+        if kind == "dense":
+            nngp = u**2 * nngp + v**2
+            ntk = nngp + u**2 * ntk
+        else:
+            nngp, ntk = (u**2 + v**2) / 2 * nngp, (u**2 + v**2) / 2 * ntk
+    return nngp, ntk
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(ARC_COSINE))
+def test_arc_cosine_diagonal_matches_the_closed_form(name, dtype):
+    spec, kernel_fn = _aligned_stack(name)
+    a, b, activation = ARC_COSINE[name]
+    antipodal_fn = k.serial(k.Dense(W_std=1.3), activation(), k.Dense())
+    x = np.random.default_rng(30).normal(size=(6, 784)).astype(dtype)
+    tolerance = {"float32": 1e-6, "float64": 1e-12}[dtype]
+
+    @jax.jit
+    def diagonals(x):
+        own = kernel_fn(x, get=("nngp", "ntk"))
+        cross = kernel_fn(x, x, get=("nngp", "ntk"))
+        antipodal = antipodal_fn(x, -x, get=("nngp", "ntk"))
+        return [jnp.diagonal(kernel) for kernel in (*own, *cross, *antipodal)]
+
+    with jax.enable_x64(dtype == "float64"):
+        got = [np.asarray(d, np.float64) for d in diagonals(jnp.asarray(x))]
+    q = np.sum(np.asarray(x, np.float64) ** 2, axis=1) / x.shape[1]
+    expected = _aligned_closed_form(spec, q)
+    for got_, expected_ in zip(got[:4], expected * 2):  # kernel_fn(x) and kernel_fn(x, x)
+        np.testing.assert_allclose(got_, expected_, rtol=tolerance, atol=0)
+    # x against -x: theta = pi, where ABRelu(a, b) scales by a b (its derivative's value).
+    v = 1.3**2 * q
+    for got_, expected_ in zip(got[4:], (-a * b * v, -2 * a * b * v)):
+        np.testing.assert_allclose(got_, expected_, rtol=0, atol=tolerance * np.max(v))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_arc_cosine_gradient_on_the_diagonal_is_the_closed_form(dtype):
+    # The diagonal entry is affine in q = |x|^2 / d at angle 0, so its gradient is
+    # slope * 2 x / d; the cross kernel's gradient in its first argument is half of it
+    # (the angle's derivative counts as zero there, as neural-tangents').
+    spec, kernel_fn = _aligned_stack("abrelu")
+    x = np.random.default_rng(31).normal(size=(3, 7)).astype(dtype)
+    slope = _aligned_closed_form(spec, 1.0)[1] - _aligned_closed_form(spec, 0.0)[1]
+    expected = slope * 2 * np.asarray(x, np.float64) / x.shape[1]
+    tolerance = {"float32": 2e-6, "float64": 1e-12}[dtype]
+
+    @jax.jit
+    def grads(x):
+        own = jax.grad(lambda x: jnp.trace(kernel_fn(x)))(x)
+        cross = jax.grad(lambda x1: jnp.trace(kernel_fn(x1, x)))(x)
+        return own, cross
+
+    with jax.enable_x64(dtype == "float64"):
+        own, cross = grads(jnp.asarray(x))
+        assert own.dtype == jnp.dtype(dtype)
+        if dtype == "float64":  # the whole self-kernel is smooth: finite differences agree
+            check_grads(jax.jit(lambda x: kernel_fn(x)), (jnp.asarray(x),), order=1, modes=["rev"])
+    np.testing.assert_allclose(own, expected, rtol=tolerance, atol=0)
+    np.testing.assert_allclose(cross, expected / 2, rtol=tolerance, atol=0)

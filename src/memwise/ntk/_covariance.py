@@ -13,13 +13,14 @@ Layers themselves live in :mod:`memwise.ntk.kernels` (linear layers, combinators
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["Layer"]
@@ -133,30 +134,25 @@ def _scale_ntk(ntk: Any, factor: Any) -> Any:
 # Square roots with a finite derivative at zero
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _safe_sqrt(x: jax.Array, zero_below: str) -> jax.Array:
-    """``sqrt(max(x, 0))`` whose derivative is 0 (not infinite) where ``x`` is (near) zero.
+@jax.custom_jvp
+def _safe_sqrt(x: jax.Array) -> jax.Array:
+    """``sqrt(max(x, 0))`` whose derivative is 0 (not infinite) where ``x`` is zero.
 
-    ``zero_below="rounding"``: for ``1 - cos^2``, O(1) quantities. sin(theta) is
-    identically zero on the diagonal of a kernel (an input against itself); its true
-    derivative along such inputs is zero, while sqrt's would be infinite, so values at
-    the rounding level (8 eps) count as that zero.
-
-    ``zero_below="zero"``: for variances, which scale with the inputs (a row scaled by
-    1e-3 has variances near 1e-6, not rounding noise): only zero counts as zero (as
-    neural-tangents' ``_sqrt``, whose tolerance is 1e-30); ``0.5 / sqrt(x)`` is finite
-    for every positive float, subnormals included. An all-zero input has zero variance;
-    its kernel row is the limit of a row scaled by t -> 0 (see :func:`_correlation`).
+    For variances, which scale with the inputs (a row scaled by 1e-3 has variances near
+    1e-6, not rounding noise), only zero counts as zero (as neural-tangents' ``_sqrt``,
+    whose tolerance is 1e-30); ``0.5 / sqrt(x)`` is finite for every positive float,
+    subnormals included. An all-zero input has zero variance; its kernel row is the limit
+    of a row scaled by t -> 0 (see :func:`_correlation`). For ``sin^2`` of an angle,
+    :func:`_aligned_sin2` makes aligned pairs exactly zero first.
     """
     return jnp.sqrt(jnp.maximum(x, 0.0))
 
 
 @_safe_sqrt.defjvp
-def _safe_sqrt_jvp(zero_below, primals, tangents):
+def _safe_sqrt_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    y = _safe_sqrt(x, zero_below)
-    tiny = 8 * jnp.finfo(jnp.result_type(x)).eps if zero_below == "rounding" else 0.0
-    positive = x > tiny
+    y = _safe_sqrt(x)
+    positive = x > 0
     return y, jnp.where(positive, t * 0.5 / jnp.where(positive, y, 1.0), 0.0)
 
 
@@ -170,7 +166,7 @@ def _correlation(cov: jax.Array, var1: jax.Array, var2: jax.Array) -> tuple[jax.
     neural-tangents (``_arctan2(..., fill_zero=pi / 2)``) the pair counts as orthogonal,
     ``cos = 0``. Both square roots and the division have finite derivatives there.
     """
-    norm = _safe_sqrt(var1, "zero") * _safe_sqrt(var2, "zero")
+    norm = _safe_sqrt(var1) * _safe_sqrt(var2)
     # The zero-variance test runs on each input's own variances, not on the pair tile:
     # a mask and a guarded copy of the (rows, cols, pixels) tile would be kept for the
     # backward pass (+34% gradient memory for the KIP report's conv kernel).
@@ -182,6 +178,86 @@ def _inverse_sqrt(var: jax.Array) -> jax.Array:
     """``1 / sqrt(var)``, and 0 where ``var`` is zero (``cos`` of such a pair is 0)."""
     positive = var > 0
     return jnp.where(positive, lax.rsqrt(jnp.where(positive, var, 1.0)), 0.0)
+
+
+# Pairs whose sin(theta)^2 is below 2 * _ALIGNED_EPS machine epsilons (cosine within
+# about _ALIGNED_EPS eps of +-1) count as aligned: an input against itself, or against
+# its negative. See _aligned_sin2.
+_ALIGNED_EPS = 32
+
+
+def _aligned_sin2(cos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``((1 - c)(1 + c), sin(theta)^2 with aligned pairs made exactly 0)``.
+
+    The arc-cosine kernels read ``theta = arccos(c)``, whose derivative is infinite at
+    ``c = +-1``: ``theta ~ sqrt(2 (1 - c))``, so a rounding error ``delta`` in ``c``
+    moves ``theta`` by ``sqrt(2 delta)``. On the diagonal of a kernel (an input against
+    itself) ``c`` is 1 only up to rounding, because the covariance of the pair and the
+    variances of its two sides are different sums (a matrix product against a sum of
+    squares: up to 6 eps apart for 784 features), so ``theta`` came out near
+    ``sqrt(eps)`` (3e-4 in float32) instead of 0 and a ReLU NTK 1e-4 too small.
+
+    So ``sin^2 = (1 - c)(1 + c)`` (exact near +-1, where ``1 - c^2`` and ``arccos`` lose
+    half the digits) counts as zero below ``2 tol``, ``tol = 32 eps`` of ``cos``'s dtype
+    (a cosine within ``tol`` of +-1), and between ``2 tol`` and ``4 tol`` ramps linearly
+    from 0 back to its own value: the kernel stays continuous, and beyond ``4 tol``
+    nothing changes. The shift is never larger than the rounding noise of ``c`` itself:
+    two distinct inputs that close cannot be told apart from aligned ones by rounded
+    arithmetic anyway (a rounding error of a few eps in ``c`` moves ``theta`` as much).
+    ``theta = atan2(sin, c)`` is then exactly 0 (or pi) for aligned pairs. Call it in at
+    least float32: 32 eps of bfloat16 would count angles up to 0.7 as zero.
+    """
+    tol = _ALIGNED_EPS * jnp.finfo(cos.dtype).eps
+    sin2 = (1.0 - cos) * (1.0 + cos)
+    return sin2, jnp.clip(2.0 * sin2 - 4.0 * tol, 0.0, sin2)
+
+
+# ----------------------------------------------------------------------------------------
+# Checking a layer's hyperparameters (each layer's constructor, before any tracing)
+
+
+def _real(layer: str, arg: str, value: Any, *, at_least: float | None = None) -> float:
+    """A layer's numeric hyperparameter as a Python float, or an error naming both.
+
+    Layers are static (a kernel function is a pytree without leaves), so a hyperparameter
+    is a Python or NumPy number, never an array.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{layer} {arg} must be a real number (e.g. 1.0), got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{layer} {arg} must be finite, got {value!r}")
+    if at_least is not None and number < at_least:
+        raise ValueError(f"{layer} {arg} must be >= {at_least:g}, got {value!r}")
+    return number
+
+
+def _optional_real(
+    layer: str, arg: str, value: Any, *, at_least: float | None = None
+) -> float | None:
+    """:func:`_real`, or None for None (e.g. no bias)."""
+    if value is None:
+        return None
+    try:
+        return _real(layer, arg, value, at_least=at_least)
+    except TypeError:
+        raise TypeError(f"{layer} {arg} must be a real number or None, got {value!r}") from None
+
+
+def _positive_ints(layer: str, arg: str, value: Any, length: int | None = None) -> tuple[int, ...]:
+    """A window or strides argument: a tuple of positive ints (``length`` of them)."""
+    try:
+        items = tuple(value)
+    except TypeError:
+        items = None
+    if items is None or not all(
+        isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) for i in items
+    ):
+        raise TypeError(f"{layer} {arg} must be a tuple of ints, e.g. (3, 3), got {value!r}")
+    if not items or min(items) < 1 or (length is not None and len(items) != length):
+        count = f"{length} positive ints" if length is not None else "positive ints"
+        raise ValueError(f"{layer} {arg} must be {count}, e.g. (3, 3), got {value!r}")
+    return tuple(int(i) for i in items)
 
 
 # ----------------------------------------------------------------------------------------
@@ -196,7 +272,9 @@ class Layer:
     axes); layers that read each input's own variances (activations, ``LayerNorm``) set
     ``needs_variances``; layers that need the pixel-by-pixel covariance at their input
     (pooling) set ``pools``. Combinators (``serial``, ``FanOut``, ``parallel``,
-    ``FanInSum``) override :meth:`_walk` instead.
+    ``FanInSum``) override :meth:`_walk` instead. A public layer is decorated with
+    :func:`register` (and imported into :mod:`memwise.ntk.kernels`, which exports every
+    registered name).
 
     Example::
 
@@ -225,3 +303,40 @@ class Layer:
 
     def _walk(self, walk, flow):
         return walk.step(self, flow)
+
+
+# ----------------------------------------------------------------------------------------
+# The registry of public layers
+
+_Constructor = TypeVar("_Constructor", bound=Callable[..., Any])
+
+# Public name -> constructor (a Layer subclass, or a function returning a layer), in the
+# order the defining modules register them. memwise.ntk.kernels exports exactly these
+# (and its kernel types); error messages list them.
+_LAYERS: dict[str, Callable[..., Any]] = {}
+
+
+def register(constructor: _Constructor) -> _Constructor:
+    """Record a public layer (class or factory) under its ``__name__``; returns it as is.
+
+    Example::
+
+        >>> from memwise.ntk import _covariance, kernels as k
+        >>> _covariance._LAYERS["Dense"] is k.Dense
+        True
+    """
+    name = constructor.__name__
+    if _LAYERS.get(name, constructor) is not constructor:
+        raise ValueError(f"a layer named {name!r} is already registered")
+    _LAYERS[name] = constructor
+    return constructor
+
+
+def _check_layers(layers: Sequence[Any], where: str) -> None:
+    """Each of ``layers`` is a Layer, or a TypeError listing the layers to use."""
+    for layer in layers:
+        if not isinstance(layer, Layer):
+            names = ", ".join(_LAYERS)
+            raise TypeError(
+                f"{where}() takes layers from memwise.ntk.kernels ({names}), got {layer!r}"
+            )

@@ -1,0 +1,222 @@
+"""The ``(init_fn, apply_fn, kernel_fn)`` triple of :mod:`memwise.nt.stax`, and its checks.
+
+neural-tangents' layers (Novak et al. 2020) are triples: the finite network's
+initialisation and application, in ``jax.example_libraries.stax``'s convention, and the
+infinite-width kernel function. Here the kernel function wraps a
+:class:`memwise.ntk.kernels.KernelFn` behind neural-tangents' call signature
+(``kernel_fn(x1, x2=None, get=None)``); the checks turn neural-tangents options that
+memwise lacks into ``NotImplementedError`` naming them. The combinators (``serial``,
+``parallel``, ``FanOut``, ``FanInSum``) compose triples as ``jax.example_libraries.stax``
+does (``serial`` params a list, split keys per layer) and their kernels as
+:func:`memwise.ntk.kernels.serial` does.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax import random
+
+from memwise.ntk import kernels as _k
+
+__all__ = ["FanInSum", "FanOut", "KernelFn", "Layer", "parallel", "serial"]
+
+
+class KernelFn:
+    """neural-tangents' ``kernel_fn(x1, x2=None, get=None)`` over a memwise kernel.
+
+    ``kernel`` is the :class:`memwise.ntk.kernels.KernelFn` (tile it with
+    :func:`memwise.ntk.kernel_regression`, :func:`memwise.ntk.kip_loss`, ...).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.nt import stax
+        >>> _, _, kernel_fn = stax.serial(stax.Dense(512), stax.Relu(), stax.Dense(1))
+        >>> kernel_fn(jnp.ones((2, 3)), None, "nngp").shape
+        (2, 2)
+        >>> kernel_fn(jnp.ones((2, 3)), get=("ntk", "nngp"))._fields
+        ('ntk', 'nngp')
+    """
+
+    def __init__(self, kernel: _k.KernelFn):
+        self.kernel = kernel
+
+    def __repr__(self) -> str:
+        return f"KernelFn({self.kernel!r})"
+
+    def __call__(
+        self,
+        x1: jax.Array,
+        x2: jax.Array | None = None,
+        get: str | Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if kwargs:
+            raise NotImplementedError(
+                f"kernel_fn keyword arguments {sorted(kwargs)} (neural-tangents' masking, "
+                "dropout and aggregation inputs) are not supported by memwise.nt"
+            )
+        if get is None:
+            raise NotImplementedError(
+                "kernel_fn(..., get=None) returns neural-tangents' Kernel object, which "
+                "memwise.nt does not build; pass get='nngp', get='ntk' or ('nngp', 'ntk')"
+            )
+        gets = (get,) if isinstance(get, str) else tuple(get)
+        for g in gets:
+            if g in ("cov1", "cov2", "shape1", "shape2", "is_gaussian", "x1_is_x2"):
+                raise NotImplementedError(
+                    f"get={g!r} (a field of neural-tangents' Kernel object) is not supported "
+                    "by memwise.nt; pass 'nngp' and/or 'ntk'"
+                )
+        values = self.kernel(x1, x2, get=gets)
+        if isinstance(get, str):
+            return values[0]
+        return collections.namedtuple("Kernel", gets)(*values)
+
+
+class Layer(NamedTuple):
+    """A layer: ``(init_fn, apply_fn, kernel_fn)``, unpacked as neural-tangents' triples."""
+
+    init_fn: Callable[..., Any]
+    apply_fn: Callable[..., Any]
+    kernel_fn: KernelFn
+
+
+def _layer(init_fn: Callable, apply_fn: Callable, kernel: _k.Layer) -> Layer:
+    return Layer(init_fn, apply_fn, KernelFn(_k.serial(kernel)))
+
+
+def _unsupported(layer: str, option: str, value: Any, use: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"stax.{layer}({option}={value!r}) is not supported by memwise.nt; {use}"
+    )
+
+
+def _check_ntk_parameterization(layer: str, parameterization: str) -> None:
+    if not isinstance(parameterization, str) or parameterization.lower() not in ("ntk", "standard"):
+        raise ValueError(
+            f"stax.{layer} parameterization must be 'ntk' or 'standard', got {parameterization!r}"
+        )
+    if parameterization.lower() == "standard":
+        raise _unsupported(
+            layer, "parameterization", parameterization, "use parameterization='ntk' (the default)"
+        )
+
+
+def _check_default_axes(layer: str, batch_axis: int, channel_axis: int) -> None:
+    if batch_axis != 0 or channel_axis != -1:
+        raise _unsupported(
+            layer,
+            "batch_axis, channel_axis",
+            (batch_axis, channel_axis),
+            "put the batch first and the channels last (NHWC), the defaults",
+        )
+
+
+def _check_width(layer: str, arg: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"stax.{layer} {arg} must be a positive int (the width), got {value!r}")
+
+
+def _shape_only(rng, input_shape):
+    return input_shape, ()
+
+
+def _elementwise(fn: Callable[[jax.Array], jax.Array], kernel: _k.Layer) -> Layer:
+    return _layer(_shape_only, lambda params, inputs, **kwargs: fn(inputs), kernel)
+
+
+# ----------------------------------------------------------------------------------------
+# Combinators
+
+
+def _check_layers(layers: Sequence[Any], where: str) -> None:
+    for layer in layers:
+        if not isinstance(layer, Layer):
+            raise TypeError(
+                f"stax.{where}() takes layers of memwise.nt.stax ((init_fn, apply_fn, "
+                f"kernel_fn) triples built by it), got {layer!r}"
+            )
+
+
+def serial(*layers: Layer) -> Layer:
+    """Layers in order, as ``stax.serial`` (params: a list, one entry per layer).
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from memwise.nt import stax
+        >>> init_fn, apply_fn, kernel_fn = stax.serial(stax.Dense(16), stax.Relu(), stax.Dense(1))
+        >>> shape, params = init_fn(jax.random.PRNGKey(0), (-1, 3))
+        >>> shape, len(params), apply_fn(params, jnp.ones((2, 3))).shape
+        ((-1, 1), 3, (2, 1))
+    """
+    _check_layers(layers, "serial")
+
+    def init_fn(rng, input_shape):
+        params = []
+        for layer in layers:
+            rng, layer_rng = random.split(rng)
+            input_shape, param = layer.init_fn(layer_rng, input_shape)
+            params.append(param)
+        return input_shape, params
+
+    def apply_fn(params, inputs, **kwargs):
+        for layer, param in zip(layers, params):
+            inputs = layer.apply_fn(param, inputs, **kwargs)
+        return inputs
+
+    kernel = _k.serial(*(layer.kernel_fn.kernel for layer in layers))
+    return Layer(init_fn, apply_fn, KernelFn(kernel))
+
+
+def parallel(*layers: Layer) -> Layer:
+    """``layers[i]`` on branch ``i`` (after :func:`FanOut`), as ``stax.parallel``.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from memwise.nt import stax
+        >>> block = stax.serial(stax.FanOut(2), stax.parallel(stax.Identity(), stax.Relu()),
+        ...                     stax.FanInSum())
+        >>> block.apply_fn(block.init_fn(jax.random.PRNGKey(0), (1, 2))[1], jnp.array([[-1.0, 2.0]]))
+        Array([[-1.,  4.]], dtype=float32)
+    """
+    _check_layers(layers, "parallel")
+
+    def init_fn(rng, input_shape):
+        rngs = random.split(rng, len(layers))
+        pairs = [layer.init_fn(r, s) for layer, r, s in zip(layers, rngs, input_shape)]
+        return [shape for shape, _ in pairs], tuple(param for _, param in pairs)
+
+    def apply_fn(params, inputs, **kwargs):
+        return [layer.apply_fn(p, x, **kwargs) for layer, p, x in zip(layers, params, inputs)]
+
+    kernel = _k.parallel(*(layer.kernel_fn.kernel for layer in layers))
+    return Layer(init_fn, apply_fn, KernelFn(_k.serial(kernel)))
+
+
+def FanOut(num: int) -> Layer:  # noqa: N802
+    """``num`` copies of the input, as ``stax.FanOut``."""
+    kernel = _k.FanOut(num)
+
+    def init_fn(rng, input_shape):
+        return [input_shape] * num, ()
+
+    return _layer(init_fn, lambda params, inputs, **kwargs: [inputs] * num, kernel)
+
+
+def FanInSum() -> Layer:  # noqa: N802
+    """The sum of the branches, as ``stax.FanInSum``."""
+
+    def init_fn(rng, input_shape):
+        return input_shape[0], ()
+
+    def apply_fn(params, inputs, **kwargs):
+        return sum(inputs[1:], inputs[0])
+
+    return _layer(init_fn, apply_fn, _k.FanInSum())

@@ -1,0 +1,146 @@
+"""Branching layers of infinite-width networks: ``FanOut``, ``parallel``, ``FanInSum``.
+
+A residual block copies its input into branches, applies a network to each, and sums
+them. Infinitely wide branches with independent weights are independent Gaussian
+processes, so the kernel of their sum is the sum of their kernels, NNGP and NTK alike
+(Novak et al. 2020, neural-tangents' ``stax.FanInSum``; the branches of a ResNet block,
+He et al. 2016).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from memwise.ntk._covariance import Layer, _check_layers, _is_zero_ntk, register
+from memwise.ntk._walk import _Flow, _to_diagonal
+
+__all__ = ["FanInSum", "FanOut", "parallel"]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class FanOut(Layer):
+    """Copy the input into ``n`` branches (for :func:`parallel`, then :class:`FanInSum`).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> branches = k.parallel(k.Relu(), k.Abs())
+        >>> kernel_fn = k.serial(k.Dense(), k.FanOut(2), branches, k.FanInSum())
+        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])  # 0.5 + 1.0
+        1.5
+    """
+
+    n: int
+
+    def __post_init__(self):
+        if not isinstance(self.n, (int, np.integer)) or isinstance(self.n, (bool, np.bool_)):
+            raise TypeError(f"FanOut n must be an int (the number of branches), got {self.n!r}")
+        if self.n < 1:
+            raise ValueError(
+                f"FanOut n must be a positive int (the number of branches), got {self.n!r}"
+            )
+        object.__setattr__(self, "n", int(self.n))
+
+    def _leaves(self):
+        return iter(())
+
+    def _walk(self, walk, flow):
+        if isinstance(flow, list):
+            raise ValueError(f"FanOut({self.n}) gets {len(flow)} branches; join them first")
+        return [flow] * self.n
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parallel(Layer):
+    layers: tuple[Layer, ...]
+
+    def __repr__(self) -> str:
+        return f"parallel({', '.join(map(repr, self.layers))})"
+
+    def _leaves(self):
+        for layer in self.layers:
+            yield from layer._leaves()
+
+    def _walk(self, walk, flow):
+        if not isinstance(flow, list) or len(flow) != len(self.layers):
+            got = f"{len(flow)} branches" if isinstance(flow, list) else "one input"
+            raise ValueError(
+                f"{self!r} applies {len(self.layers)} layers to {len(self.layers)} branches "
+                f"but gets {got}; put FanOut({len(self.layers)}) before it"
+            )
+        return [layer._walk(walk, branch) for layer, branch in zip(self.layers, flow)]
+
+
+@register
+def parallel(*layers: Layer) -> Layer:
+    """Apply ``layers[i]`` to branch ``i`` (after :class:`FanOut`), as ``stax.parallel``.
+
+    Each layer may itself be a :func:`serial` network.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> block = k.serial(k.FanOut(2), k.parallel(k.Identity(), k.Relu()), k.FanInSum())
+        >>> float(k.serial(k.Dense(), block)(jnp.ones((1, 3)), get="nngp")[0, 0])  # 1 + 0.5
+        1.5
+    """
+    _check_layers(layers, "parallel")
+    if not layers:
+        raise ValueError("parallel() needs at least one layer (one per branch)")
+    return _Parallel(tuple(layers))
+
+
+def _add_ntk(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return None
+    if _is_zero_ntk(a):
+        return b
+    if _is_zero_ntk(b):
+        return a
+    return a + b
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class FanInSum(Layer):
+    """Sum the branches: independent Gaussian branches add their kernels (NNGP and NTK).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.ntk import kernels as k
+        >>> kernel_fn = k.serial(k.Dense(), k.FanOut(3), k.FanInSum())
+        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])  # three copies of 1.0
+        3.0
+    """
+
+    def _leaves(self):
+        return iter(())
+
+    def _walk(self, walk, flow):
+        if not isinstance(flow, list):
+            raise ValueError(
+                "FanInSum() joins branches but gets one input; put FanOut(n) "
+                "and parallel(...) before it"
+            )
+        # A branch past the network's last pooling layer is per-pixel; the others may
+        # still be pixel-by-pixel, which nothing downstream needs.
+        if any(not branch.layout.full for branch in flow):
+            flow = [_to_diagonal(branch) for branch in flow]
+        shapes = {branch.nngp.shape for branch in flow}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"FanInSum() branches must have the same pixel shape, got kernels of shapes "
+                f"{sorted(shapes)}; use the same strides and padding in every branch"
+            )
+        nngp, ntk = flow[0].nngp, flow[0].ntk
+        for branch in flow[1:]:
+            nngp = nngp + branch.nngp
+            ntk = _add_ntk(ntk, branch.ntk)
+        return _Flow(nngp, ntk, flow[0].layout)
