@@ -11,7 +11,7 @@ from memwise.measure import MemoryReport, Residual, memory_report
 from memwise.pairwise import pairwise_reduce
 from memwise.scan import scan, while_loop
 
-__version__ = "0.2.0.dev0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "Linearized",
