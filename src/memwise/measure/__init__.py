@@ -23,10 +23,7 @@ One concept per module, every name importable from ``memwise.measure`` as before
   timeline) and :func:`memory_report`.
 
 Peak memory is argument + output - alias + temp, or XLA's ``peak_memory_in_bytes`` where
-jaxlib reports a larger value (it also counts constants baked into the program). The max
-is taken because jaxlib 0.10.2 on CPU reports a ``peak_memory_in_bytes`` that leaves out
-temporaries (1 MiB reported for a program with 256 MiB of temporaries): on its own it
-would understate the peak.
+that is larger (``memwise.measure.compiled`` says why both are read).
 """
 
 # The byte formatter and matplotlib access, importable from here as from the single
