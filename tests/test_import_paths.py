@@ -80,4 +80,3 @@ def test_top_level_names_are_the_packages_objects():
     assert mw.MemoryReport is measure.MemoryReport and mw.Residual is measure.Residual
     # a report is a CompiledMemory, as when both lived in one module
     assert issubclass(measure.MemoryReport, measure.CompiledMemory)
-
