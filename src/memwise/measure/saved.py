@@ -29,7 +29,7 @@ from memwise import timeline as _timeline
 
 __all__ = ["Residual", "residuals", "saved_residuals"]
 
-# memwise/, the package this module is in: every file under it is library code.
+# memwise/ (this file is memwise/measure/saved.py): every file under it is library code.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
