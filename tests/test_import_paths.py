@@ -6,7 +6,8 @@ import pytest
 
 import memwise as mw
 
-# (module, names importable from it): memwise.ot and memwise.fit were single modules.
+# (module, names importable from it): memwise.ot, memwise.fit, memwise.measure and
+# memwise.timeline were single modules.
 PATHS = {
     "memwise.ot": [
         "SinkhornResult",
@@ -25,6 +26,33 @@ PATHS = {
         "Trial",
         "fit",
         "region",
+    ],
+    "memwise.measure": [
+        "CompiledMemory",
+        "MemoryReport",
+        "Residual",
+        "compile_measured",
+        "compiled_memory",
+        "device_memory_bytes",
+        "host_memory_bytes",
+        "memory_report",
+        "parse_budget",
+        "residuals",
+        "saved_residuals",
+        "format_bytes",
+        "check_plot_path",
+        "_pyplot",  # the CLI and the benchmarks plot through it
+    ],
+    "memwise.timeline": [
+        "Buffer",
+        "Loop",
+        "Timeline",
+        "argument_source",
+        "of_lowered",
+        "parse_dump",
+        "parse_live_range",
+        "parse_buffer_assignment",
+        "parse_hlo",
     ],
 }
 
@@ -47,3 +75,8 @@ def test_top_level_names_are_the_packages_objects():
     assert mw.ot.sinkhorn is importlib.import_module("memwise.ot").sinkhorn
     # raised to users under its public name
     assert fit_module.MemoryBudgetError.__module__ == "memwise.fit"
+    measure = importlib.import_module("memwise.measure")
+    assert mw.memory_report is measure.memory_report
+    assert mw.MemoryReport is measure.MemoryReport and mw.Residual is measure.Residual
+    # a report is a CompiledMemory, as when both lived in one module
+    assert issubclass(measure.MemoryReport, measure.CompiledMemory)

@@ -122,8 +122,9 @@ def test_only_memwise_files_count_as_library_code():
     # The exclusion is a directory prefix: a sibling folder whose name starts with
     # "memwise" (memwise_experiments/) holds user code and keeps its line numbers.
     is_user = _jax_private._source_info_util.is_user_filename
-    package = os.path.dirname(os.path.abspath(measure.__file__))
+    package = os.path.dirname(os.path.abspath(mw.__file__))
     assert not is_user(os.path.join(package, "scan.py"))
+    assert not is_user(os.path.join(package, "measure", "report.py"))
     assert is_user(os.path.join(os.path.dirname(package), "memwise_experiments", "model.py"))
     assert is_user(package + "_experiments.py")
 
