@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest -q -n 2
 
-.PHONY: demo test test-fast test-next-jax lint typecheck docs floor ci bench clean
+.PHONY: demo test durations test-fast test-next-jax lint typecheck docs floor ci bench clean
 
 # The oldest JAX release memwise supports: the floor declared in pyproject.toml.
 JAX_FLOOR := $(shell sed -n 's/.*"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
@@ -33,7 +33,12 @@ demo: $(VENV)/.installed
 
 # The whole suite and every docstring example.
 test: $(VENV)/.installed-test
-	$(PYTEST) --doctest-modules src/memwise tests
+	$(PYTEST) --doctest-modules --junitxml=build/test-results.xml src/memwise tests
+
+# tests/DURATIONS.md from the last `make test` (per-file totals, the slowest tests).
+durations:
+	@[ -f build/test-results.xml ] || $(MAKE) test
+	$(BIN)/python tests/_durations.py
 
 # Development lane: no `slow` tests, no doctests.
 test-fast: $(VENV)/.installed-test
