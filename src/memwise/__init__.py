@@ -9,6 +9,7 @@ from memwise.linearize import Linearized, TaylorExpanded, linearize, taylor_expa
 from memwise.measure import MemoryReport, Residual, memory_report
 from memwise.pairwise import pairwise_reduce
 from memwise.scan import scan, while_loop
+from memwise.sdpa import dot_product_attention
 
 __version__ = "0.2.0.dev0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "attention",
     "chunked_map",
     "chunked_sum",
+    "dot_product_attention",
     "fit",
     "knobs",
     "linearize",
