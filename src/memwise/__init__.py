@@ -9,7 +9,7 @@ from memwise.linearize import Linearized, TaylorExpanded, linearize, taylor_expa
 from memwise.measure import MemoryReport, Residual, memory_report
 from memwise.pairwise import pairwise_reduce
 from memwise.scan import scan, while_loop
-from memwise.sdpa import dot_product_attention
+from memwise.sdpa import dot_product_attention, flax_attention_fn
 
 __version__ = "0.2.0.dev0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "chunked_sum",
     "dot_product_attention",
     "fit",
+    "flax_attention_fn",
     "knobs",
     "linearize",
     "measure",

@@ -59,11 +59,16 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def dropout_rows(seed: jax.Array, batch: tuple[int, ...], length: int) -> jax.Array:
+def dropout_rows(
+    seed: jax.Array, batch: tuple[int, ...], length: int, *, shared: bool = False
+) -> jax.Array:
     """Per query row a uint32 hash of ``(seed[0], problem, position)``, shape
-    ``batch + (length,)``: a row operand of the tiles (4 bytes per query and head)."""
+    ``batch + (length,)``: a row operand of the tiles (4 bytes per query and head).
+    ``shared``: one mask for every problem (Flax's ``broadcast_dropout=True``)."""
     problems = int(np.prod(batch, dtype=np.int64))
     p = jnp.arange(problems, dtype=jnp.uint32).reshape(batch + (1,))
+    if shared:
+        p = jnp.zeros(batch + (1,), jnp.uint32)
     t = jnp.arange(length, dtype=jnp.uint32)
     return _mix(_mix(p * np.uint32(0x9E3779B1) + seed[0]) ^ t)
 

@@ -41,7 +41,7 @@ from memwise.attention import _check_scale, as_array
 from memwise.engine import accumulation_dtype
 from memwise.tiling import ChunkSize, tiling
 
-__all__ = ["dot_product_attention"]
+__all__ = ["dot_product_attention", "flax_attention_fn"]
 
 # jax.nn's stand-in for a masked score, in float32 (its softmax dtype).
 _LARGE_NEGATIVE = -0.7 * float(np.finfo(np.float32).max)
@@ -175,6 +175,7 @@ def dot_product_attention(
     sinks: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    dropout_broadcast: bool = False,
     differentiable_residual: bool = False,
     chunk_size: ChunkSize = "auto",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -230,6 +231,8 @@ def dot_product_attention(
         tile from ``dropout_rng`` in the forward and the same mask regenerated in the
         backward (nothing stored; it does not depend on ``chunk_size``).
       dropout_rng: a PRNG key, required when ``dropout_rate > 0``.
+      dropout_broadcast: one dropout mask for every batch element and head (Flax's
+        ``broadcast_dropout=True``); default a mask per batch element and head.
       differentiable_residual: give the residual its gradient (to combine partial
         attentions over key blocks, as ring and split-K attention do).
       chunk_size: tile ``(query rows, key cols)`` as for :func:`memwise.attention`;
@@ -264,6 +267,7 @@ def dot_product_attention(
         (is_causal, "is_causal"),
         (return_residual, "return_residual"),
         (differentiable_residual, "differentiable_residual"),
+        (dropout_broadcast, "dropout_broadcast"),
     ):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(
@@ -352,7 +356,7 @@ def dot_product_attention(
         kv_keep = (jnp.arange(S) < kv_len[:, None])[:, None, None]
     dropout = None
     if seed is not None:
-        dropout = (seed, dropout_rows(seed, batch, T))
+        dropout = (seed, dropout_rows(seed, batch, T, shared=bool(dropout_broadcast)))
     out, lse = attend(
         qg,
         kg,
@@ -393,3 +397,95 @@ def dot_product_attention(
         return result
     residual = lse.astype(dtype).transpose(0, 3, 1, 2).reshape(lse_shape)
     return result, residual if differentiable_residual else jax.lax.stop_gradient(residual)
+
+
+def flax_attention_fn(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    is_causal: bool = False,
+) -> jax.Array:
+    """:func:`dot_product_attention` with Flax's ``attention_fn`` convention.
+
+    Pass it as ``attention_fn=`` to Flax linen ``nn.MultiHeadDotProductAttention`` or
+    NNX ``nnx.MultiHeadAttention``: the arguments are ``flax.linen.dot_product_attention``'s
+    (layout ``(batch, length, heads, head_dim)``, a ``(batch, heads, q_length,
+    kv_length)``-broadcastable boolean ``mask``, dropout on the attention weights with
+    ``broadcast_dropout`` sharing one mask over batch and heads), and the layer's own
+    projections, masks and RNG streams are unchanged. The dropout mask differs from
+    Flax's (memwise draws it per tile from the key), with the same distribution.
+
+    Args:
+      query, key, value: ``(B, T, N, H)`` (or without ``B``); K/V may have fewer heads.
+      bias: optional float array added to the scores.
+      mask: optional mask, True (or nonzero, as Flax's float masks) = attend.
+      broadcast_dropout: one dropout mask for every batch element and head.
+      dropout_rng: the dropout key (used when ``dropout_rate > 0`` and not
+        ``deterministic``).
+      dropout_rate: dropout probability of each attention weight.
+      deterministic: no dropout.
+      dtype: the computation dtype: q, k, v are cast to it (None: their own).
+      precision: must be None (the tiles use the default matmul precision).
+      module: must be None: with ``sow_weights`` Flax records the attention weights,
+        which tiled attention never forms.
+      is_causal: causal masking (NNX passes it), with the invisible tiles skipped.
+
+    Returns:
+      The attention output, ``query``'s shape (last dim ``value``'s).
+
+    Raises:
+      ValueError: ``precision`` or ``module`` set, or more than one batch dim.
+
+    Example::
+
+        >>> import flax.linen as nn, jax, jax.numpy as jnp, memwise as mw
+        >>> layer = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32,
+        ...                                         attention_fn=mw.flax_attention_fn)
+        >>> x = jnp.ones((2, 50, 16))
+        >>> params = layer.init(jax.random.key(0), x)
+        >>> layer.apply(params, x).shape
+        (2, 50, 16)
+    """
+    if module is not None:
+        raise ValueError(
+            "sow_weights=True records the attention weights, which memwise's tiled "
+            "attention never forms: use sow_weights=False with this attention_fn"
+        )
+    if precision is not None:
+        raise ValueError(
+            f"precision={precision!r} is not supported: memwise's tiles use the default "
+            "matmul precision (float32 accumulation); pass precision=None"
+        )
+    arrays = [as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))]
+    if arrays[0].ndim > 4:
+        raise ValueError(
+            f"query of shape {arrays[0].shape} has more than one batch dim: reshape the "
+            "batch dims into one"
+        )
+    if dtype is not None:
+        arrays = [a.astype(dtype) for a in arrays]
+    if mask is not None:
+        # Flax's masks are often float 0/1 (nn.make_causal_mask) and read as booleans.
+        mask = as_array(mask, "mask")
+        mask = mask if mask.dtype == jnp.bool_ else mask != 0
+    rate = 0.0 if deterministic else dropout_rate
+    out = dot_product_attention(
+        *arrays,
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
+        dropout_rate=rate,
+        dropout_rng=dropout_rng if rate else None,
+        dropout_broadcast=bool(broadcast_dropout),
+    )
+    assert isinstance(out, jax.Array)
+    return out
