@@ -370,7 +370,7 @@ def dot_product_attention(
         kv_segments=None if kv_seg is None else kv_seg[:, None, None],
         q_keep=q_keep,
         kv_keep=kv_keep,
-        live_segments=None if q_seg is None else (q_seg, kv_seg),
+        live_segments=None if q_seg is None or kv_seg is None else (q_seg, kv_seg),
         live_lengths=(
             None if q_len is None else jnp.max(q_len),
             None if kv_len is None else jnp.max(kv_len),
@@ -479,7 +479,9 @@ def flax_attention_fn(
         mask = mask if mask.dtype == jnp.bool_ else mask != 0
     rate = 0.0 if deterministic else dropout_rate
     out = dot_product_attention(
-        *arrays,
+        arrays[0],
+        arrays[1],
+        arrays[2],
         bias=bias,
         mask=mask,
         is_causal=is_causal,
