@@ -205,3 +205,42 @@ def test_grouped_query_gradient_has_no_repeated_kv():
     gqa = temp(T, 1)
     assert gqa + 2 * 7 * kv_bytes <= temp(T, 1, repeat=True), gqa
     assert gqa < 2.2 * temp(T // 2, 1), gqa
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_error_no_worse_than_jax_nn(dtype):
+    # GQA 4:1 with a bias, a window and padding lengths; inputs and cotangent exactly
+    # representable in dtype, so the float64 reference is the exact answer.
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    q = (jax.random.normal(keys[0], (2, 128, 4, 32)) * 2).astype(dtype)
+    k, v = (jax.random.normal(kk, (2, 128, 1, 32)).astype(dtype) for kk in keys[1:3])
+    ct = jax.random.normal(keys[3], (2, 128, 4, 32)).astype(dtype)
+    bias = jax.random.normal(keys[4], (1, 4, 128, 128)).astype(dtype)
+    kw = {
+        "is_causal": True,
+        "local_window_size": (48, 0),
+        "key_value_seq_lengths": jnp.array([128, 70], jnp.int32),
+    }
+
+    def value_and_grads(f, *args):
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(ct.astype(out.dtype))
+
+    fns = {
+        "memwise": lambda q, k, v, b: mw.dot_product_attention(q, k, v, b, **kw, chunk_size=32),
+        "jax.nn": lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, **kw),
+    }
+    ref, ref_grads = value_and_grads(
+        lambda q, k, v, b: dense_attention(q, k, v, b, **kw),
+        *(a.astype(jnp.float64) for a in (q, k, v, bias)),
+    )
+    errors = {}
+    for name, f in fns.items():
+        out, grads = value_and_grads(f, q, k, v, bias)
+        errors[name] = [
+            float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)))
+            for a, b in zip((out, *grads), (ref, *ref_grads))
+        ]
+    for ours, theirs in zip(errors["memwise"], errors["jax.nn"]):
+        assert ours <= 1.2 * theirs, errors

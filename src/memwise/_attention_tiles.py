@@ -73,9 +73,7 @@ def dropout_rows(
     return _mix(_mix(p * np.uint32(0x9E3779B1) + seed[0]) ^ t)
 
 
-def _keep_mask(
-    row_hash: jax.Array, col_ids: jax.Array, seed1: jax.Array, rate: float
-) -> jax.Array:
+def _keep_mask(row_hash: jax.Array, col_ids: jax.Array, seed1: jax.Array, rate: float) -> jax.Array:
     """The tile's dropout keep mask: ``P(keep) = 1 - rate`` per pair, from the hashes."""
     c = col_ids.astype(jnp.uint32) * np.uint32(0x85EBCA77) + seed1
     bits = _mix(_mix(row_hash[:, None] ^ c[None, :]) + np.uint32(0x27D4EB2F))

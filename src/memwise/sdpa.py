@@ -354,6 +354,16 @@ def dot_product_attention(
         q_keep = jnp.broadcast_to(q_valid[:, None, None], batch + (T,))
     if kv_len is not None:
         kv_keep = (jnp.arange(S) < kv_len[:, None])[:, None, None]
+    acc = accumulation_dtype(dtype)
+    may_see_nothing = any(a is not None for a in (mask, q_len, kv_len, window, q_seg)) or (
+        is_causal and S < T
+    )
+    if acc != jnp.dtype(vg.dtype) and (sinks is not None or may_see_nothing):
+        # The per-row corrections below (the sink's share, the values' mean for a query
+        # that sees nothing) then act on the unrounded output, and the mean's gradient
+        # joins dV before its one rounding: a bfloat16 dV was off by up to one ulp
+        # instead of half. Costs a float32 copy of V.
+        vg = vg.astype(acc)
     dropout = None
     if seed is not None:
         dropout = (seed, dropout_rows(seed, batch, T, shared=bool(dropout_broadcast)))
@@ -378,7 +388,6 @@ def dot_product_attention(
         dropout=dropout,
     )
     # Per-row corrections, in at least float32 (O(T) per head: never a tile).
-    acc = accumulation_dtype(dtype)
     out32 = out.astype(acc)
     seen = jnp.isfinite(lse)
     if sinks is not None:
