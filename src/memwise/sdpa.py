@@ -355,9 +355,8 @@ def dot_product_attention(
     if kv_len is not None:
         kv_keep = (jnp.arange(S) < kv_len[:, None])[:, None, None]
     acc = accumulation_dtype(dtype)
-    may_see_nothing = any(a is not None for a in (mask, q_len, kv_len, window, q_seg)) or (
-        is_causal and S < T
-    )
+    # (A causal query always sees key 0.)
+    may_see_nothing = any(a is not None for a in (mask, q_len, kv_len, window, q_seg))
     if acc != jnp.dtype(vg.dtype) and (sinks is not None or may_see_nothing):
         # The per-row corrections below (the sink's share, the values' mean for a query
         # that sees nothing) then act on the unrounded output, and the mean's gradient
