@@ -433,7 +433,9 @@ def flax_attention_fn(
     Flax's (memwise draws it per tile from the key), with the same distribution.
 
     Args:
-      query, key, value: ``(B, T, N, H)`` (or without ``B``); K/V may have fewer heads.
+      query: ``(B, T, N, H)`` (or ``(T, N, H)``).
+      key: ``(B, S, K, H)``; ``K`` may be fewer heads than ``N`` (dividing it).
+      value: ``(B, S, K, Hv)``.
       bias: optional float array added to the scores.
       mask: optional mask, True (or nonzero, as Flax's float masks) = attend.
       broadcast_dropout: one dropout mask for every batch element and head.
