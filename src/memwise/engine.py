@@ -249,7 +249,7 @@ def _row_pass(
     spec: _TileSpec,
     first: Any,
     rows: Any,
-    cols_c: Any,
+    cols: Any,
     pairs: _Leaves,
     consts: _Leaves,
     row_ids: jax.Array,
@@ -291,10 +291,12 @@ def _row_pass(
                 jnp.zeros((R,) + trailing, jnp.int32),
             )
 
-    init = vary(init, varying_over(rows, cols_c, pairs, consts))
+    init = vary(init, varying_over(rows, cols, pairs, consts))
 
-    def body(state, inp):
-        col_blk, k = inp
+    def body(state, k):
+        # Column blocks sliced by index from the unsplit columns: splitting them into
+        # (chunks, size, ...) made a copy (under vmap, a transposed one) of k and v.
+        col_blk = [spec.tiles.cols.block(a, k * spec.tiles.cols.size) for a in cols]
         inp = (col_blk, *spec.tiles.cols.chunk_ids(k))
         if spec.live is None:
             return step(state, inp), None
@@ -343,7 +345,7 @@ def _row_pass(
         arg = jnp.where(better, c_ids[tile_arg].astype(jnp.int32), arg)
         return (jnp.where(better, tile_max, m), arg)
 
-    state, _ = lax.scan(body, init, (cols_c, spec.tiles.cols.indices()))
+    state, _ = lax.scan(body, init, spec.tiles.cols.indices())
     if reduce in ("sum", "max"):
         return state
     if reduce == "logsumexp":
@@ -358,16 +360,29 @@ def _problem_forward(
     spec: _TileSpec, first: Any, rows: Any, cols: Any, pairs: _Leaves, consts: _Leaves
 ) -> Any:
     """The forward statistics of one problem (no batch dims)."""
-    R, C = spec.tiles.rows, spec.tiles.cols
-    rows_c = R.split(rows)
-    cols_c = C.split(cols)
+    R = spec.tiles.rows
 
-    def one_row_block(inp):
-        row_blk, k = inp
-        return _row_pass(spec, first, row_blk, cols_c, pairs, consts, R.chunk_ids(k)[0])
+    # Row blocks sliced by index, as the columns' and the backward's: splitting rows
+    # into (chunks, size, ...) copied q (transposed, under the batch's vmap).
+    def one_row_block(k):
+        row_blk = [R.block(a, k * R.size) for a in rows]
+        return _row_pass(spec, first, row_blk, cols, pairs, consts, R.chunk_ids(k)[0])
 
-    out = lax.map(one_row_block, (rows_c, R.indices()))
-    return R.merge(out)
+    # Each block's statistics written in place into a carried buffer: stacking them as
+    # the loop's output and merging made two more copies (under vmap, transposed).
+    block_type = jax.eval_shape(one_row_block, jnp.int32(0))
+    init = jax.tree.map(lambda t: jnp.zeros((R.padded,) + t.shape[1:], t.dtype), block_type)
+    init = vary(init, varying_over(rows, cols, pairs, consts))
+
+    def body(acc, k):
+        blk = one_row_block(k)
+        start = k * R.size
+        return jax.tree.map(
+            lambda a, b: lax.dynamic_update_slice_in_dim(a, b, start, axis=0), acc, blk
+        ), None
+
+    out, _ = lax.scan(body, init, R.indices())
+    return jax.tree.map(lambda a: a[: R.length], out)
 
 
 def _statistics(
