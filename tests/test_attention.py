@@ -358,6 +358,13 @@ def test_empty_queries_or_keys_return_the_dense_result():
         assert all(not jnp.any(g) for g in grads)
     with pytest.raises(ValueError, match="chunk_size"):
         mw.attention(jnp.ones((2, 0, 4)), q, q, chunk_size=0)
+    # An empty batch (or head) dim: an empty output and empty gradients, as dense.
+    for shape in [(0, 5, 4), (0, 2, 5, 4), (3, 0, 5, 4)]:
+        qe = jnp.ones(shape)
+        out = mw.attention(qe, qe, qe, causal=True, mask=jnp.ones((5, 5), bool))
+        assert out.shape == shape
+        grads = jax.grad(lambda q: jnp.sum(mw.attention(q, q, q) ** 2))(qe)
+        assert grads.shape == shape
 
 
 @pytest.mark.slow

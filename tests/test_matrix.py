@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _attention_reference import dense_attention
 from _close import assert_close
 
 import memwise as mw
@@ -112,6 +113,39 @@ def _attention(n, chunk, dtype):
         return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
 
     return f, dense, (q, k, v)
+
+
+def _dot_product_attention(floats=(), **options):
+    """mw.dot_product_attention with ``options`` (layout (B, T, N, H), 4 query heads on 2
+    K/V heads) against the dense reference; ``floats``: float options that are inputs
+    too (their gradients are checked). ``options`` may be a function of n."""
+
+    def build(n, chunk, dtype):
+        opts = options["of_n"](n) if "of_n" in options else options
+        q, k, v, bias, sinks = _inputs(
+            dtype, (2, n, 4, 4), (2, n + 1, 2, 4), (2, n + 1, 2, 3), (1, 4, n, n + 1), (4,)
+        )
+        extra = {"bias": bias, "sinks": sinks}
+        args = (q, k, v) + tuple(extra[name] for name in floats)
+
+        def call(fn, **more):
+            return lambda q, k, v, *xs: fn(q, k, v, **opts, **dict(zip(floats, xs)), **more)
+
+        return (
+            call(mw.dot_product_attention, chunk_size=(chunk, chunk + 1)),
+            call(dense_attention),
+            args,
+        )
+
+    return build
+
+
+def _segments(n):
+    # Segment 1 of the queries has no key (fully masked rows, the values' mean), and
+    # segment 2 of the keys no query (an empty segment).
+    q_seg = jnp.array([[i % 2 for i in range(n)], [0] * n])
+    kv_seg = jnp.array([[0] * n + [2], [0] * (n + 1)])
+    return {"q_segment_ids": q_seg, "kv_segment_ids": kv_seg, "is_causal": True}
 
 
 def _scan(schedule):
@@ -256,6 +290,20 @@ CASES = {
     "pairwise_logsumexp": Case(_pairwise("logsumexp")),
     "pairwise_max": Case(_pairwise("max")),
     "attention": Case(_attention),
+    "dpa_gqa": Case(_dot_product_attention(("bias",), is_causal=True)),
+    "dpa_segments": Case(_dot_product_attention(of_n=_segments)),
+    "dpa_window_lengths": Case(
+        _dot_product_attention(
+            local_window_size=(1, 0),
+            key_value_seq_lengths=jnp.array([0, 2]),  # batch 0 sees no key
+            query_seq_lengths=jnp.array([1, 5]),
+        )
+    ),
+    "dpa_softcap": Case(_dot_product_attention(logit_soft_cap=0.5)),
+    "dpa_sinks": Case(_dot_product_attention(("sinks",), is_causal=True)),
+    "dpa_dropout": Case(
+        _dot_product_attention(dropout_rate=0.3, dropout_rng=jax.random.key(1), is_causal=True)
+    ),
     "scan_binomial": Case(_scan("binomial")),
     "scan_nested": Case(_scan("nested"), forward_mode=True),
     "while_loop": Case(_while_loop),
@@ -568,6 +616,7 @@ def test_int_traced_by_a_jit_under_grad_matches_lax_scan():
 
 _X = jnp.ones((4, 2))
 _K = jnp.ones((2, 5, 4))
+_Q = jnp.ones((2, 5, 2, 4))  # (B, T, N, H)
 _PAIR = lambda a, b: jnp.sum(a * b)  # noqa: E731
 _STEP = lambda h, x: (h + x, None)  # noqa: E731
 
@@ -652,6 +701,105 @@ BAD_INPUTS = {
         "init must be an array, got 'abc' (type str)",
     ),
     "attention shapes": (lambda: mw.attention(_K, _K[:, :, :3], _K), ValueError, "feature dim"),
+    "attention string q": (lambda: mw.attention("q", _K, _K), TypeError, "q must be an array"),
+    "attention string bias": (
+        lambda: mw.attention(_K, _K, _K, bias="0"),
+        TypeError,
+        "bias must be an array",
+    ),
+    "attention string scale": (
+        lambda: mw.attention(_K, _K, _K, scale="0.1"),
+        TypeError,
+        "scale must be a real scalar",
+    ),
+    "attention list scale": (lambda: mw.attention(_K, _K, _K, scale=[1.0]), TypeError, "scale"),
+    "dpa string query": (
+        lambda: mw.dot_product_attention("q", _Q, _Q),
+        TypeError,
+        "query must be an array",
+    ),
+    "dpa heads do not divide": (
+        lambda: mw.dot_product_attention(jnp.ones((2, 5, 3, 4)), _Q, _Q),
+        ValueError,
+        "multiple of the number of key/value heads",
+    ),
+    "dpa mismatched lengths": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q[:, :4]),
+        ValueError,
+        "value must have key's",
+    ),
+    "dpa float mask": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, mask=jnp.ones((5, 5))),
+        TypeError,
+        "pass additive masks",
+    ),
+    "dpa mask shape": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, mask=jnp.ones((3, 5), bool)),
+        ValueError,
+        "mask of shape",
+    ),
+    "dpa float lengths": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, query_seq_lengths=jnp.ones(2)),
+        TypeError,
+        "query_seq_lengths must be an integer array",
+    ),
+    "dpa lengths shape": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, key_value_seq_lengths=jnp.ones(3, int)),
+        ValueError,
+        "key_value_seq_lengths must have shape",
+    ),
+    "dpa segment length": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, q_segment_ids=jnp.zeros((2, 4), int)),
+        ValueError,
+        "q_segment_ids must have shape",
+    ),
+    "dpa float segments": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, q_segment_ids=jnp.zeros((2, 5))),
+        TypeError,
+        "q_segment_ids must be an integer array",
+    ),
+    "dpa one segment array, lengths differ": (
+        lambda: mw.dot_product_attention(_Q, _Q[:, :4], _Q[:, :4], q_segment_ids=jnp.zeros(5, int)),
+        ValueError,
+        "kv_segment_ids",
+    ),
+    "dpa cudnn": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, implementation="cudnn"),
+        ValueError,
+        "jax.nn.dot_product_attention(..., implementation='cudnn')",
+    ),
+    "dpa dropout without key": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, dropout_rate=0.1),
+        ValueError,
+        "dropout_rng",
+    ),
+    "dpa dropout rate": (
+        lambda: mw.dot_product_attention(
+            _Q, _Q, _Q, dropout_rate=1.0, dropout_rng=jax.random.key(0)
+        ),
+        ValueError,
+        "dropout_rate must be in [0, 1)",
+    ),
+    "dpa sinks shape": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, sinks=jnp.zeros(3)),
+        TypeError,
+        "sinks must be a float array of shape (N,)",
+    ),
+    "dpa soft cap": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, logit_soft_cap=-1.0),
+        ValueError,
+        "logit_soft_cap",
+    ),
+    "dpa window": (
+        lambda: mw.dot_product_attention(_Q, _Q, _Q, local_window_size=(2, -1)),
+        ValueError,
+        "local_window_size",
+    ),
+    "dpa traced causal": (
+        lambda: jax.jit(lambda c: mw.dot_product_attention(_Q, _Q, _Q, is_causal=c))(True),
+        TypeError,
+        "static argument",
+    ),
     "attention float mask": (
         lambda: mw.attention(_K, _K, _K, mask=jnp.zeros((5, 5))),
         TypeError,

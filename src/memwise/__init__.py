@@ -10,6 +10,7 @@ from memwise.linearize import Linearized, TaylorExpanded, linearize, taylor_expa
 from memwise.measure import MemoryReport, Residual, memory_report
 from memwise.pairwise import pairwise_reduce
 from memwise.scan import scan, while_loop
+from memwise.sdpa import dot_product_attention, flax_attention_fn
 
 __version__ = "0.3.0.dev0"
 
@@ -23,9 +24,11 @@ __all__ = [
     "attention",
     "chunked_map",
     "chunked_sum",
+    "dot_product_attention",
     "fit",
-    "linear_cross_entropy",
+    "flax_attention_fn",
     "knobs",
+    "linear_cross_entropy",
     "linearize",
     "measure",
     "memory_report",

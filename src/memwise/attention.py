@@ -35,7 +35,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise.engine import Ring, accumulation_dtype, tiled_reduce
+from memwise._attention_tiles import Visibility, attend
+from memwise.engine import Ring
 from memwise.sharding import (
     auto_split,
     check_divisible,
@@ -45,9 +46,22 @@ from memwise.sharding import (
     sharded_call,
     use_ring,
 )
-from memwise.tiling import ChunkSize, item_bytes, tiling
+from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["attention"]
+
+
+def as_array(value: Any, name: str) -> jax.Array:
+    """``value`` as a JAX array, or a TypeError naming the argument (a string, None or
+    a ragged list would otherwise reach JAX's own conversion error)."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"{name} must be an array, got {value!r}")
+    try:
+        return jnp.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} must be an array (or a nested list of numbers), got {type(value).__name__}"
+        ) from e
 
 
 def _full_rank(arr: jax.Array, name: str, batch: tuple, lq: int, lk: int) -> jax.Array:
@@ -187,7 +201,7 @@ def attention(
             f"causal must be a Python bool (it decides which tiles run), got "
             f"{causal!r}; under jit pass it as a static argument"
         )
-    q, k, v = (jnp.asarray(a) for a in (q, k, v))
+    q, k, v = (as_array(a, name) for a, name in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise ValueError(f"q, k, v need shape (..., L, d); got {q.shape}, {k.shape}, {v.shape}")
     batch = q.shape[:-2]
@@ -207,7 +221,7 @@ def attention(
     dtype = jnp.result_type(q, k, v)
     scale = _check_scale(scale, d)
     if mask is not None:
-        mask = jnp.asarray(mask)
+        mask = as_array(mask, "mask")
         if mask.dtype != jnp.bool_:
             raise TypeError(
                 f"mask must be a boolean array (True = attend), got dtype {mask.dtype}; "
@@ -215,7 +229,7 @@ def attention(
             )
         mask = _full_rank(mask, "mask", batch, lq, lk)
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = as_array(bias, "bias")
         if bias.dtype == jnp.bool_:
             raise TypeError(
                 "bias must be a float array added to the scores, got a boolean "
@@ -224,11 +238,12 @@ def attention(
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             bias = bias.astype(dtype)
         bias = _full_rank(bias, "bias", batch, lq, lk)
-    if lq == 0 or lk == 0:
+    if lq == 0 or lk == 0 or 0 in batch:
         if chunk_size != "auto":  # still a valid size ("auto" is a knob: not resolved here)
             tiling(1, 1, chunk_size)
-        # What the dense computation returns: no queries, or queries that see no key
-        # (zeros, as for a fully masked query). Gradients are zeros.
+        # What the dense computation returns: no queries (or no batch element), or
+        # queries that see no key (zeros, as for a fully masked query). Gradients are
+        # zeros.
         return jnp.zeros(batch + (lq,) + v.shape[-1:], dtype)
 
     sharding = _attention_sharding(q, mesh, axis_name, shard_dim)
@@ -281,9 +296,9 @@ def _check_scale(scale: Any, d: int) -> jax.Array:
     ``1 / sqrt(d)``."""
     if scale is None:
         return jnp.asarray(1.0 / math.sqrt(d))
-    if isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"scale must be a real scalar, got {scale!r}")
-    scale = jnp.asarray(scale)
+    if isinstance(scale, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"scale must be a real scalar (a float or a 0-d array), got {scale!r}")
+    scale = as_array(scale, "scale")
     if (
         scale.ndim != 0
         or not jnp.issubdtype(scale.dtype, jnp.number)
@@ -296,66 +311,20 @@ def _check_scale(scale: Any, d: int) -> jax.Array:
     return scale if jnp.issubdtype(scale.dtype, jnp.floating) else scale.astype(float)
 
 
-def _pair_bytes(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
-    """One query-key pair's score and weight, for every (batch, head) at once."""
-    dtype = accumulation_dtype(jnp.result_type(q, k, v))
-    d = q.shape[-1]
-    score = lambda qi, kj: jnp.exp(jnp.dot(qi, kj))  # noqa: E731
-    per_head = item_bytes(score, jnp.zeros(d, dtype), jnp.zeros(d, dtype))
-    return per_head * int(np.prod(q.shape[:-2], dtype=np.int64))
-
-
 def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset, ring=None):
     """Attention on one device (or per device inside shard_map); ``row_offset`` is the
     global position of the first query (None: 0); with a ``ring``, k and v are this
     device's block."""
-    batch = q.shape[:-2]
-    lq, lk = q.shape[-2], k.shape[-2]
-    dtype = jnp.result_type(q, k, v)
-    pairs: dict = {}
-    if mask is not None:
-        pairs["mask"] = mask
-    if bias is not None:
-        pairs["bias"] = bias
-    consts = {"scale": scale}
-    if row_offset is not None:
-        consts["offset"] = row_offset
-
-    def positions(row_ids, consts):
-        return row_ids + consts["offset"] if "offset" in consts else row_ids
-
-    def tile_fn(qb, kv, pb, consts, row_ids, col_ids):
-        # Scores in at least float32 from bfloat16/float16 inputs (float32 accumulation,
-        # as jax.nn.dot_product_attention); the engine keeps the softmax in float32 too.
-        score_dtype = accumulation_dtype(jnp.result_type(qb, kv["k"]))
-        s = jnp.dot(qb, kv["k"].T, preferred_element_type=score_dtype)
-        s = s * consts["scale"].astype(score_dtype)
-        if "bias" in pb:
-            s = s + pb["bias"].astype(score_dtype)
-        keep = pb.get("mask")
-        if causal:
-            c = col_ids[None, :] <= positions(row_ids, consts)[:, None]
-            keep = c if keep is None else keep & c
-        if keep is not None:
-            s = jnp.where(keep, s, -jnp.inf)
-        return s, kv["v"]
-
-    def live(row_ids, col_ids, consts):
-        # Column tile j is above the diagonal when its first key follows the last query.
-        return col_ids[0] <= positions(row_ids, consts)[-1]
-
-    tiles = tiling(lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v))
-    out, _ = tiled_reduce(
-        tile_fn,
+    out, _ = attend(
         q,
-        {"k": k, "v": v},
-        reduce="softmax",
-        tiles=tiles,
-        pairs=pairs,
-        consts=consts,
-        batch=batch,
-        upcast=True,
-        live=live if causal else None,
+        k,
+        v,
+        scale=scale,
+        visibility=Visibility(causal=bool(causal)),
+        chunk_size=chunk_size,
+        mask=mask,
+        bias=bias,
+        row_offset=row_offset,
         ring=ring,
     )
-    return out.astype(dtype)
+    return out.astype(jnp.result_type(q, k, v))

@@ -128,6 +128,9 @@ class _TileSpec:
     batch: tuple = ()  # leading batch dims of rows and cols
     # Per pair leaf: its leading batch dims, 1 where it broadcasts over that batch dim.
     pair_batch: tuple = ()
+    # The same per column leaf (grouped-query attention: one K/V head for many heads);
+    # empty when every column leaf has the full batch dims (then none is squeezed).
+    col_batch: tuple = ()
     upcast: bool = False  # differentiate tiles on float32 copies of the blocks
     vary_consts: bool = True  # see memwise.sharding.convert
     # live(row_ids, col_ids, consts) -> bool scalar: False when every score of the tile is
@@ -148,13 +151,27 @@ class _TileSpec:
         """vmap in_axes of the (squeezed) pair leaves at batch dim ``level``."""
         return [None if pb[level] == 1 else 0 for pb in self.pair_batch]
 
+    def col_axes(self, level: int) -> list:
+        """vmap in_axes of the (squeezed) column leaves at batch dim ``level``."""
+        if not self.col_batch:
+            return [0] * self.trees[1].num_leaves
+        return [None if cb[level] == 1 else 0 for cb in self.col_batch]
+
     def squeeze_pairs(self, pairs: list) -> list:
         """Pair leaves without the batch dims they broadcast over (a reshape, no copy)."""
-        nb = len(self.batch)
-        return [
-            p.reshape(tuple(s for s in pb if s != 1) + p.shape[nb:])
-            for p, pb in zip(pairs, self.pair_batch)
-        ]
+        return _squeeze(pairs, self.pair_batch, len(self.batch))
+
+    def squeeze_cols(self, cols: list) -> list:
+        """Column leaves without the batch dims they broadcast over (no copy)."""
+        if not self.col_batch:
+            return list(cols)
+        return _squeeze(cols, self.col_batch, len(self.batch))
+
+    def col_lead(self) -> list:
+        """Per squeezed column leaf: the axis of its columns."""
+        if not self.col_batch:
+            return [len(self.batch)] * self.trees[1].num_leaves
+        return [sum(s != 1 for s in cb) for cb in self.col_batch]
 
     def over_batch(
         self, fn: Callable, in_axes: Callable[[int], tuple], out_axes: Any = 0
@@ -163,6 +180,14 @@ class _TileSpec:
         for level in reversed(range(len(self.batch))):
             fn = jax.vmap(fn, in_axes=in_axes(level), out_axes=out_axes)
         return fn
+
+
+def _squeeze(leaves: list, leaf_batch: tuple, nb: int) -> list:
+    """Each leaf without the leading batch dims it broadcasts over (size 1 in ``leaf_batch``)."""
+    return [
+        a.reshape(tuple(s for s in lb if s != 1) + a.shape[nb:])
+        for a, lb in zip(leaves, leaf_batch)
+    ]
 
 
 def _expand(a: jax.Array, ndim: int) -> jax.Array:
@@ -205,7 +230,7 @@ def _tile_type(
 
     def first_tile():
         r = [R.block(a[(0,) * nb], 0) for a in rows]
-        c = [C.block(a[(0,) * nb], 0) for a in cols]
+        c = [C.block(a[(0,) * k], 0) for a, k in zip(cols, spec.col_lead())]
         lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
         p = _pair_blocks(R, C, [a[(0,) * k] for a, k in zip(pairs, lead)], 0, 0)
         return spec.tile((r, c, p, consts), R.chunk_ids(0)[0], C.chunk_ids(0)[0])
@@ -223,7 +248,7 @@ def _finish(reduce: str, first: Any, stats: Any) -> tuple[Any, Any]:
         return stats.astype(first.dtype), stats  # the float32 log-sum-exp
     if reduce == "max":
         return stats, stats[1]  # the argmax
-    s_type, v_type = first
+    s_type, v_type = first[:2]
     out, lse = stats
     # The backward's rowsum(dO * O) needs the unrounded output: with a bfloat16 one, dq
     # and dk came out up to 1.4x less accurate than dense attention's.
@@ -234,7 +259,7 @@ def _row_pass(
     spec: _TileSpec,
     first: Any,
     rows: Any,
-    cols_c: Any,
+    cols: Any,
     pairs: _Leaves,
     consts: _Leaves,
     row_ids: jax.Array,
@@ -252,7 +277,7 @@ def _row_pass(
 
     init: Any
     if reduce == "softmax":
-        s_shape, v_shape = first
+        s_shape, v_shape = first[:2]
         acc_dtype = accumulation_dtype(s_shape.dtype)
         R = s_shape.shape[0]
         init = (
@@ -276,10 +301,12 @@ def _row_pass(
                 jnp.zeros((R,) + trailing, jnp.int32),
             )
 
-    init = vary(init, varying_over(rows, cols_c, pairs, consts))
+    init = vary(init, varying_over(rows, cols, pairs, consts))
 
-    def body(state, inp):
-        col_blk, k = inp
+    def body(state, k):
+        # Column blocks sliced by index from the unsplit columns: splitting them into
+        # (chunks, size, ...) made a copy (under vmap, a transposed one) of k and v.
+        col_blk = [spec.tiles.cols.block(a, k * spec.tiles.cols.size) for a in cols]
         inp = (col_blk, *spec.tiles.cols.chunk_ids(k))
         if spec.live is None:
             return step(state, inp), None
@@ -292,7 +319,7 @@ def _row_pass(
         col_blk, c_ids, c_valid = inp
         out = scores_of(col_blk, c_ids)
         if reduce == "softmax":
-            s, vals = out
+            s, vals = out[:2]
             # Widened inside the fused exp/sum only; the tile itself stays as produced.
             s = jnp.where(c_valid[None, :], s, -jnp.inf).astype(acc_dtype)
             m, denom, acc = state
@@ -301,8 +328,10 @@ def _row_pass(
             p = jnp.exp(s - shift[:, None])
             scale = jnp.exp(m - shift)
             denom = denom * scale + jnp.sum(p, axis=1)
+            # Value weights (dropout) scale the sum of values, not the denominator.
+            pw = p if len(out) == 2 else p * out[2].astype(acc_dtype)
             acc = acc * _expand(scale, acc.ndim).astype(acc.dtype) + jnp.tensordot(
-                p, vals.astype(acc.dtype), 1
+                pw, vals.astype(acc.dtype), 1
             )
             return (m_new, denom, acc)
         s = out
@@ -326,7 +355,7 @@ def _row_pass(
         arg = jnp.where(better, c_ids[tile_arg].astype(jnp.int32), arg)
         return (jnp.where(better, tile_max, m), arg)
 
-    state, _ = lax.scan(body, init, (cols_c, spec.tiles.cols.indices()))
+    state, _ = lax.scan(body, init, spec.tiles.cols.indices())
     if reduce in ("sum", "max"):
         return state
     if reduce == "logsumexp":
@@ -341,16 +370,29 @@ def _problem_forward(
     spec: _TileSpec, first: Any, rows: Any, cols: Any, pairs: _Leaves, consts: _Leaves
 ) -> Any:
     """The forward statistics of one problem (no batch dims)."""
-    R, C = spec.tiles.rows, spec.tiles.cols
-    rows_c = R.split(rows)
-    cols_c = C.split(cols)
+    R = spec.tiles.rows
 
-    def one_row_block(inp):
-        row_blk, k = inp
-        return _row_pass(spec, first, row_blk, cols_c, pairs, consts, R.chunk_ids(k)[0])
+    # Row blocks sliced by index, as the columns' and the backward's: splitting rows
+    # into (chunks, size, ...) copied q (transposed, under the batch's vmap).
+    def one_row_block(k):
+        row_blk = [R.block(a, k * R.size) for a in rows]
+        return _row_pass(spec, first, row_blk, cols, pairs, consts, R.chunk_ids(k)[0])
 
-    out = lax.map(one_row_block, (rows_c, R.indices()))
-    return R.merge(out)
+    # Each block's statistics written in place into a carried buffer: stacking them as
+    # the loop's output and merging made two more copies (under vmap, transposed).
+    block_type = jax.eval_shape(one_row_block, jnp.int32(0))
+    init = jax.tree.map(lambda t: jnp.zeros((R.padded,) + t.shape[1:], t.dtype), block_type)
+    init = vary(init, varying_over(rows, cols, pairs, consts))
+
+    def body(acc, k):
+        blk = one_row_block(k)
+        start = k * R.size
+        return jax.tree.map(
+            lambda a, b: lax.dynamic_update_slice_in_dim(a, b, start, axis=0), acc, blk
+        ), None
+
+    out, _ = lax.scan(body, init, R.indices())
+    return jax.tree.map(lambda a: a[: R.length], out)
 
 
 def _statistics(
@@ -359,10 +401,11 @@ def _statistics(
     """``(tile type, statistics)`` of the whole batch: each problem vmapped, pairs
     broadcast over the batch dims they lack (never expanded)."""
     pairs = spec.squeeze_pairs(pairs)
+    cols = spec.squeeze_cols(cols)
     first = _tile_type(spec, rows, cols, pairs, consts)
     problem = spec.over_batch(
         lambda r, c, p: _problem_forward(spec, first, r, c, p, consts),
-        lambda level: (0, 0, spec.pair_axes(level)),
+        lambda level: (0, spec.col_axes(level), spec.pair_axes(level)),
     )
     return first, problem(rows, cols, pairs)
 
@@ -429,14 +472,17 @@ def _backward(spec, values, residual, flags, ct, running=None):
     if spec.upcast:
         consts = promote(consts)
     pairs = spec.squeeze_pairs(pairs)
-    # A pair's row/column axes follow the batch dims it does not broadcast over.
+    cols = spec.squeeze_cols(cols)
+    # A pair's row/column axes follow the batch dims it does not broadcast over; so does
+    # a column leaf's column axis.
     lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
+    col_lead = spec.col_lead()
 
     # Blocks are sliced by index from the unpadded arrays (splitting into (chunks, size,
     # ...) copied q once more), and cotangents are written in place into padded carries;
     # slots past the end are masked (zero cotangent), then sliced off.
-    def padded(a, chunks, dtype):
-        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1 :]
+    def padded(a, chunks, dtype, k=nb):
+        shape = a.shape[:k] + (chunks.padded,) + a.shape[k + 1 :]
         return vary(jnp.zeros(shape, dtype), axes)
 
     def pair_accumulator(p, k):
@@ -452,7 +498,10 @@ def _backward(spec, values, residual, flags, ct, running=None):
 
     if running is None:
         d_rows0 = [padded(a, R, a.dtype) for a in select(rows, row_f)]
-        d_cols0 = [padded(a, C, accumulation_dtype(a.dtype)) for a in select(cols, col_f)]
+        d_cols0 = [
+            padded(a, C, accumulation_dtype(a.dtype), k)
+            for a, k in zip(select(cols, col_f), select(col_lead, col_f))
+        ]
         d_pairs0 = [
             pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
         ]
@@ -460,7 +509,7 @@ def _backward(spec, values, residual, flags, ct, running=None):
     else:
         d_rows0, d_cols0, d_pairs0, d_consts0 = running
     # One tile of every problem in the batch at once.
-    tile_in_axes = lambda level: (0, 0, spec.pair_axes(level), None)  # noqa: E731
+    tile_in_axes = lambda level: (0, spec.col_axes(level), spec.pair_axes(level), None)  # noqa: E731
 
     def row_body(carry, inp):
         d_rows, d_cols, d_pairs, d_consts = carry
@@ -473,7 +522,7 @@ def _backward(spec, values, residual, flags, ct, running=None):
             d_row, d_cols, d_pairs, d_consts = carry2
             c_ids, c_valid = C.chunk_ids(inp2)
             c0 = c_ids[0]
-            col_blk = [C.block(a, c0, axis=nb) for a in cols]
+            col_blk = [C.block(a, c0, axis=k) for a, k in zip(cols, col_lead)]
             pblk = _pair_blocks(R, C, pairs, r0, c0, lead)
             blocks = [row_blk, col_blk, pblk]
             if spec.upcast:
@@ -516,7 +565,10 @@ def _backward(spec, values, residual, flags, ct, running=None):
                     lambda: tuple(typed_zeros(group) for group in primal_in),
                 )
             d_row = add(d_row, dr)
-            d_cols = [_add_block(acc, g, (c0,), nb) for acc, g in zip(d_cols, dc)]
+            d_cols = [
+                _add_block(acc, g, (c0,), k)
+                for acc, g, k in zip(d_cols, dc, select(col_lead, col_f))
+            ]
             d_pairs = [
                 _add_block(acc, g, (r0, c0), k)
                 for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
@@ -550,9 +602,14 @@ def _backward(spec, values, residual, flags, ct, running=None):
     d_rows = finish(
         [lax.slice_in_dim(a, 0, R.length, axis=nb) for a in d_rows], select(primals[0], row_f)
     )
-    d_cols = finish(
-        [lax.slice_in_dim(a, 0, C.length, axis=nb) for a in d_cols], select(primals[1], col_f)
-    )
+    primal_cols = select(primals[1], col_f)
+    d_cols = [
+        lax.slice_in_dim(a, 0, C.length, axis=k) for a, k in zip(d_cols, select(col_lead, col_f))
+    ]
+    d_cols = [
+        d.reshape(p.shape)
+        for d, p in zip(finish(d_cols, select(spec.squeeze_cols(primals[1]), col_f)), primal_cols)
+    ]
     d_pairs = [
         lax.slice(a, (0,) * a.ndim, p.shape[:k] + p.shape[k : k + 2] + a.shape[k + 2 :])
         for a, p, k in zip(d_pairs, select(pairs, pair_f), select(lead, pair_f))
@@ -586,7 +643,7 @@ def _score_cotangent(reduce, out, row_data, r_valid, c_valid, c_ids):
     rows and columns get exactly zero (their scores may overflow ``exp``).
     """
     if reduce == "softmax":
-        s, vals = out
+        s, vals = out[:2]
         ct_out, ct_lse_minus_delta, lse = row_data
         acc = lse.dtype
         valid = c_valid[None, :] & (r_valid & jnp.isfinite(lse))[:, None]
@@ -594,9 +651,16 @@ def _score_cotangent(reduce, out, row_data, r_valid, c_valid, c_ids):
         ct2 = ct_out.reshape(ct_out.shape[0], -1).astype(acc)
         v2 = vals.reshape(vals.shape[0], -1).astype(acc)
         dp = ct2 @ v2.T
+        # With value weights w: out = sum_j p_j w_j v_j, so d/ds_j = p_j (w_j dp_j - delta)
+        # (FlashAttention's dropout backward); the weights themselves get no gradient.
+        pw = p if len(out) == 2 else p * out[2].astype(acc)
+        if len(out) == 3:
+            dp = dp * out[2].astype(acc)
         ds = p * (dp + ct_lse_minus_delta[:, None])
-        d_vals = (p.T @ ct2).reshape(vals.shape).astype(vals.dtype)
-        return ds.astype(s.dtype), d_vals
+        d_vals = (pw.T @ ct2).reshape(vals.shape).astype(vals.dtype)
+        if len(out) == 2:
+            return ds.astype(s.dtype), d_vals
+        return ds.astype(s.dtype), d_vals, jnp.zeros_like(out[2])
     s = out
     ct_row = row_data[0]
     valid = _expand(c_valid[None, :] & r_valid[:, None], s.ndim)
@@ -785,13 +849,18 @@ def _ring_core_bwd(spec, ring, res, ct):
 _ring_core.defvjp(_ring_core_fwd, _ring_core_bwd)
 
 
-def _item_length(tree: Any, batch: tuple, arg: str) -> int:
-    """The common length of the axis after the ``batch`` dims of every leaf of ``tree``."""
+def _item_length(tree: Any, batch: tuple, arg: str, broadcast: bool = False) -> int:
+    """The common length of the axis after the ``batch`` dims of every leaf of ``tree``
+    (with ``broadcast``, a leaf's batch dim may also be 1)."""
     nb = len(batch)
     for leaf in jax.tree.leaves(tree):
-        if np.shape(leaf)[:nb] != batch:
+        lead = np.shape(leaf)[:nb]
+        if len(lead) != nb or any(
+            s != b and not (broadcast and s == 1) for s, b in zip(lead, batch)
+        ):
+            more = " (or 1 to broadcast)" if broadcast else ""
             raise ValueError(
-                f"every leaf of {arg} needs leading batch dims {batch}, got {np.shape(leaf)}"
+                f"every leaf of {arg} needs leading batch dims {batch}{more}, got {np.shape(leaf)}"
             )
     items = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[nb:], jnp.result_type(a)), tree)
     return leading_length(items, arg)
@@ -816,7 +885,10 @@ def tiled_reduce(
 
     ``tile_fn(rows_blk, cols_blk, pairs_blk, consts, row_ids, col_ids)`` returns the
     scores of one ``(R, C)`` tile (trailing dims allowed; ``-inf`` = excluded), or for
-    ``reduce="softmax"`` a pair ``(scores (R, C), values (C, ...))``. ``rows`` and
+    ``reduce="softmax"`` a pair ``(scores (R, C), values (C, ...))`` or a triple that
+    adds value weights ``(R, C)``: the result is then ``sum_j p_j w_j v_j`` with ``p``
+    the softmax of the scores (dropout's ``keep / (1 - rate)``: the denominator is
+    unchanged; the weights get no gradient). ``rows`` and
     ``cols`` are pytrees with leading lengths n and m; ``pairs`` have leading ``(n, m)``
     (or 1 on an axis they broadcast over) and are sliced tile by tile without a copy;
     ``consts`` are passed whole. Gradients flow to all four (``tile_fn`` must not close
@@ -831,7 +903,9 @@ def tiled_reduce(
     dims, each equal to the batch dim or 1 to broadcast over it, and the results gain
     leading ``batch`` dims. ``tile_fn`` still sees one problem; each tile is evaluated
     for the whole batch at once (``vmap``), and the gradient of a broadcast pair is
-    summed tile by tile.
+    summed tile by tile. A leaf of ``cols`` may have 1 for a batch dim too: it serves
+    every problem along that dim without being repeated (grouped-query attention's
+    K/V head for its group of query heads), and its gradient has its own size.
 
     ``tiles`` is the resolved :class:`~memwise.tiling.Tiling` (from
     :func:`~memwise.tiling.tiling`, so n and m must be >= 1): the forward pass runs its
@@ -872,7 +946,7 @@ def tiled_reduce(
         raise TypeError(f"tiles must be a memwise.tiling.Tiling (from tiling()), got {tiles!r}")
     batch = tuple(int(b) for b in batch)
     nb = len(batch)
-    shape = (_item_length(rows, batch, "rows"), _item_length(cols, batch, "cols"))
+    shape = (_item_length(rows, batch, "rows"), _item_length(cols, batch, "cols", True))
     if tiles.shape != shape:
         raise ValueError(f"tiles were resolved for {tiles.shape}, but rows x cols is {shape}")
     pair_batch = []
@@ -889,6 +963,9 @@ def tiled_reduce(
                 f"either that size or 1 (broadcast); got {ps}"
             )
         pair_batch.append(ps[:nb])
+    col_batch = tuple(tuple(np.shape(c)[:nb]) for c in jax.tree.leaves(cols))
+    if all(cb == batch for cb in col_batch):
+        col_batch = ()  # nothing broadcasts: no leaf is squeezed
     flat = [jax.tree.flatten(t) for t in (rows, cols, pairs, consts)]
     spec = _TileSpec(
         tile_fn,
@@ -897,6 +974,7 @@ def tiled_reduce(
         tuple(tree for _, tree in flat),
         batch,
         tuple(pair_batch),
+        col_batch,
         upcast,
         vary_consts,
         live,
@@ -907,5 +985,10 @@ def tiled_reduce(
     if leaves[2]:
         raise ValueError(
             "pairs (masks, biases) are not supported with a ring; replicate the columns instead"
+        )
+    if col_batch:
+        raise ValueError(
+            "columns that broadcast over batch dims are not supported with a ring; "
+            "give every column leaf the full batch dims"
         )
     return _ring_core(_ring_spec(spec), ring, *leaves)

@@ -1,0 +1,240 @@
+"""The tiles of softmax attention, shared by every attention front end.
+
+One ``"softmax"`` reduction of :func:`memwise.engine.tiled_reduce` computes
+``softmax(cap(q k^T * scale) + bias, masked) v`` for :func:`memwise.attention` (layout
+``(..., L, d)``) and :func:`memwise.dot_product_attention` (layout ``(B, T, N, H)``).
+This module only builds the tile: its scores, the visibility of each query-key pair
+(causal, a sliding window, segment ids, padding lengths, a boolean mask) and dropout's
+value weights; and the predicate that skips a tile no pair of which is visible
+(block sparsity, as Splash attention does), in both passes.
+
+Dropout (Srivastava et al., JMLR 2014, applied to the attention weights as in Flax and
+FlashAttention) draws its keep mask from a counter-based hash of ``(key, problem, query
+position, key position)``: each tile regenerates its part of the mask in the forward and
+the backward from the key alone, so no mask is stored and the mask does not depend on
+the tile sizes. The hash is the "lowbias32" integer mixer (Wellons, *Prospecting for hash
+functions*, 2018), two rounds per element; its bits are not of cryptographic quality,
+which dropout does not need.
+
+Grouped-query attention: ``k`` and ``v`` may have 1 for a batch dim of ``q`` (the group
+of query heads one K/V head serves); the engine then evaluates each tile for the whole
+group without repeating K/V, and their gradients keep K/V's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from memwise.engine import Ring, accumulation_dtype, tiled_reduce
+from memwise.tiling import ChunkSize, item_bytes, tiling
+
+__all__ = ["Visibility", "attend", "dropout_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Visibility:
+    """The static part of which keys a query sees, and dropout's rate.
+
+    ``window = (left, right)``: query ``i`` sees keys ``i - left <= j <= i + right``
+    (``jax.nn.dot_product_attention``'s ``local_window_size``). ``softcap``: scores
+    become ``softcap * tanh(s / softcap)`` before the bias and masks.
+    """
+
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    dropout_rate: float = 0.0
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """lowbias32: a bijective uint32 mixer with low bias (see the module docstring)."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_rows(
+    seed: jax.Array, batch: tuple[int, ...], length: int, *, shared: bool = False
+) -> jax.Array:
+    """Per query row a uint32 hash of ``(seed[0], problem, position)``, shape
+    ``batch + (length,)``: a row operand of the tiles (4 bytes per query and head).
+    ``shared``: one mask for every problem (Flax's ``broadcast_dropout=True``)."""
+    problems = int(np.prod(batch, dtype=np.int64))
+    p = jnp.arange(problems, dtype=jnp.uint32).reshape(batch + (1,))
+    if shared:
+        p = jnp.zeros(batch + (1,), jnp.uint32)
+    t = jnp.arange(length, dtype=jnp.uint32)
+    return _mix(_mix(p * np.uint32(0x9E3779B1) + seed[0]) ^ t)
+
+
+def _keep_mask(row_hash: jax.Array, col_ids: jax.Array, seed1: jax.Array, rate: float) -> jax.Array:
+    """The tile's dropout keep mask: ``P(keep) = 1 - rate`` per pair, from the hashes."""
+    c = col_ids.astype(jnp.uint32) * np.uint32(0x85EBCA77) + seed1
+    bits = _mix(_mix(row_hash[:, None] ^ c[None, :]) + np.uint32(0x27D4EB2F))
+    threshold = np.uint32(min(int(rate * 2.0**32), 2**32 - 1))
+    return bits >= threshold
+
+
+def _pair_bytes(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
+    """One query-key pair's score and weight, for every (batch, head) at once."""
+    dtype = accumulation_dtype(jnp.result_type(q, k, v))
+    d = q.shape[-1]
+    score = lambda qi, kj: jnp.exp(jnp.dot(qi, kj))  # noqa: E731
+    per_head = item_bytes(score, jnp.zeros(d, dtype), jnp.zeros(d, dtype))
+    return per_head * int(np.prod(q.shape[:-2], dtype=np.int64))
+
+
+def _clamped(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[..., ids]`` with the padding slots of a last tile clamped to a real item
+    (a liveness test may over-approximate, never under)."""
+    return table[..., jnp.clip(ids, 0, table.shape[-1] - 1)]
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: jax.Array,
+    visibility: Visibility = Visibility(),
+    chunk_size: ChunkSize = "auto",
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
+    q_keep: jax.Array | None = None,
+    kv_keep: jax.Array | None = None,
+    live_segments: tuple[jax.Array, jax.Array] | None = None,
+    live_lengths: tuple[jax.Array | None, jax.Array | None] = (None, None),
+    dropout: tuple[jax.Array, jax.Array] | None = None,
+    row_offset: jax.Array | None = None,
+    ring: Ring | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of attention in tiles: ``out`` in the values' dtype, the per-row
+    log-sum-exp in float32 (``-inf`` where a query sees no key, ``out`` 0 there).
+
+    Shapes, with ``batch = q.shape[:-2]``: ``q batch + (T, H)``; ``k``, ``v``
+    ``kbatch + (S, H)`` where each dim of ``kbatch`` is that of ``batch`` or 1 (shared);
+    ``mask``/``bias`` ``batch + (T, S)`` with 1 on the dims they broadcast over;
+    ``q_segments``/``q_keep`` (whether a query row is real) ``batch + (T,)``;
+    ``kv_segments``/``kv_keep`` ``kbatch + (S,)``. ``live_segments``: the same segment
+    ids as ``(B, T)`` and ``(B, S)`` tables (any common leading ``B``) from which a tile
+    is found invisible; ``live_lengths``: the largest query and key length over the
+    batch (or None). ``dropout``: ``(seed (2,) uint32, row hashes batch + (T,))`` from
+    :func:`dropout_rows`. ``row_offset``: the global position of the first query.
+    Gradients: q, k, v, bias and a traced scale.
+    """
+    vis = visibility
+    batch = q.shape[:-2]
+    lq, lk = q.shape[-2], k.shape[-2]
+    rows: dict = {"q": q}
+    cols: dict = {"k": k, "v": v}
+    pairs: dict = {}
+    consts: dict = {"scale": scale}
+    if mask is not None:
+        pairs["mask"] = mask
+    if bias is not None:
+        pairs["bias"] = bias
+    if q_segments is not None:
+        rows["seg"], cols["seg"] = q_segments, kv_segments
+    if q_keep is not None:
+        rows["keep"] = q_keep
+    if kv_keep is not None:
+        cols["keep"] = kv_keep
+    if dropout is not None:
+        rows["hash"] = dropout[1]
+        consts["seed"] = dropout[0]
+    if row_offset is not None:
+        consts["offset"] = row_offset
+    if live_segments is not None:
+        consts["live_segments"] = live_segments
+    for name, length in zip(("live_q_length", "live_kv_length"), live_lengths):
+        if length is not None:
+            consts[name] = length
+
+    def positions(row_ids, consts):
+        return row_ids + consts["offset"] if "offset" in consts else row_ids
+
+    def tile_fn(r, c, p, consts, row_ids, col_ids):
+        # Scores in at least float32 from bfloat16/float16 inputs (float32 accumulation,
+        # as jax.nn.dot_product_attention); the engine keeps the softmax in float32 too.
+        score_dtype = accumulation_dtype(jnp.result_type(r["q"], c["k"]))
+        s = jnp.dot(r["q"], c["k"].T, preferred_element_type=score_dtype)
+        s = s * consts["scale"].astype(score_dtype)
+        if vis.softcap is not None:
+            s = vis.softcap * jnp.tanh(s / vis.softcap)
+        if "bias" in p:
+            s = s + p["bias"].astype(score_dtype)
+        keep = p.get("mask")
+
+        def both(extra):
+            return extra if keep is None else keep & extra
+
+        pos, cid = positions(row_ids, consts)[:, None], col_ids[None, :]
+        if vis.causal:
+            keep = both(cid <= pos)
+        if vis.window is not None:
+            left, right = vis.window
+            keep = both((pos <= cid + left) & (pos >= cid - right))
+        if "seg" in r:
+            keep = both(r["seg"][:, None] == c["seg"][None, :])
+        if "keep" in r:
+            keep = both(r["keep"][:, None])
+        if "keep" in c:
+            keep = both(c["keep"][None, :])
+        if keep is not None:
+            s = jnp.where(keep, s, -jnp.inf)
+        if "hash" not in r:
+            return s, c["v"]
+        kept = _keep_mask(r["hash"], col_ids, consts["seed"][1], vis.dropout_rate)
+        weights = jnp.where(kept, 1.0 / (1.0 - vis.dropout_rate), 0.0).astype(score_dtype)
+        return s, c["v"], weights
+
+    def live(row_ids, col_ids, consts):
+        # Whether any pair of the tile can be visible, from index ranges (a tile is a
+        # contiguous block of positions) and, for segments, every batch row's ids.
+        pos = positions(row_ids, consts)
+        first_q, last_q, first_k, last_k = pos[0], pos[-1], col_ids[0], col_ids[-1]
+        ok = jnp.asarray(True)
+        if vis.causal:
+            ok &= first_k <= last_q
+        if vis.window is not None:
+            left, right = vis.window
+            ok &= (last_k >= first_q - left) & (first_k <= last_q + right)
+        if "live_q_length" in consts:
+            ok &= row_ids[0] < consts["live_q_length"]
+        if "live_kv_length" in consts:
+            ok &= first_k < consts["live_kv_length"]
+        if "live_segments" in consts:
+            q_seg, kv_seg = consts["live_segments"]
+            same = _clamped(q_seg, row_ids)[:, :, None] == _clamped(kv_seg, col_ids)[:, None, :]
+            ok &= jnp.any(same)
+        return ok
+
+    skips = (
+        vis.causal
+        or vis.window is not None
+        or live_segments is not None
+        or any(n is not None for n in live_lengths)
+    )
+    tiles = tiling(lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v))
+    out, lse = tiled_reduce(
+        tile_fn,
+        rows,
+        cols,
+        reduce="softmax",
+        tiles=tiles,
+        pairs=pairs,
+        consts=consts,
+        batch=batch,
+        upcast=True,
+        live=live if skips else None,
+        ring=ring,
+    )
+    return out, lse

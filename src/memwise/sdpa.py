@@ -1,0 +1,503 @@
+"""A drop-in for ``jax.nn.dot_product_attention`` that runs in tiles, forward and backward.
+
+``dot_product_attention(query, key, value, bias, mask, *, scale, is_causal,
+query_seq_lengths, key_value_seq_lengths, local_window_size, ...)`` takes
+``jax.nn.dot_product_attention``'s arguments, layout (``(B, T, N, H)`` or unbatched
+``(T, N, H)``), broadcasting and semantics, so that replacing the function's name is the
+whole change; it returns the same values and gradients with memory O(T H) per head plus
+one tile of scores in both passes (the T x S matrix is never formed). Underneath is the
+one tile engine (:func:`memwise.engine.tiled_reduce`, reduction ``"softmax"``: the
+online softmax and the FlashAttention backward, Dao et al., NeurIPS 2022) through the
+tiles :func:`memwise.attention` uses too (:mod:`memwise._attention_tiles`).
+
+Grouped-query and multi-query attention (Ainslie et al., *GQA*, EMNLP 2023; Shazeer,
+*Fast transformer decoding*, 2019): the N query heads are viewed as (K, G), K key/value
+heads of G query heads each, and each K/V head serves its group inside the tiles; K and
+V are never repeated and their gradients have their own size.
+
+Beyond ``jax.nn`` (what Splash attention and FlashAttention-2/3 offer): segment ids for
+packed sequences, a logit soft-cap (Gemma 2), attention sinks (a learned per-head logit
+in the softmax denominator, as in gpt-oss; Xiao et al., *Efficient streaming language
+models with attention sinks*, 2023), dropout on the attention weights regenerated per
+tile, and the per-row log-sum-exp. Tiles that the causal mask, a window, padding lengths
+or segment boundaries make invisible are skipped in both passes.
+
+Semantics kept from ``jax.nn`` (its XLA implementation) where a plain softmax would
+differ: a query that sees no key (fully masked) returns the mean of all values (masked
+scores are a large negative number there, not -inf), and queries past
+``query_seq_lengths`` return zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from memwise._attention_tiles import Visibility, attend, dropout_rows
+from memwise.attention import _check_scale, as_array
+from memwise.engine import accumulation_dtype
+from memwise.tiling import ChunkSize, tiling
+
+__all__ = ["dot_product_attention", "flax_attention_fn"]
+
+# jax.nn's stand-in for a masked score, in float32 (its softmax dtype).
+_LARGE_NEGATIVE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _four_d(arr: jax.Array | None, name: str) -> jax.Array | None:
+    """``arr`` with leading singleton dims up to rank 4 (``jax.nn``'s broadcasting)."""
+    if arr is None:
+        return None
+    if arr.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dims (B, N, T, S), got shape {arr.shape}")
+    return arr.reshape((1,) * (4 - arr.ndim) + arr.shape)
+
+
+def _check_pair(arr: jax.Array, name: str, full: tuple[int, ...]) -> None:
+    """A mask or bias must broadcast to ``(B, N, T, S)`` dim by dim (each that size or 1)."""
+    if any(a not in (1, f) for a, f in zip(arr.shape, full)):
+        raise ValueError(
+            f"{name} of shape {arr.shape} does not broadcast to (B, N, T, S) = {full}: "
+            "each dim must be that size or 1"
+        )
+
+
+def _grouped(arr: jax.Array, kv_heads: int, group: int) -> jax.Array:
+    """A ``(B, N, T, S)``-broadcastable mask or bias as ``(B, K, G, T, S)`` (a reshape)."""
+    b, n, t, s = arr.shape
+    return arr.reshape((b, 1, 1, t, s) if n == 1 else (b, kv_heads, group, t, s))
+
+
+def _int_vector(value: Any, name: str, shape: tuple[int, ...]) -> jax.Array:
+    arr = as_array(value, name)
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    if arr.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
+    return arr
+
+
+def _window(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    pair = (value, value) if isinstance(value, (int, np.integer)) else value
+    if (
+        not isinstance(pair, (tuple, list))
+        or len(pair) != 2
+        or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0 for w in pair)
+    ):
+        raise ValueError(
+            "local_window_size must be a non-negative int or a (left, right) pair of them, "
+            f"got {value!r}"
+        )
+    return int(pair[0]), int(pair[1])
+
+
+def _positive_float(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a positive Python float (static), got {value!r}")
+    if not value > 0 or not np.isfinite(value):
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    return float(value)
+
+
+def _segments(
+    q_ids: Any, kv_ids: Any, batch: int, lq: int, lk: int
+) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
+    """Both segment-id arrays as ``(B, T)`` and ``(B, S)`` int arrays (or both None)."""
+    if q_ids is None and kv_ids is None:
+        return None, None
+    if kv_ids is None or q_ids is None:
+        if lq != lk:
+            given = "q_segment_ids" if kv_ids is None else "kv_segment_ids"
+            raise ValueError(
+                f"only {given} was given and the query and key lengths differ ({lq} vs "
+                f"{lk}): pass both q_segment_ids and kv_segment_ids"
+            )
+        q_ids = kv_ids if q_ids is None else q_ids
+        kv_ids = q_ids if kv_ids is None else kv_ids
+    out = []
+    for ids, name, length in ((q_ids, "q_segment_ids", lq), (kv_ids, "kv_segment_ids", lk)):
+        arr = as_array(ids, name)
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.shape not in ((batch, length), (1, length)):
+            raise ValueError(f"{name} must have shape ({batch}, {length}), got {arr.shape}")
+        out.append(jnp.broadcast_to(arr.astype(jnp.int32), (batch, length)))
+    return out[0], out[1]
+
+
+def _dropout_seed(rate: Any, rng: Any) -> tuple[float, jax.Array | None]:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)):
+        raise TypeError(f"dropout_rate must be a Python float in [0, 1), got {rate!r}")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate!r}")
+    if rate == 0.0:
+        return 0.0, None
+    if rng is None:
+        raise ValueError("dropout_rate > 0 needs dropout_rng (a PRNG key, e.g. jax.random.key(0))")
+    try:
+        key = (
+            rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
+        )
+        seed = jax.random.bits(key, (2,), jnp.uint32)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise TypeError(
+            f"dropout_rng must be a PRNG key (jax.random.key or PRNGKey), got {rng!r}"
+        ) from e
+    return float(rate), seed
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | jax.Array | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    dropout_broadcast: bool = False,
+    differentiable_residual: bool = False,
+    chunk_size: ChunkSize = "auto",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``jax.nn.dot_product_attention`` in tiles: same arguments, values and gradients.
+
+    Shapes (as ``jax.nn``): ``query (B, T, N, H)``, ``key``/``value`` ``(B, S, K, H)``
+    (``value``'s last dim may differ), or all three without ``B``; ``K`` must divide
+    ``N`` (grouped-query attention; ``K = 1``: multi-query), and each key/value head
+    serves its ``N / K`` query heads without being repeated. Returns ``query``'s shape
+    (last dim ``value``'s) in the inputs' dtype.
+
+    Memory: the inputs, the output, a float32 log-sum-exp per query and head, and one
+    tile of scores per (batch, head), in both passes; never a ``T x S`` matrix, and
+    never K/V repeated to ``N`` heads. A mask or bias adds its own size (no more: it is
+    sliced tile by tile from its own shape). Compute: about 2.5 forward passes for the
+    gradient; tiles that ``is_causal``, ``local_window_size``, the sequence lengths or
+    the segment ids make invisible are skipped in both passes (a window of ``W`` keys
+    costs about ``T * W``, not ``T * S``).
+
+    Args:
+      query: ``(B, T, N, H)`` or ``(T, N, H)``.
+      key: ``(B, S, K, H)`` or ``(S, K, H)``.
+      value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``.
+      bias: optional float array broadcastable dim by dim to ``(B, N, T, S)`` (at most
+        4 dims, leading ones added), added to the scores; it gets a gradient.
+      mask: optional boolean array broadcastable to ``(B, N, T, S)``, True = attend.
+        Float masks raise ``TypeError``: pass additive masks as ``bias``.
+      scale: score scale (a float, or a traced scalar, which gets a gradient); default
+        ``1 / sqrt(H)``.
+      is_causal: query ``i`` sees keys ``j <= i`` (aligned at the top left, as
+        ``jax.nn``).
+      query_seq_lengths: int array ``(B,)``: queries at or past it return zeros.
+      key_value_seq_lengths: int array ``(B,)``: keys at or past it are not seen.
+      local_window_size: ``(left, right)`` or an int for both: query ``i`` sees keys
+        ``i - left <= j <= i + right``.
+      implementation: ``None`` or ``"xla"`` (accepted for compatibility; the
+        computation is memwise's tiled one). ``"cudnn"`` raises ``ValueError``: call
+        ``jax.nn.dot_product_attention`` for cuDNN's fused kernel.
+      return_residual: also return the per-row log-sum-exp of the scores, ``(B, T, N)``
+        (``(T, N)`` unbatched) in the inputs' dtype, as ``jax.nn`` (including the sink
+        when there are ``sinks``); as ``jax.nn``'s, it has no gradient unless
+        ``differentiable_residual``.
+      q_segment_ids: int array ``(B, T)`` (or ``(T,)``): a query sees only keys of its
+        own segment (packed sequences); composes with the other masks.
+      kv_segment_ids: int array ``(B, S)``; defaults to ``q_segment_ids`` when ``T == S``.
+      logit_soft_cap: positive float ``c``: scores become ``c * tanh(s / c)`` (after
+        ``scale``, before ``bias`` and masks), with their gradient.
+      sinks: float array ``(N,)``: a learned logit per query head that joins the
+        softmax denominator (its value contributes nothing), with its gradient. A query
+        that sees no key then returns zeros.
+      dropout_rate: drop each attention weight with this probability (Python float in
+        ``[0, 1)``), scaling the kept ones by ``1 / (1 - rate)``; the mask is drawn per
+        tile from ``dropout_rng`` in the forward and the same mask regenerated in the
+        backward (nothing stored; it does not depend on ``chunk_size``).
+      dropout_rng: a PRNG key, required when ``dropout_rate > 0``.
+      dropout_broadcast: one dropout mask for every batch element and head (Flax's
+        ``broadcast_dropout=True``); default a mask per batch element and head.
+      differentiable_residual: give the residual its gradient (to combine partial
+        attentions over key blocks, as ring and split-K attention do).
+      chunk_size: tile ``(query rows, key cols)`` as for :func:`memwise.attention`;
+        query rows count the ``N / K`` heads of a group as rows too.
+
+    Returns:
+      The attention output, or ``(output, log-sum-exp)`` with ``return_residual``.
+
+    Raises:
+      TypeError: a non-array or wrong-dtype argument (float mask, integer query,
+        float lengths), naming it.
+      ValueError: shapes that do not match or broadcast, ``K`` not dividing ``N``, an
+        unsupported ``implementation``.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp, memwise as mw
+        >>> q = jax.random.normal(jax.random.key(0), (2, 128, 8, 16))
+        >>> kv = jax.random.normal(jax.random.key(1), (2, 128, 2, 16))  # 4 heads per K/V
+        >>> out = mw.dot_product_attention(q, kv, kv, is_causal=True)
+        >>> ref = jax.nn.dot_product_attention(q, kv, kv, is_causal=True)
+        >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
+        ((2, 128, 8, 16), True)
+    """
+    if implementation not in (None, "xla"):
+        raise ValueError(
+            f"implementation={implementation!r} is not memwise's: memwise runs its own "
+            "tiled kernel (pass implementation=None or 'xla'); for cuDNN's fused kernel "
+            "call jax.nn.dot_product_attention(..., implementation='cudnn')"
+        )
+    for flag, name in (
+        (is_causal, "is_causal"),
+        (return_residual, "return_residual"),
+        (differentiable_residual, "differentiable_residual"),
+        (dropout_broadcast, "dropout_broadcast"),
+    ):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(
+                f"{name} must be a Python bool (it decides which tiles run), got {flag!r}; "
+                "under jit pass it as a static argument"
+            )
+    arrays = [as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))]
+    for arr, name in zip(arrays, ("query", "key", "value")):
+        if arr.ndim not in (3, 4):
+            raise ValueError(f"{name} must be (B, T, N, H) or (T, N, H), got shape {arr.shape}")
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a float array, got dtype {arr.dtype}")
+    out_lead = arrays[0].shape[:-1]
+    q4, k4, v4 = (_four_d(a, n) for a, n in zip(arrays, ("query", "key", "value")))
+    assert q4 is not None and k4 is not None and v4 is not None
+    B, T, N, H = q4.shape
+    _, S, K, _ = k4.shape
+    if k4.shape[0] != B or k4.shape[-1] != H:
+        raise ValueError(
+            f"key must be (B, S, K, H) with query's B and H: query {q4.shape}, key {k4.shape}"
+        )
+    if v4.shape[:3] != k4.shape[:3]:
+        raise ValueError(f"value must have key's (B, S, K); got key {k4.shape}, value {v4.shape}")
+    if K == 0 or N % K:
+        raise ValueError(
+            f"the number of query heads ({N}) must be a multiple of the number of key/value "
+            f"heads ({K}): repeat K/V heads or change num_heads"
+        )
+    G = N // K
+    dtype = jnp.result_type(*arrays)
+    scale = _check_scale(scale, H)
+    window = _window(local_window_size)
+    softcap = _positive_float(logit_soft_cap, "logit_soft_cap")
+    rate, seed = _dropout_seed(dropout_rate, dropout_rng)
+    full = (B, N, T, S)
+    if mask is not None:
+        mask = _four_d(as_array(mask, "mask"), "mask")
+        assert mask is not None
+        if mask.dtype != jnp.bool_:
+            raise TypeError(
+                f"mask must be a boolean array (True = attend), got dtype {mask.dtype}; "
+                "pass additive masks (0 / -inf) as bias= instead"
+            )
+        _check_pair(mask, "mask", full)
+    if bias is not None:
+        bias = _four_d(as_array(bias, "bias"), "bias")
+        assert bias is not None
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(
+                f"bias must be a float array added to the scores, got dtype {bias.dtype}; "
+                "pass boolean masks as mask="
+            )
+        _check_pair(bias, "bias", full)
+    q_len = kv_len = None
+    if query_seq_lengths is not None:
+        q_len = _int_vector(query_seq_lengths, "query_seq_lengths", (B,))
+    if key_value_seq_lengths is not None:
+        kv_len = _int_vector(key_value_seq_lengths, "key_value_seq_lengths", (B,))
+    q_seg, kv_seg = _segments(q_segment_ids, kv_segment_ids, B, T, S)
+    if sinks is not None:
+        sinks = as_array(sinks, "sinks")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating) or sinks.shape != (N,):
+            raise TypeError(
+                f"sinks must be a float array of shape (N,) = ({N},), one logit per query "
+                f"head; got shape {sinks.shape} and dtype {sinks.dtype}"
+            )
+    lse_shape = out_lead
+    out_shape = out_lead + v4.shape[-1:]
+    if 0 in (B, T, S, N):
+        if chunk_size != "auto":
+            tiling(1, 1, chunk_size)  # still a valid size
+        # The dense result: nothing to attend to gives zeros (jax.nn's empty sums).
+        out = jnp.zeros(out_shape, dtype)
+        lse = jnp.full(lse_shape, _LARGE_NEGATIVE, jnp.float32).astype(dtype)
+        return (out, lse) if return_residual else out
+
+    # Query heads as (K, G): each K/V head is a batch dim of 1 the group broadcasts over.
+    qg = q4.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
+    kg, vg = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k4, v4))
+    batch = (B, K, G)
+    q_keep = kv_keep = None
+    if q_len is not None:
+        q_valid = jnp.arange(T) < q_len[:, None]
+        q_keep = jnp.broadcast_to(q_valid[:, None, None], batch + (T,))
+    if kv_len is not None:
+        kv_keep = (jnp.arange(S) < kv_len[:, None])[:, None, None]
+    acc = accumulation_dtype(dtype)
+    # (A causal query always sees key 0.)
+    may_see_nothing = any(a is not None for a in (mask, q_len, kv_len, window, q_seg))
+    if acc != jnp.dtype(vg.dtype) and (sinks is not None or may_see_nothing):
+        # The per-row corrections below (the sink's share, the values' mean for a query
+        # that sees nothing) then act on the unrounded output, and the mean's gradient
+        # joins dV before its one rounding: a bfloat16 dV was off by up to one ulp
+        # instead of half. Costs a float32 copy of V.
+        vg = vg.astype(acc)
+    dropout = None
+    if seed is not None:
+        dropout = (seed, dropout_rows(seed, batch, T, shared=bool(dropout_broadcast)))
+    out, lse = attend(
+        qg,
+        kg,
+        vg,
+        scale=scale,
+        visibility=Visibility(bool(is_causal), window, softcap, rate),
+        chunk_size=chunk_size,
+        mask=None if mask is None else _grouped(mask, K, G),
+        bias=None if bias is None else _grouped(bias, K, G),
+        q_segments=None if q_seg is None else jnp.broadcast_to(q_seg[:, None, None], batch + (T,)),
+        kv_segments=None if kv_seg is None else kv_seg[:, None, None],
+        q_keep=q_keep,
+        kv_keep=kv_keep,
+        live_segments=None if q_seg is None or kv_seg is None else (q_seg, kv_seg),
+        live_lengths=(
+            None if q_len is None else jnp.max(q_len),
+            None if kv_len is None else jnp.max(kv_len),
+        ),
+        dropout=dropout,
+    )
+    # Per-row corrections, in at least float32 (O(T) per head: never a tile).
+    out32 = out.astype(acc)
+    seen = jnp.isfinite(lse)
+    if sinks is not None:
+        sink = sinks.astype(acc).reshape(1, K, G, 1)
+        out32 = out32 * jax.nn.sigmoid(lse - sink)[..., None]
+        lse = jnp.logaddexp(lse, sink)
+    else:
+        # jax.nn: a query that sees no key averages all values (uniform weights).
+        mean_v = jnp.mean(vg.astype(acc), axis=-2, keepdims=True)
+        out32 = jnp.where(seen[..., None], out32, mean_v)
+        lse = jnp.where(seen, lse, _LARGE_NEGATIVE)
+    if q_keep is not None:
+        out32 = jnp.where(q_keep[..., None], out32, 0.0)
+    result = out32.astype(dtype).transpose(0, 3, 1, 2, 4).reshape(out_shape)
+    if not return_residual:
+        return result
+    residual = lse.astype(dtype).transpose(0, 3, 1, 2).reshape(lse_shape)
+    return result, residual if differentiable_residual else jax.lax.stop_gradient(residual)
+
+
+def flax_attention_fn(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    is_causal: bool = False,
+) -> jax.Array:
+    """:func:`dot_product_attention` with Flax's ``attention_fn`` convention.
+
+    Pass it as ``attention_fn=`` to Flax linen ``nn.MultiHeadDotProductAttention`` or
+    NNX ``nnx.MultiHeadAttention``: the arguments are ``flax.linen.dot_product_attention``'s
+    (layout ``(batch, length, heads, head_dim)``, a ``(batch, heads, q_length,
+    kv_length)``-broadcastable boolean ``mask``, dropout on the attention weights with
+    ``broadcast_dropout`` sharing one mask over batch and heads), and the layer's own
+    projections, masks and RNG streams are unchanged. The dropout mask differs from
+    Flax's (memwise draws it per tile from the key), with the same distribution.
+
+    Args:
+      query: ``(B, T, N, H)`` (or ``(T, N, H)``).
+      key: ``(B, S, K, H)``; ``K`` may be fewer heads than ``N`` (dividing it).
+      value: ``(B, S, K, Hv)``.
+      bias: optional float array added to the scores.
+      mask: optional mask, True (or nonzero, as Flax's float masks) = attend.
+      broadcast_dropout: one dropout mask for every batch element and head.
+      dropout_rng: the dropout key (used when ``dropout_rate > 0`` and not
+        ``deterministic``).
+      dropout_rate: dropout probability of each attention weight.
+      deterministic: no dropout.
+      dtype: the computation dtype: q, k, v are cast to it (None: their own).
+      precision: must be None (the tiles use the default matmul precision).
+      module: must be None: with ``sow_weights`` Flax records the attention weights,
+        which tiled attention never forms.
+      is_causal: causal masking (NNX passes it), with the invisible tiles skipped.
+
+    Returns:
+      The attention output, ``query``'s shape (last dim ``value``'s).
+
+    Raises:
+      ValueError: ``precision`` or ``module`` set, or more than one batch dim.
+
+    Example::
+
+        >>> import flax.linen as nn, jax, jax.numpy as jnp, memwise as mw
+        >>> layer = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32,
+        ...                                         attention_fn=mw.flax_attention_fn)
+        >>> x = jnp.ones((2, 50, 16))
+        >>> params = layer.init(jax.random.key(0), x)
+        >>> layer.apply(params, x).shape
+        (2, 50, 16)
+    """
+    if module is not None:
+        raise ValueError(
+            "sow_weights=True records the attention weights, which memwise's tiled "
+            "attention never forms: use sow_weights=False with this attention_fn"
+        )
+    if precision is not None:
+        raise ValueError(
+            f"precision={precision!r} is not supported: memwise's tiles use the default "
+            "matmul precision (float32 accumulation); pass precision=None"
+        )
+    arrays = [as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))]
+    if arrays[0].ndim > 4:
+        raise ValueError(
+            f"query of shape {arrays[0].shape} has more than one batch dim: reshape the "
+            "batch dims into one"
+        )
+    if dtype is not None:
+        arrays = [a.astype(dtype) for a in arrays]
+    if mask is not None:
+        # Flax's masks are often float 0/1 (nn.make_causal_mask) and read as booleans.
+        mask = as_array(mask, "mask")
+        mask = mask if mask.dtype == jnp.bool_ else mask != 0
+    rate = 0.0 if deterministic else dropout_rate
+    out = dot_product_attention(
+        arrays[0],
+        arrays[1],
+        arrays[2],
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
+        dropout_rate=rate,
+        dropout_rng=dropout_rng if rate else None,
+        dropout_broadcast=bool(broadcast_dropout),
+    )
+    assert isinstance(out, jax.Array)
+    return out

@@ -1,0 +1,246 @@
+"""mw.dot_product_attention: the options beyond jax.nn against a dense float64 reference
+(tests/_attention_reference.py), grouped-query attention's memory, packed sequences
+against each sequence alone, and dropout's mask. jax.nn's own tests are in
+test_sdpa_jax.py; dtypes, transformations and edge shapes are rows of test_matrix.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _attention_reference import dense_attention, keep_mask
+
+import memwise as mw
+from memwise.measure import compiled_memory
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64_in_this_module():
+    with jax.enable_x64(True):
+        yield
+
+
+def _qkv(B=2, T=13, S=11, N=4, K=2, H=8, dtype=jnp.float64, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (
+        jax.random.normal(ks[0], (B, T, N, H), dtype),
+        jax.random.normal(ks[1], (B, S, K, H), dtype),
+        jax.random.normal(ks[2], (B, S, K, H), dtype),
+    )
+
+
+def _check(kw, *, B=2, T=13, S=11, N=4, K=2, chunk=(4, 3), extra=None):
+    """Value and every float gradient (q, k, v and ``extra`` keyword arrays) against the
+    dense reference, in float64."""
+    q, k, v = _qkv(B, T, S, N, K)
+    extra = extra or {}
+    names = list(extra)
+
+    def loss_of(fn, **more):
+        def loss(q, k, v, *xs):
+            out = fn(q, k, v, **kw, **dict(zip(names, xs)), **more)
+            return jnp.sum(jnp.sin(out)), out
+
+        return loss
+
+    xs = [kw_extra for kw_extra in extra.values()]
+    argnums = tuple(range(3 + len(xs)))
+    (_, out), grads = jax.value_and_grad(
+        loss_of(mw.dot_product_attention, chunk_size=chunk), argnums, has_aux=True
+    )(q, k, v, *xs)
+    (_, ref), ref_grads = jax.value_and_grad(loss_of(dense_attention), argnums, has_aux=True)(
+        q, k, v, *xs
+    )
+    np.testing.assert_allclose(out, ref, atol=1e-12)
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        np.testing.assert_allclose(g, r, atol=1e-11, err_msg=f"gradient {i}")
+    return out
+
+
+def test_segment_ids_with_causal_window_and_empty_segments():
+    q_seg = jnp.array([[0] * 5 + [1] * 6 + [2] * 2, [3] * 13])  # segment 2 has no keys
+    kv_seg = jnp.array([[0] * 4 + [1] * 7, [3] * 11])
+    for kw in ({}, {"is_causal": True}, {"local_window_size": (2, 1), "is_causal": True}):
+        _check({"q_segment_ids": q_seg, "kv_segment_ids": kv_seg, **kw})
+
+
+def test_soft_cap_with_bias_and_mask():
+    bias = jax.random.normal(jax.random.PRNGKey(3), (1, 4, 13, 11))
+    mask = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (2, 1, 13, 11))
+    _check({"logit_soft_cap": 0.7, "mask": mask}, extra={"bias": bias})
+
+
+def test_sinks_get_their_gradient_also_on_fully_masked_rows():
+    sinks = jnp.array([0.3, -1.0, 2.0, 0.0])
+    lengths = jnp.array([11, 0], jnp.int32)  # batch 1: no key at all, the sink takes all
+    out = _check({"key_value_seq_lengths": lengths, "is_causal": True}, extra={"sinks": sinks})
+    assert jnp.all(out[1] == 0)
+
+
+def test_fully_masked_queries_average_the_values_as_jax_nn():
+    q, k, v = _qkv(K=4)
+    lengths = jnp.array([0, 5], jnp.int32)
+    out = mw.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, chunk_size=4)
+    np.testing.assert_allclose(out[0], jnp.broadcast_to(v[0].mean(0), out[0].shape), atol=1e-12)
+    ref = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+    np.testing.assert_allclose(out, ref, atol=1e-6)  # jax.nn's softmax is float32
+
+
+def test_dropout_same_mask_both_passes_any_tile():
+    rng = jax.random.key(7)
+    kw = {"dropout_rate": 0.25, "dropout_rng": rng, "is_causal": True}
+    out = _check(kw)
+    # The mask depends on the key only, not on the tiles.
+    q, k, v = _qkv()
+    other = mw.dot_product_attention(q, k, v, **kw, chunk_size=(5, 7))
+    np.testing.assert_allclose(other, out, atol=1e-12)
+    # About a quarter of the weights dropped, and another key drops others.
+    kept = keep_mask(rng, 0.25, 2, 2, 2, 13, 11)
+    assert 0.2 < 1 - float(kept.mean()) < 0.3
+    assert not jnp.array_equal(kept, keep_mask(jax.random.key(8), 0.25, 2, 2, 2, 13, 11))
+    assert not jnp.allclose(
+        mw.dot_product_attention(q, k, v, **{**kw, "dropout_rng": rng}),
+        mw.dot_product_attention(q, k, v, is_causal=True),
+    )
+
+
+def test_residual_is_the_log_sum_exp_and_optionally_differentiable():
+    q, k, v = _qkv()
+    sinks = jnp.array([0.3, -1.0, 2.0, 0.0])
+
+    def lse_sum(q, sinks, differentiable):
+        _, lse = mw.dot_product_attention(
+            q,
+            k,
+            v,
+            sinks=sinks,
+            return_residual=True,
+            differentiable_residual=differentiable,
+            chunk_size=4,
+        )
+        return jnp.sum(lse)
+
+    def ref(q, sinks):
+        s = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, 2, 2)) / np.sqrt(8)
+        s = jnp.concatenate(
+            [s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], -1
+        )
+        return jnp.sum(jax.nn.logsumexp(s, -1))
+
+    np.testing.assert_allclose(lse_sum(q, sinks, False), ref(q, sinks), rtol=1e-12)
+    for g, r in zip(jax.grad(lse_sum, (0, 1))(q, sinks, True), jax.grad(ref, (0, 1))(q, sinks)):
+        np.testing.assert_allclose(g, r, atol=1e-11)
+    assert not jnp.any(jax.grad(lse_sum)(q, sinks, False))
+
+
+def test_unbatched_layout_and_broadcast_mask():
+    q, k, v = _qkv(B=1)
+    mask = jax.random.bernoulli(jax.random.PRNGKey(5), 0.6, (13, 11))  # 2-D: (T, S)
+    out = mw.dot_product_attention(q[0], k[0], v[0], mask=mask, chunk_size=3)
+    ref = jax.nn.dot_product_attention(q[0], k[0], v[0], mask=mask)
+    assert out.shape == (13, 4, 8)
+    np.testing.assert_allclose(out, ref, atol=1e-6)  # jax.nn's softmax is float32
+
+
+def test_invisible_tiles_are_branched_around_in_both_passes():
+    q, k, v = _qkv(T=16, S=16)
+    seg = jnp.repeat(jnp.arange(4), 4)[None].repeat(2, 0)
+    for kw in ({"local_window_size": (2, 0)}, {"q_segment_ids": seg}):
+        f = jax.jit(
+            jax.grad(lambda q: jnp.sum(mw.dot_product_attention(q, k, v, **kw, chunk_size=4)))
+        )
+        hlo = f.lower(q).as_text()
+        assert hlo.count("stablehlo.case") + hlo.count("conditional") >= 2, kw
+
+
+@pytest.mark.slow
+def test_packed_sequences_match_each_sequence_alone():
+    lengths = [5, 9, 3, 7]
+    T = sum(lengths)
+    seg = jnp.repeat(jnp.arange(4), jnp.array(lengths), total_repeat_length=T)[None]
+    q, k, v = _qkv(B=1, T=T, S=T, N=4, K=1)
+
+    def packed(q, k, v):
+        return mw.dot_product_attention(
+            q, k, v, is_causal=True, q_segment_ids=seg, chunk_size=(8, 4)
+        )
+
+    out, vjp = jax.vjp(packed, q, k, v)
+    cot = jnp.cos(out)
+    grads = vjp(cot)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        alone, vjp1 = jax.vjp(
+            lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True),
+            q[:, part],
+            k[:, part],
+            v[:, part],
+        )
+        np.testing.assert_allclose(out[:, part], alone, atol=1e-6)  # jax.nn: float32 softmax
+        for g, g1 in zip(grads, vjp1(cot[:, part])):
+            np.testing.assert_allclose(g[:, part], g1, atol=1e-5)
+        start += n
+
+
+@pytest.mark.slow
+def test_grouped_query_gradient_has_no_repeated_kv():
+    # 8 query heads on 1 K/V head: the gradient holds no copy of K or V repeated to the
+    # 8 heads (what jnp.repeat before the call costs, in both passes), and its
+    # temporaries grow linearly with T.
+    def temp(T, K, repeat=False):
+        q = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, T, K, 64), jnp.float32)
+
+        def loss(q, k, v):
+            if repeat:
+                k, v = jnp.repeat(k, 8 // K, axis=2), jnp.repeat(v, 8 // K, axis=2)
+            return jnp.sum(mw.dot_product_attention(q, k, v, is_causal=True, chunk_size=512))
+
+        return compiled_memory(loss, q, kv, kv, grad=True, argnums=(0, 1, 2)).temp_bytes
+
+    T = 8192
+    kv_bytes = T * 64 * 4
+    gqa = temp(T, 1)
+    assert gqa + 2 * 7 * kv_bytes <= temp(T, 1, repeat=True), gqa
+    assert gqa < 2.2 * temp(T // 2, 1), gqa
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_error_no_worse_than_jax_nn(dtype):
+    # GQA 4:1 with a bias, a window and padding lengths; inputs and cotangent exactly
+    # representable in dtype, so the float64 reference is the exact answer.
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    q = (jax.random.normal(keys[0], (2, 128, 4, 32)) * 2).astype(dtype)
+    k, v = (jax.random.normal(kk, (2, 128, 1, 32)).astype(dtype) for kk in keys[1:3])
+    ct = jax.random.normal(keys[3], (2, 128, 4, 32)).astype(dtype)
+    bias = jax.random.normal(keys[4], (1, 4, 128, 128)).astype(dtype)
+    kw = {
+        "is_causal": True,
+        "local_window_size": (48, 0),
+        "key_value_seq_lengths": jnp.array([128, 70], jnp.int32),
+    }
+
+    def value_and_grads(f, *args):
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(ct.astype(out.dtype))
+
+    fns = {
+        "memwise": lambda q, k, v, b: mw.dot_product_attention(q, k, v, b, **kw, chunk_size=32),
+        "jax.nn": lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, **kw),
+    }
+    ref, ref_grads = value_and_grads(
+        lambda q, k, v, b: dense_attention(q, k, v, b, **kw),
+        *(a.astype(jnp.float64) for a in (q, k, v, bias)),
+    )
+    errors = {}
+    for name, f in fns.items():
+        out, grads = value_and_grads(f, q, k, v, bias)
+        errors[name] = [
+            float(jnp.max(jnp.abs(a.astype(jnp.float64) - b)))
+            for a, b in zip((out, *grads), (ref, *ref_grads))
+        ]
+    for ours, theirs in zip(errors["memwise"], errors["jax.nn"]):
+        assert ours <= 1.2 * theirs, errors
