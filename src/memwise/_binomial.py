@@ -40,12 +40,13 @@ from jax import lax
 from jax.extend.core import Var
 
 from memwise import schedule as schedule_lib
-from memwise._jax_private import forbid_forward_mode, forbid_reverse_mode, varying_axes
+from memwise._jax_private import forbid_reverse_mode, varying_axes
 from memwise._vjp import (
     Static,
     cotangents,
     custom_vjp,
     fill,
+    guard_forward_mode,
     is_differentiable,
     is_zero,
     select,
@@ -106,10 +107,7 @@ def run(loop: Loop, consts: list, carry: list, xs: list) -> tuple[list, list]:
 
     def guard(leaves):
         # Forward mode through the custom_vjp raises the loop's own error, naming the fix.
-        return [
-            forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
-            for a in leaves
-        ]
+        return guard_forward_mode(leaves, loop.forward_mode_error)
 
     return _run(loop, guard(consts), guard(carry), guard(xs))
 
