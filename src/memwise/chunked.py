@@ -124,7 +124,7 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     return jax.tree.map(lambda t, s: t.astype(sum_dtype(s.dtype)), total, one)
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(0,))
+@functools.partial(custom_vjp, nondiff_argnums=(0,), forward_mode_error=lambda _: _FORWARD_MODE)
 def _map_core(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     return _map_forward(spec, xs_leaves, consts)
 
