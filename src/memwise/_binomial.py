@@ -373,8 +373,15 @@ def _nonzero_tangents(fn: Callable, values: list, active: list) -> list:
 
         return jax.jvp(of_active, tuple(select(primals, active)), tuple(tangents))[1]
 
-    jaxpr = jax.make_jaxpr(tangents_out)(values, select(values, active)).jaxpr
-    reached = set(jaxpr.invars[len(values) :])
+    try:
+        jaxpr = jax.make_jaxpr(tangents_out)(values, select(values, active)).jaxpr
+        reached = set(jaxpr.invars[len(values) :])
+    except (TypeError, NotImplementedError):
+        # Under jax_custom_vjp3 the jvp of a custom VJP inside fn (an inner memwise loop)
+        # fails while it is traced. Then data dependence answers instead: a superset of
+        # the tangents' reach (a leaf marked perturbed that is not only costs work).
+        jaxpr = jax.make_jaxpr(fn)(values).jaxpr
+        reached = {v for v, a in zip(jaxpr.invars, active) if a}
     for eqn in jaxpr.eqns:
         if any(isinstance(v, Var) and v in reached for v in eqn.invars):
             reached.update(eqn.outvars)
