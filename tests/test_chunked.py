@@ -163,3 +163,30 @@ def test_image_shaped_xs_are_not_copied():
         for n in (6_000, 60_000)
     ]
     assert temps[1] - temps[0] < 64 * 1024, temps
+
+
+FORWARD_MODE = {
+    "jvp": lambda f: lambda w: jax.jvp(f, (w,), (1.0,))[1],
+    "jit of jvp": lambda f: jax.jit(lambda w: jax.jvp(f, (w,), (1.0,))[1]),
+    "jacfwd": jax.jacfwd,
+    "linearize": lambda f: lambda w: jax.linearize(f, w)[1](1.0),
+}
+
+
+@pytest.mark.parametrize("kind", ["map", "sum"])
+@pytest.mark.parametrize("transform", sorted(FORWARD_MODE))
+def test_forward_mode_raises_naming_lax_map(kind, transform):
+    # JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function" came
+    # instead, naming neither the primitive nor what to use.
+    xs = jnp.arange(5.0)
+    prim = mw.chunked_map if kind == "map" else mw.chunked_sum
+
+    def loss(w):
+        return jnp.sum(prim(lambda x: jnp.sin(w * x), xs, chunk_size=2))
+
+    with pytest.raises(TypeError, match="not forward mode.*jax.lax.map"):
+        jax.block_until_ready(FORWARD_MODE[transform](loss)(0.3))
+    # Forward-over-reverse still works.
+    np.testing.assert_allclose(
+        jax.hessian(loss)(0.3), jnp.sum(-(xs**2) * jnp.sin(0.3 * xs)), rtol=1e-5
+    )

@@ -33,6 +33,15 @@ USER_FILE = textwrap.dedent(
     def not_callable():
         return 3, (jnp.ones(4),)
 
+    def args_an_array():
+        return loss, jnp.ones(4)
+
+    def kwargs_a_list():
+        return loss, (jnp.ones(4),), [1]
+
+    def four_items():
+        return loss, (jnp.ones(4),), {}, 5
+
     def with_static():
         def layers(x, n_layers, mode="sum"):
             for _ in range(n_layers):
@@ -97,6 +106,14 @@ def test_report_module_factory_with_kwargs(user_file, capsys, monkeypatch):
         (["{file}:factory", "--budget", "0"], "--budget: budget must be"),
         (["{file}:nonscalar", "--grad"], "one scalar array.*drop --grad"),
         (["{file}:not_callable"], "fn must be callable"),
+        # An array as args was iterated into one argument per row ("takes 2 positional
+        # arguments but 4 were given").
+        (
+            ["{file}:args_an_array"],
+            r"args a tuple of fn's arguments \(for one argument: \(x,\)\), got ArrayImpl",
+        ),
+        (["{file}:kwargs_a_list"], "kwargs a dict, got list"),
+        (["{file}:four_items"], r"got a tuple of 4"),
         (
             ["{file}:factory", "--plot", "/no/such/folder/r.png"],
             "cannot write --plot.*does not exist",

@@ -968,6 +968,52 @@ BAD_INPUTS = {
     ),
     "memory_report fn": (lambda: mw.memory_report(3, _X), TypeError, "fn"),
     "fit budget": (lambda: mw.fit(jnp.sum, budget="lots"), ValueError, "budget"),
+    # Options that reached Python's own comparisons ("'<' not supported", "unhashable").
+    "scan unroll string": (
+        lambda: mw.scan(lambda c, x: (c, None), 1.0, None, 3, unroll="2"),
+        TypeError,
+        "unroll must be a bool or an int >= 0",
+    ),
+    "scan reverse list": (
+        lambda: mw.scan(lambda c, x: (c, None), 1.0, None, 3, reverse=[True]),
+        TypeError,
+        "reverse must be True or False",
+    ),
+    "pairwise reduce array": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, reduce=np.array([1, 2])),
+        ValueError,
+        "reduce must be one of",
+    ),
+    "pairwise axis array": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, axis=np.array([0, 1])),
+        ValueError,
+        "axis must be 1",
+    ),
+    "pairwise weights dict": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, weights={"w": 1.0}),
+        TypeError,
+        "weights must be one array",
+    ),
+    "pairwise weights ragged list": (
+        lambda: mw.pairwise_reduce(_PAIR, _X, _X, weights=[[1.0], [2.0, 3.0], [4.0], [5.0]]),
+        TypeError,
+        "weights must be one array",
+    ),
+    "ot init string": (
+        lambda: mw.ot.sinkhorn(_X, _X, init="warm"),
+        TypeError,
+        "init must be None or a pair (f, g)",
+    ),
+    "ot init one potential": (
+        lambda: mw.ot.sinkhorn(_X, _X, init=(jnp.zeros(4),)),
+        TypeError,
+        "init must be None or a pair (f, g)",
+    ),
+    "ot init string potential": (
+        lambda: mw.ot.sinkhorn(_X, _X, init=(jnp.zeros(4), "zeros")),
+        TypeError,
+        "init's g must be an array",
+    ),
 }
 
 

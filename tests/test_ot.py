@@ -532,3 +532,19 @@ def test_cosine_cost_with_a_zero_point_matches_ott_with_finite_gradients():
     rx = jax.grad(lambda x: ott_reg_cost(x, y, a, b, 0.1, "cosine").reg_ot_cost)(x)
     keep = jnp.arange(40) != 3
     assert rel(gx[keep], rx[keep]) < 1e-3
+
+
+@pytest.mark.parametrize("transform", ["linearize", "jvp"])
+def test_forward_mode_names_first_order_under_either_custom_vjp(transform):
+    # Under jax_custom_vjp3 (the fast lane of make test-next-jax), linearize raised JAX's
+    # bare NotImplementedError and jit of jvp its "can't apply forward-mode autodiff".
+    x, y = jnp.linspace(0.0, 1.0, 8).reshape(4, 2), jnp.linspace(1.0, 0.0, 6).reshape(3, 2)
+
+    def loss(x):
+        return ot.sinkhorn(x, y, epsilon=0.5, chunk_size=2).reg_ot_cost
+
+    fn = jax.jit(lambda x: FORWARD_MODE[transform](loss, x))
+    with pytest.raises(TypeError, match="first-order reverse mode only"):
+        fn(x)
+    with pytest.raises(TypeError, match="first-order reverse mode only"):
+        FORWARD_MODE[transform](loss, x)

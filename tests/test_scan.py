@@ -959,3 +959,39 @@ def test_inside_shard_map_replicated_parameter_gradient_matches_lax_scan():
             np.testing.assert_allclose(g[0], g[1], rtol=1e-5)
     """)
     assert "loop collectives 0" in out
+
+
+@pytest.mark.parametrize("inner", ["scan", "while_loop"])
+def test_a_memwise_loop_inside_a_binomial_scan_matches_lax(inner):
+    # Under jax_custom_vjp3 (make test-next-jax) the outer loop's analysis of which
+    # carries are perturbed traced the inner loop's jvp, which raised its forward-mode
+    # error under jax.grad.
+    def loss(w, outer):
+        def body(h, i):
+            if inner == "scan":
+                step = lambda s, k: (jnp.cos(w * s) * s + i, None)  # noqa: E731
+                s, _ = outer(step, h, jnp.arange(3))
+            else:
+                s = mw.while_loop(
+                    lambda c: c[1] < 3,
+                    lambda c: (jnp.cos(w * c[0]) * c[0] + i, c[1] + 1),
+                    (h, 0),
+                    checkpoints=2,
+                )[0]
+            return s, None
+
+        return outer(body, jnp.ones(2), jnp.arange(3.0))[0].sum()
+
+    ours = jax.grad(loss)(0.3, lambda f, c, xs: mw.scan(f, c, xs, checkpoints=2))
+    lax_loss = lambda w: loss(w, lambda f, c, xs: jax.lax.scan(f, c, xs))  # noqa: E731
+    if inner == "while_loop":  # lax.while_loop has no reverse mode: unrolled reference
+
+        def lax_loss(w):
+            def body(h, i):
+                for _ in range(3):
+                    h = jnp.cos(w * h) * h + i
+                return h, None
+
+            return jax.lax.scan(body, jnp.ones(2), jnp.arange(3.0))[0].sum()
+
+    np.testing.assert_allclose(ours, jax.grad(lax_loss)(0.3), rtol=1e-5)

@@ -40,12 +40,13 @@ from jax import lax
 from jax.extend.core import Var
 
 from memwise import schedule as schedule_lib
-from memwise._jax_private import forbid_forward_mode, forbid_reverse_mode, varying_axes
+from memwise._jax_private import forbid_reverse_mode, varying_axes
 from memwise._vjp import (
     Static,
     cotangents,
     custom_vjp,
     fill,
+    guard_forward_mode,
     is_differentiable,
     is_zero,
     select,
@@ -106,10 +107,7 @@ def run(loop: Loop, consts: list, carry: list, xs: list) -> tuple[list, list]:
 
     def guard(leaves):
         # Forward mode through the custom_vjp raises the loop's own error, naming the fix.
-        return [
-            forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
-            for a in leaves
-        ]
+        return guard_forward_mode(leaves, loop.forward_mode_error)
 
     return _run(loop, guard(consts), guard(carry), guard(xs))
 
@@ -375,8 +373,15 @@ def _nonzero_tangents(fn: Callable, values: list, active: list) -> list:
 
         return jax.jvp(of_active, tuple(select(primals, active)), tuple(tangents))[1]
 
-    jaxpr = jax.make_jaxpr(tangents_out)(values, select(values, active)).jaxpr
-    reached = set(jaxpr.invars[len(values) :])
+    try:
+        jaxpr = jax.make_jaxpr(tangents_out)(values, select(values, active)).jaxpr
+        reached = set(jaxpr.invars[len(values) :])
+    except (TypeError, NotImplementedError):
+        # Under jax_custom_vjp3 the jvp of a custom VJP inside fn (an inner memwise loop)
+        # fails while it is traced. Then data dependence answers instead: a superset of
+        # the tangents' reach (a leaf marked perturbed that is not only costs work).
+        jaxpr = jax.make_jaxpr(fn)(values).jaxpr
+        reached = {v for v, a in zip(jaxpr.invars, active) if a}
     for eqn in jaxpr.eqns:
         if any(isinstance(v, Var) and v in reached for v in eqn.invars):
             reached.update(eqn.outvars)

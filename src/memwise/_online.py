@@ -58,8 +58,15 @@ from memwise._binomial import (
     _TapedStep,
     replayed_cotangents,
 )
-from memwise._jax_private import forbid_forward_mode, varying_axes
-from memwise._vjp import Static, custom_vjp, is_differentiable, is_zero, select, unwrap
+from memwise._jax_private import varying_axes
+from memwise._vjp import (
+    Static,
+    custom_vjp,
+    guard_forward_mode,
+    is_zero,
+    select,
+    unwrap,
+)
 from memwise.sharding import typed_zeros, vary
 
 __all__ = ["OnlineLoop", "run", "segment_advances", "revolve_split"]
@@ -100,10 +107,8 @@ def run(loop: OnlineLoop, consts: list, cond_consts: list, carry: list) -> list:
     """
 
     def guard(leaves):
-        return [
-            forbid_forward_mode(a, loop.forward_mode_error) if is_differentiable(a) else a
-            for a in leaves
-        ]
+        # Forward mode through the custom_vjp raises the loop's own error, naming the fix.
+        return guard_forward_mode(leaves, loop.forward_mode_error)
 
     return _run(loop, guard(consts), list(cond_consts), guard(carry))
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from memwise._jax_private import is_unsupported_forward_mode
+from memwise._jax_private import forbid_forward_mode, is_unsupported_forward_mode
 
 __all__ = [
     "custom_vjp",
@@ -50,6 +50,7 @@ __all__ = [
     "is_zero",
     "dense",
     "is_differentiable",
+    "guard_forward_mode",
     "add",
     "closure_convert",
 ]
@@ -223,6 +224,22 @@ def dense(ct: Any, like: Any = None) -> Any:
 def is_differentiable(leaf: Any) -> bool:
     """True for float and complex leaves (integer and boolean ones get no cotangent)."""
     return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+
+def guard_forward_mode(leaves: Sequence[Any], message: str) -> list:
+    """``leaves``, each float one guarded so that forward mode through the custom VJP
+    they enter raises ``TypeError(message)`` (naming the fix) instead of JAX's
+    "can't apply forward-mode autodiff (jvp) to a custom_vjp function"; reverse mode and
+    forward-over-reverse (``jax.hessian``) are unaffected, and no HLO is emitted.
+
+    Example::
+
+        >>> import jax
+        >>> f = lambda x: guard_forward_mode([x], "use reverse mode")[0] * 2.0
+        >>> float(jax.grad(f)(1.0))
+        2.0
+    """
+    return [forbid_forward_mode(a, message) if is_differentiable(a) else a for a in leaves]
 
 
 def add(acc: Sequence[Any], new: Sequence[Any]) -> list:

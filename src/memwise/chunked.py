@@ -35,6 +35,7 @@ from memwise._vjp import (
     custom_vjp,
     dense,
     fill,
+    guard_forward_mode,
     is_zero,
     select,
     unwrap,
@@ -54,6 +55,14 @@ from memwise.sharding import (
 from memwise.tiling import Chunking, chunking, item_bytes, leading_length
 
 __all__ = ["chunked_map", "chunked_sum", "over_row_chunks"]
+
+
+_FORWARD_MODE = (
+    "memwise.chunked_map and memwise.chunked_sum support reverse mode (grad, vjp, jacrev; "
+    "also jax.hessian and jacfwd of grad) and vmap, but not forward mode through them "
+    "(jvp, jacfwd, jax.linearize); for forward mode use jax.lax.map(f, xs, "
+    "batch_size=chunk_size) (summed for chunked_sum), whose jvp keeps no intermediates"
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,7 +124,7 @@ def _map_forward(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     return jax.tree.map(lambda t, s: t.astype(sum_dtype(s.dtype)), total, one)
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(0,))
+@functools.partial(custom_vjp, nondiff_argnums=(0,), forward_mode_error=lambda _: _FORWARD_MODE)
 def _map_core(spec: _MapSpec, xs_leaves: list, consts: list) -> Any:
     return _map_forward(spec, xs_leaves, consts)
 
@@ -235,7 +244,11 @@ def _chunked_1d(f, xs, chunk_size, kind, mesh, axis_name, *, follow_data=True):
     sharded = row_sharding(xs, mesh, axis_name, "xs") if follow_data else None
     if sharded is None:
         spec, xs_leaves, consts = _prepare_1d(f, xs, chunk_size, kind)
-        return _map_core(spec, xs_leaves, consts)
+        return _map_core(
+            spec,
+            guard_forward_mode(xs_leaves, _FORWARD_MODE),
+            guard_forward_mode(consts, _FORWARD_MODE),
+        )
     mesh, axes = sharded
     check_divisible(leading_length(xs, "xs"), mesh, axes, "xs")
 

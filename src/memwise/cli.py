@@ -256,13 +256,24 @@ def load_factory(spec: str) -> tuple[Any, tuple, dict]:
         )
     made = factory()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
+        got = f"a tuple of {len(made)}" if isinstance(made, tuple) else type(made).__name__
         raise UsageError(
-            f"{factory_name}() must return (fn, args) or (fn, args, kwargs), got "
-            f"{type(made).__name__}"
+            f"{factory_name}() must return (fn, args) or (fn, args, kwargs), got {got}"
         )
-    fn, args = made[0], tuple(made[1])
-    kwargs = dict(made[2]) if len(made) == 3 else {}
-    return fn, args, kwargs
+    fn, args = made[0], made[1]
+    kwargs = made[2] if len(made) == 3 else {}
+    if not isinstance(args, (tuple, list)):
+        # An array here would be iterated into one argument per row.
+        raise UsageError(
+            f"{factory_name}() must return (fn, args) with args a tuple of fn's "
+            f"arguments (for one argument: (x,)), got {type(args).__name__}"
+        )
+    if not isinstance(kwargs, dict):
+        raise UsageError(
+            f"{factory_name}() must return (fn, args, kwargs) with kwargs a dict, got "
+            f"{type(kwargs).__name__}"
+        )
+    return fn, tuple(args), kwargs
 
 
 def _required_parameters(factory: Callable) -> list[str]:

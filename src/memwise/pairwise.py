@@ -24,6 +24,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from memwise._arguments import check_arrays
+from memwise._vjp import guard_forward_mode
 from memwise.engine import Ring, sum_dtype, tiled_reduce
 from memwise.sharding import (
     check_divisible,
@@ -124,9 +125,10 @@ def pairwise_reduce(
         ...                    chunk_size=(2, 3)).shape
         (5,)
     """
-    if reduce not in _PAIRWISE:
+    # Type checks first: ``in`` on a NumPy array asks for its truth value.
+    if not isinstance(reduce, str) or reduce not in _PAIRWISE:
         raise ValueError(f"reduce must be one of {_PAIRWISE}, got {reduce!r}")
-    if axis not in (0, 1, -1, -2):
+    if not isinstance(axis, (int, np.integer)) or axis not in (0, 1, -1, -2):
         raise ValueError(f"axis must be 1 (reduce over y) or 0 (reduce over x), got {axis!r}")
     if not callable(fn):
         raise TypeError(f"fn must be a callable of two points, got {type(fn).__name__}")
@@ -134,7 +136,13 @@ def pairwise_reduce(
     check_arrays(y, "y")
     if weights is not None:
         check_arrays(weights, "weights")
-        weights = jnp.asarray(weights)
+        try:
+            weights = jnp.asarray(weights)
+        except (TypeError, ValueError) as error:  # a dict, a ragged list
+            raise TypeError(
+                f"weights must be one array of shape (m,) + trailing, got "
+                f"{type(weights).__name__} ({error}); pass a JAX or NumPy array"
+            ) from None
     # Which sides are split over devices: mesh= always means x; else each side's own.
     x_shard = row_sharding(x, mesh, axis_name, "x")
     if mesh is None:
@@ -309,6 +317,10 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
         chunk_size,
         pair_bytes=lambda: item_bytes(converted, first_items(x), first_items(y), *consts),
     )
+    if reduce in ("argmax", "argmin"):  # an index: no derivative, in either mode
+        x, cols, consts = lax.stop_gradient((x, cols, consts))
+    else:
+        x, cols, consts = _guarded((x, cols, consts))
     out = tiled_reduce(
         tile_fn,
         x,
@@ -327,6 +339,20 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
         # The value too: combining over devices compares each device's extreme.
         return lax.stop_gradient(value), lax.stop_gradient(arg)
     return value
+
+
+_FORWARD_MODE = (
+    "memwise.pairwise_reduce supports reverse mode (grad, vjp, jacrev; also jax.hessian "
+    "and jacfwd of grad) and vmap, but not forward mode through it (jvp, jacfwd, "
+    "jax.linearize); for forward mode compute the dense reduction (jax.vmap of fn over "
+    "both point sets, then the reduction), or differentiate in reverse mode"
+)
+
+
+def _guarded(tree: Any) -> Any:
+    # Forward mode through the engine's custom VJP: this message, not JAX's bare one.
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, guard_forward_mode(leaves, _FORWARD_MODE))
 
 
 def _index_only(out: Any, reduce: str) -> Any:

@@ -179,6 +179,22 @@ def _check_callable(fn: Any, name: str) -> None:
         raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
 
 
+def _check_flags(reverse: Any, unroll: Any) -> None:
+    # lax.scan would take reverse="no" as true and fail on unroll="2" deep in its
+    # checks without naming it.
+    if not isinstance(reverse, (bool, np.bool_)):
+        raise TypeError(
+            f"reverse must be True or False, got {reverse!r} ({type(reverse).__name__})"
+        )
+    if isinstance(unroll, (bool, np.bool_)):
+        return
+    fix = "a bool or an int >= 0 (steps unrolled per iteration, as in jax.lax.scan)"
+    if not isinstance(unroll, (int, np.integer)):
+        raise TypeError(f"unroll must be {fix}, got {unroll!r} ({type(unroll).__name__})")
+    if unroll < 0:
+        raise ValueError(f"unroll must be {fix}, got {unroll}")
+
+
 def _type_of(leaf: Any, *, init: bool = False) -> str:
     weak = " (weakly typed: a Python scalar)" if init and getattr(leaf, "weak_type", False) else ""
     return f"{leaf.dtype}{list(leaf.shape)}{weak}"
@@ -358,6 +374,7 @@ def scan(
     _check_callable(f, "f")
     check_arrays(init, "init")
     check_arrays(xs, "xs")
+    _check_flags(reverse, unroll)
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {_SCHEDULES}")
     n = _scan_length(xs, length)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise._arguments import check_arrays
 from memwise.ot.costs import CostFn
 from memwise.ot.gradients import potentials, reg_ot_cost
 from memwise.ot.loops import solve, solve_symmetric
@@ -140,7 +141,14 @@ def sinkhorn(
     if init is None:
         g_init = jnp.zeros((m,), p.x.dtype)
     else:
+        if isinstance(init, (str, dict)) or not hasattr(init, "__len__") or len(init) != 2:
+            raise TypeError(
+                f"init must be None or a pair (f, g) of potentials of shapes ({n},), ({m},) "
+                f"(e.g. a previous result's (out.f, out.g)), got {type(init).__name__}"
+            )
         f0, g_init = init
+        check_arrays(f0, "init's f")
+        check_arrays(g_init, "init's g")
         if jnp.shape(f0) != (n,) or jnp.shape(g_init) != (m,):
             raise ValueError(
                 f"init must be (f, g) of shapes ({n},), ({m},), got "

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.scipy.sparse.linalg import cg
 
 from memwise._jax_private import forbid_forward_mode, forbid_reverse_mode
+from memwise._vjp import custom_vjp, dense, unwrap
 from memwise.ot.passes import kernel_apply, safe_log, softmin
 
 __all__ = ["FIRST_ORDER_ONLY", "potentials", "reg_ot_cost", "reverse_mode_only"]
@@ -52,23 +53,37 @@ def reverse_mode_only(tree: Any) -> Any:
     return jax.tree.map(lambda v: forbid_forward_mode(v, FIRST_ORDER_ONLY, outer=True), tree)
 
 
+def _values(args: tuple) -> tuple:
+    """The forward rule's arguments as arrays (the toolkit passes ``CustomVJPPrimal``s)."""
+    leaves, tree = jax.tree.flatten(args, is_leaf=lambda a: hasattr(a, "perturbed"))
+    return jax.tree.unflatten(tree, unwrap(leaves)[0])
+
+
+def _forward_mode_error(*_static: Any) -> str:
+    return FIRST_ORDER_ONLY
+
+
 def _first_order_only(tree: Any) -> Any:
     """The backward rules' inputs: differentiating a rule in reverse mode raises."""
     return jax.tree.map(lambda v: forbid_reverse_mode(v, FIRST_ORDER_ONLY), tree)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(custom_vjp, nondiff_argnums=(0, 1), forward_mode_error=_forward_mode_error)
 def reg_ot_cost(cost, chunk_size, x, y, a, b, eps, consts, f, g, mass):
     """``<a,f> + <b,g> + eps(|a||b| - mass)`` with a chunked envelope-theorem vjp."""
     return jnp.sum(a * f) + jnp.sum(b * g) + eps * (jnp.sum(a) * jnp.sum(b) - mass)
 
 
 def _reg_ot_cost_fwd(cost, chunk_size, *args):
-    return reg_ot_cost(cost, chunk_size, *args), args
+    args = _values(args)
+    x, y, a, b, eps, consts, f, g, mass = args
+    value = jnp.sum(a * f) + jnp.sum(b * g) + eps * (jnp.sum(a) * jnp.sum(b) - mass)
+    return value, args
 
 
 def _reg_ot_cost_bwd(cost, chunk_size, residuals, cotangent):
     x, y, a, b, eps, consts, f, g, mass = _first_order_only(residuals)
+    cotangent = dense(cotangent, jnp.zeros((), f.dtype))
     log_a, log_b = safe_log(a), safe_log(b)
 
     # The same value written with the potentials frozen: its gradient in everything
@@ -105,13 +120,14 @@ def _reg_ot_cost_bwd(cost, chunk_size, residuals, cotangent):
 reg_ot_cost.defvjp(_reg_ot_cost_fwd, _reg_ot_cost_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(custom_vjp, nondiff_argnums=(0, 1, 2), forward_mode_error=_forward_mode_error)
 def potentials(cost, chunk_size, max_steps, x, y, a, b, eps, consts, f, g):
     """The solver's stopped ``(f, g)``, given their implicit-function-theorem vjp."""
     return f, g
 
 
 def _potentials_fwd(cost, chunk_size, max_steps, *args):
+    args = _values(args)
     return args[-2:], args
 
 
@@ -131,6 +147,7 @@ def _potentials_bwd(cost, chunk_size, max_steps, residuals, cotangents):
     (small epsilon conditions ``K`` badly) returns its last iterate.
     """
     x, y, a, b, eps, consts, f, g = _first_order_only(residuals)
+    cotangents = dense(cotangents, (f, g))
     log_a, log_b = safe_log(a), safe_log(b)
 
     def transport(x, y, eps, consts):  # (T_b(g), T_a(f)) as functions of the data
