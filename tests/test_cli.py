@@ -219,7 +219,6 @@ def test_demo_table_leads_with_what_differs(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_linearize_scenario_is_headlined_by_the_constants_it_removes():
-    pytest.importorskip("flax")
     row = cli._demo_row("linearize", "default")
     assert row["headline"] == "constants" and row["agree"] == "yes"
     assert row["naive_constants"] > 50 * 1024 and row["memwise_constants"] == 0

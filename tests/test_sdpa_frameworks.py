@@ -4,16 +4,15 @@ step of a transformer block with dropout."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import memwise as mw
-
-nn = pytest.importorskip("flax.linen")
-nnx = pytest.importorskip("flax.nnx")
-optax = pytest.importorskip("optax")
 
 
 def _close_trees(a, b, atol):
