@@ -226,10 +226,17 @@ def test_bad_inputs(problem):
         lin({"w1": params["w1"]}, x)
     with pytest.raises(ValueError, match="shape"):
         lin(dict(params, w3=jnp.ones((32, 5))), x)
-    with pytest.raises(TypeError, match="float array leaves"):
+    with pytest.raises(TypeError, match="float array leaves.*jnp.asarray"):
         mw.linearize(_mlp, {"n": 3})
     with pytest.raises(TypeError, match="callable"):
         mw.linearize("f", params)
+    # A Python number where the point has an array said only "expected PyTreeDef(*), got
+    # PyTreeDef(*)".
+    scalar = mw.linearize(lambda w, x: jnp.sin(w * x), jnp.float32(0.3))
+    with pytest.raises(TypeError, match=r"new_params is 0.4 \(a float\).*jnp.asarray"):
+        scalar(0.4, x)
+    with pytest.raises(TypeError, match=r"new_params\['w1'\] is an array where"):
+        mw.linearize(_mlp, dict(params, w1=1.0))(params, x)
 
 
 def test_closed_over_values_are_differentiated(problem):

@@ -289,11 +289,6 @@ FORWARD_MODE = {
 @pytest.mark.parametrize("transform", sorted(FORWARD_MODE))
 def test_forward_mode_raises_naming_pairwise_reduce(transform):
     # JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function" came instead.
-    if transform in ("jit of jvp", "linearize") and getattr(jax.config, "jax_custom_vjp3", False):
-        pytest.xfail(
-            "JAX's next custom_vjp fails in the tile engine's rule before the guard's "
-            "tangent is evaluated; the engine's declaration does not name the fix yet"
-        )
     xs = jnp.linspace(0.0, 1.0, 5)
 
     def loss(w):

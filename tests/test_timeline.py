@@ -233,6 +233,8 @@ def test_to_dict_plot_and_text(tmp_path):
         tl.plot(tmp_path / "missing" / "timeline.png")
     with pytest.raises(ValueError, match="it is a folder; pass a file path"):
         tl.plot(tmp_path)
+    with pytest.raises(TypeError, match=r"path must be a file path .* got int 3"):
+        tl.plot(3)  # os.fspath's "expected str, bytes or os.PathLike object" came instead
     assert "memory timeline: gradient of checkpointed" in tl.to_text()
 
 

@@ -115,6 +115,7 @@ def attend(
     dropout: tuple[jax.Array, jax.Array] | None = None,
     row_offset: jax.Array | None = None,
     ring: Ring | None = None,
+    caller: str = "memwise.attention",
 ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of attention in tiles: ``out`` in the values' dtype, the per-row
     log-sum-exp in float32 (``-inf`` where a query sees no key, ``out`` 0 there).
@@ -128,7 +129,8 @@ def attend(
     is found invisible; ``live_lengths``: the largest query and key length over the
     batch (or None). ``dropout``: ``(seed (2,) uint32, row hashes batch + (T,))`` from
     :func:`dropout_rows`. ``row_offset``: the global position of the first query.
-    Gradients: q, k, v, bias and a traced scale.
+    Gradients: q, k, v, bias and a traced scale. ``caller`` names the public function in
+    the error forward mode raises.
     """
     vis = visibility
     batch = q.shape[:-2]
@@ -236,5 +238,11 @@ def attend(
         upcast=True,
         live=live if skips else None,
         ring=ring,
+        forward_mode_error=(
+            f"{caller} supports reverse mode (grad, vjp, jacrev; also jax.hessian and "
+            "jacfwd of grad) and vmap, but not forward mode through it (jvp, jacfwd, "
+            "jax.linearize); for forward mode use jax.nn.dot_product_attention "
+            "(implementation='xla'), or differentiate in reverse mode"
+        ),
     )
     return out, lse

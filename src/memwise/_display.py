@@ -48,6 +48,11 @@ def check_plot_path(path: str | os.PathLike, arg: str = "path") -> None:
         ...
         ValueError: cannot write path 'no/such/folder/peak.png': folder ... does not exist ...
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{arg} must be a file path (a str or os.PathLike, e.g. 'peak.png'), got "
+            f"{type(path).__name__} {path!r}"
+        )
     text = os.fspath(path)
     if os.path.isdir(text):
         raise ValueError(f"cannot write {arg} {text!r}: it is a folder; pass a file path")

@@ -61,6 +61,14 @@ _REDUCTIONS = ("mean", "sum", "none")
 _LAYOUTS = ("dv", "vd")
 
 
+_FORWARD_MODE = (
+    "memwise.linear_cross_entropy supports reverse mode (grad, vjp, jacrev; also "
+    "jax.hessian and jacfwd of grad) and vmap, but not forward mode through it (jvp, "
+    "jacfwd, jax.linearize); for forward mode compute the logits and use "
+    "optax.softmax_cross_entropy_with_integer_labels, or differentiate in reverse mode"
+)
+
+
 def linear_cross_entropy(
     x: jax.Array,
     w: jax.Array,
@@ -338,7 +346,14 @@ class _Head:
             return tile_fn(rb, lambda xb: self.scores(xb, w, bias_blk, col_ids), col_ids)
 
         return tiled_reduce(
-            engine_fn, rows, cols, reduce=reduce, tiles=tiles, consts=self.w, upcast=True
+            engine_fn,
+            rows,
+            cols,
+            reduce=reduce,
+            tiles=tiles,
+            consts=self.w,
+            upcast=True,
+            forward_mode_error=_FORWARD_MODE,
         )
 
     def scores(

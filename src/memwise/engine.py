@@ -62,6 +62,7 @@ from memwise._vjp import (
     custom_vjp,
     dense,
     fill,
+    guard_forward_mode,
     is_zero,
     select,
     unwrap,
@@ -111,6 +112,14 @@ def _accumulators(values: Sequence[Any]) -> list:
     return [z.astype(accumulation_dtype(z.dtype)) for z in typed_zeros(values)]
 
 
+_FORWARD_MODE = (
+    "memwise's tiled reductions support reverse mode (grad, vjp, jacrev; also jax.hessian "
+    "and jacfwd of grad) and vmap, but not forward mode through them (jvp, jacfwd, "
+    "jax.linearize); for forward mode compute the dense version, or differentiate in "
+    "reverse mode"
+)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _TileSpec:
     """Static description of one tiled reduction (a nondiff argument of the custom_vjp).
@@ -136,6 +145,8 @@ class _TileSpec:
     # live(row_ids, col_ids, consts) -> bool scalar: False when every score of the tile is
     # -inf (e.g. above a causal diagonal); such tiles are skipped with lax.cond.
     live: Callable | None = None
+    # The TypeError forward mode raises, naming the caller's public function and the fix.
+    forward_mode_error: str = ""
 
     def tile(self, leaves: Sequence[list], row_ids: jax.Array, col_ids: jax.Array) -> Any:
         rows, cols, pairs, consts = (
@@ -418,7 +429,9 @@ def _tiled_forward(
     return _finish(spec.reduce, first, stats)
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(0,))
+@functools.partial(
+    custom_vjp, nondiff_argnums=(0,), forward_mode_error=lambda spec: spec.forward_mode_error
+)
 def _tiled_core(
     spec: _TileSpec, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
 ) -> Any:
@@ -779,7 +792,11 @@ def _ring_statistics(
     return first, stats
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(
+    custom_vjp,
+    nondiff_argnums=(0, 1),
+    forward_mode_error=lambda spec, _ring: spec.forward_mode_error,
+)
 def _ring_core(
     spec: _TileSpec, ring: Ring, rows: _Leaves, cols: _Leaves, pairs: _Leaves, consts: _Leaves
 ) -> Any:
@@ -880,6 +897,7 @@ def tiled_reduce(
     vary_consts: bool = True,
     live: Callable | None = None,
     ring: Ring | None = None,
+    forward_mode_error: str = _FORWARD_MODE,
 ) -> Any:
     """The engine: reduce tile scores over columns, for every row, tile by tile.
 
@@ -932,6 +950,11 @@ def tiled_reduce(
     resolved for one block, and ``tile_fn``/``live`` see global column ids. ``pairs``
     are not supported with a ring.
 
+    Forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) through the engine
+    raises ``TypeError(forward_mode_error)``: pass a message naming the public function
+    and what to use instead. Reverse mode, ``jax.hessian`` and ``jacfwd`` of ``grad``
+    work.
+
     Example::
 
         >>> from memwise.tiling import tiling
@@ -978,8 +1001,11 @@ def tiled_reduce(
         upcast,
         vary_consts,
         live,
+        forward_mode_error,
     )
-    leaves = [[jnp.asarray(a) for a in lv] for lv, _ in flat]
+    leaves = [
+        guard_forward_mode([jnp.asarray(a) for a in lv], forward_mode_error) for lv, _ in flat
+    ]
     if ring is None:
         return _tiled_core(spec, *leaves)
     if leaves[2]:

@@ -117,27 +117,28 @@ def main(argv: list[str] | None = None) -> int:
         process_id, n, address, init_timeout, script, *args = argv[1:]
         _child(int(process_id), int(n), address, int(init_timeout), script, args)
         return 0
-    opts = _parser().parse_args(argv)
+    parser = _parser()
+    opts = parser.parse_args(argv)
     if opts.processes < 1:
-        raise SystemExit("memwise.launch: -n/--processes must be >= 1")
+        parser.error("-n/--processes must be >= 1")
     if opts.port is not None and not 1 <= opts.port <= 65535:
-        raise SystemExit(
-            f"memwise.launch: --port {opts.port} is not a TCP port; pass one in 1-65535 "
+        parser.error(
+            f"--port {opts.port} is not a TCP port; pass one in 1-65535 "
             "(or leave it out for a free one)"
         )
     if opts.timeout is not None and not opts.timeout > 0:
-        raise SystemExit(
-            f"memwise.launch: --timeout {opts.timeout:g} must be a positive number of seconds "
+        parser.error(
+            f"--timeout {opts.timeout:g} must be a positive number of seconds "
             "(or leave it out to wait as long as the processes run)"
         )
     if opts.init_timeout < 1:
-        raise SystemExit(f"memwise.launch: --init-timeout {opts.init_timeout} must be >= 1 s")
+        parser.error(f"--init-timeout {opts.init_timeout} must be >= 1 s")
     if not os.path.isfile(opts.script):
-        raise SystemExit(f"memwise.launch: no such script: {opts.script}")
+        parser.error(f"no such script: {opts.script}")
     env = dict(os.environ)
     if opts.cpu_devices is not None:
         if opts.cpu_devices < 1:
-            raise SystemExit("memwise.launch: --cpu-devices must be >= 1")
+            parser.error("--cpu-devices must be >= 1")
         env["XLA_FLAGS"] = (
             env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={opts.cpu_devices}"
         ).strip()

@@ -155,6 +155,25 @@ def _value(spec: _Apply, point_leaves: list, new_leaves: list, operands: Any) ->
 def _check_new_params(point: _Skeleton, point_leaves: list, new_params: Any) -> list:
     """The array leaves of ``new_params``, checked against the expansion point's."""
     new_leaves, new_static = _split(new_params)
+    if new_static.treedef == point.treedef and new_static.is_dynamic != point.is_dynamic:
+        paths = [
+            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(new_params)[0]
+        ]
+        for path, was, now, leaf in zip(
+            paths, point.is_dynamic, new_static.is_dynamic, jax.tree.leaves(new_params)
+        ):
+            if was and not now:
+                raise TypeError(
+                    f"new_params{path} is {leaf!r} (a {type(leaf).__name__}) where the "
+                    "linearization point has an array; pass an array, e.g. "
+                    f"jnp.asarray({leaf!r}, dtype)"
+                )
+            if now and not was:
+                raise TypeError(
+                    f"new_params{path} is an array where the linearization point has a "
+                    "non-array leaf (a Python number or object: a static part of the "
+                    "point); linearize at a point whose leaf is an array to vary it"
+                )
     if new_static.treedef != point.treedef or new_static.is_dynamic != point.is_dynamic:
         raise ValueError(
             "new_params must have the structure of the linearization point: expected "
@@ -321,7 +340,9 @@ def linearize(f: Callable, params: Any) -> Linearized:
     if not any(is_differentiable(leaf) for leaf in leaves):
         raise TypeError(
             "params has no float array leaves to linearize in; pass the parameter pytree "
-            "(e.g. Flax variables, an Equinox module or a dict of jnp arrays)"
+            "(e.g. Flax variables, an Equinox module or a dict of jnp arrays). Python "
+            "numbers are static parts of the point: wrap one in jnp.asarray to linearize "
+            "in it"
         )
     return Linearized(f, leaves, static)
 
@@ -469,6 +490,8 @@ def taylor_expand(f: Callable, params: Any, degree: int) -> TaylorExpanded:
     if not any(is_differentiable(leaf) for leaf in leaves):
         raise TypeError(
             "params has no float array leaves to expand in; pass the parameter pytree "
-            "(e.g. Flax variables, an Equinox module or a dict of jnp arrays)"
+            "(e.g. Flax variables, an Equinox module or a dict of jnp arrays). Python "
+            "numbers are static parts of the point: wrap one in jnp.asarray to expand "
+            "in it"
         )
     return TaylorExpanded(f, leaves, static, int(degree))

@@ -24,7 +24,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from memwise._arguments import check_arrays
-from memwise._vjp import guard_forward_mode
 from memwise.engine import Ring, sum_dtype, tiled_reduce
 from memwise.sharding import (
     check_divisible,
@@ -319,8 +318,6 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
     )
     if reduce in ("argmax", "argmin"):  # an index: no derivative, in either mode
         x, cols, consts = lax.stop_gradient((x, cols, consts))
-    else:
-        x, cols, consts = _guarded((x, cols, consts))
     out = tiled_reduce(
         tile_fn,
         x,
@@ -330,6 +327,7 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
         consts=consts,
         vary_consts=vary_consts,
         ring=ring,
+        forward_mode_error=_FORWARD_MODE,
     )
     if engine != "max":
         return out
@@ -347,12 +345,6 @@ _FORWARD_MODE = (
     "jax.linearize); for forward mode compute the dense reduction (jax.vmap of fn over "
     "both point sets, then the reduction), or differentiate in reverse mode"
 )
-
-
-def _guarded(tree: Any) -> Any:
-    # Forward mode through the engine's custom VJP: this message, not JAX's bare one.
-    leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, guard_forward_mode(leaves, _FORWARD_MODE))
 
 
 def _index_only(out: Any, reduce: str) -> Any:

@@ -373,6 +373,7 @@ def dot_product_attention(
         scale=scale,
         visibility=Visibility(bool(is_causal), window, softcap, rate),
         chunk_size=chunk_size,
+        caller="memwise.dot_product_attention",
         mask=None if mask is None else _grouped(mask, K, G),
         bias=None if bias is None else _grouped(bias, K, G),
         q_segments=None if q_seg is None else jnp.broadcast_to(q_seg[:, None, None], batch + (T,)),
