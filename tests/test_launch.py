@@ -1,5 +1,6 @@
-"""Tests for memwise.launch: one program as 2 processes on 127.0.0.1 (jax.distributed,
-gloo CPU collectives, 2 devices each), against the same program in one process."""
+"""Tests for memwise.launch: one program as 2 processes of 2 devices and as 4 processes of
+1 device on 127.0.0.1 (jax.distributed, gloo CPU collectives), against the same program
+in one process."""
 
 import subprocess
 import sys
@@ -15,7 +16,8 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
     from memwise import ot
 
     me = jax.process_index()
-    assert jax.process_count() == 2 and len(jax.devices()) == 4, jax.devices()
+    procs = jax.process_count()
+    assert procs in (2, 4) and len(jax.devices()) == 4, jax.devices()
     mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     x = jax.random.normal(jax.random.PRNGKey(0), (32, 3))
     y = jax.random.normal(jax.random.PRNGKey(1), (24, 3)) + 1.0
@@ -23,9 +25,9 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
 
 
     def global_array(a, dim=0):
-        # Each process feeds only its own half of the rows, as on a cluster.
-        half = a.shape[dim] // 2
-        mine = jax.lax.slice_in_dim(a, me * half, (me + 1) * half, axis=dim)
+        # Each process feeds only its own share of the rows, as on a cluster.
+        share = a.shape[dim] // procs
+        mine = jax.lax.slice_in_dim(a, me * share, (me + 1) * share, axis=dim)
         spec = P(*([None] * dim), "d")
         return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.asarray(mine))
 
@@ -77,15 +79,20 @@ def launch(tmp_path, program, *args, timeout=300):
     )
 
 
+@pytest.mark.parametrize("processes, devices", [(2, 2), (4, 1)])
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+def test_processes_match_one(tmp_path, processes, devices):
     # Each process feeds its own rows (make_array_from_process_local_data); no mesh=
     # anywhere: pairwise_reduce and attention (rings), sinkhorn_divergence and
     # accumulate_grad, values and gradients equal to one process's to 1e-5.
-    proc = launch(tmp_path, MULTI_HOST_PROGRAM, "-n", "2", "--cpu-devices", "2", "--timeout", "240")
+    proc = launch(
+        tmp_path,
+        MULTI_HOST_PROGRAM,
+        *("-n", str(processes), "--cpu-devices", str(devices), "--timeout", "240"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
     lines = proc.stdout.splitlines()
-    assert "OK 0" in lines and "OK 1" in lines, proc.stdout
+    assert all(f"OK {i}" in lines for i in range(processes)), proc.stdout
 
 
 @pytest.mark.slow
