@@ -8,7 +8,7 @@ import pytest
 from _multidevice import run_on_devices
 
 import memwise as mw
-from memwise.engine import tiled_reduce
+from memwise.engine import REDUCTIONS, tiled_reduce
 from memwise.tiling import tiling
 
 
@@ -343,3 +343,111 @@ def test_forward_mode_through_the_engine_names_the_public_function(name, transfo
     with pytest.raises(TypeError, match=f"{name} supports reverse mode.*not forward mode"):
         jax.block_until_ready(_FORWARD[transform](_TILED_PUBLIC[name]))
     assert np.isfinite(jax.hessian(_TILED_PUBLIC[name])(0.5))
+
+
+def _softmax_tile(r, c, _p, _k, _ri, _ci):
+    return -jnp.sum((r[:, None] - c["y"][None]) ** 2, -1), c["v"]
+
+
+def _engine_result(reduce, x, y, v):
+    if reduce == "softmax":
+        tiles = tiling(x.shape[0], y.shape[0], (3, 2))
+        return tiled_reduce(_softmax_tile, x, {"y": y, "v": v}, reduce=reduce, tiles=tiles)
+    tiles = tiling(x.shape[0], y.shape[0], (3, 2))
+    return tiled_reduce(_scores, x, y, reduce=reduce, tiles=tiles, consts={"scale": 0.5})
+
+
+@pytest.mark.parametrize("reduce", sorted(REDUCTIONS))
+def test_each_reduction_merges_two_column_blocks_as_one_pass_over_both(reduce):
+    # The reduction table's combine (what a ring merges) against one pass over all
+    # columns; the arg-extreme's indices made global by the block's offset.
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    x, y = jax.random.normal(k[0], (7, 2)), jax.random.normal(k[1], (10, 2))
+    v = jax.random.normal(k[2], (10, 3))
+    whole = _engine_result(reduce, x, y, v)
+    red = REDUCTIONS[reduce]
+    a = _engine_result(reduce, x, y[:4], v[:4])
+    b = red.globalize(_engine_result(reduce, x, y[4:], v[4:]), jnp.int32(4))
+    merged = red.combine(a, b)
+    for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_each_reduction_combines_over_devices_as_over_all_columns():
+    # combine_over_devices (pairwise_reduce's and linear_cross_entropy's columns split
+    # over devices): every device reduces its own columns, the table merges them.
+    out = run_on_devices(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import PartitionSpec as P
+        from memwise.engine import REDUCTIONS, tiled_reduce
+        from memwise.tiling import tiling
+        mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+        k = jax.random.split(jax.random.PRNGKey(0), 3)
+        x, y = jax.random.normal(k[0], (6, 2)), jax.random.normal(k[1], (12, 2))
+        v = jax.random.normal(k[2], (12, 3))
+
+        def tile(r, c, _p, _k, _ri, ci):
+            s = -jnp.sum((r[:, None] - c["y"][None]) ** 2, -1)
+            return (s, c["v"]) if c["soft"] else s
+
+        def result(red, y, v):
+            t = lambda r, c, p, kk, ri, ci: tile(r, {**c, "soft": red == "softmax"}, p, kk, ri, ci)
+            return tiled_reduce(t, x, {"y": y, "v": v}, reduce=red,
+                                tiles=tiling(6, y.shape[0], (4, 2)))
+
+        for red in sorted(REDUCTIONS):
+            def local(yl, vl, red=red):
+                return REDUCTIONS[red].combine_over_devices(result(red, yl, vl), "d", 3)
+            got = jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P(),
+                                check_vma=False)(y, v)
+            want = result(red, y, v)
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=red)
+        print("OK")
+        """
+    )
+    assert "OK" in out
+
+
+def test_a_registered_kernel_replaces_the_loops_and_matches_them():
+    # The seam for fused kernels: a kernel registered for attention's pattern on this
+    # platform runs instead of the plain-JAX loops (here a dense reference standing in
+    # for a Pallas kernel); one that declines, or none, leaves the loops to run.
+    from memwise.engine import kernels
+
+    calls = []
+
+    def dense_attention(call, rows, cols, pairs, consts):
+        calls.append(call)
+        r = jax.tree.unflatten(call.trees[0], rows)
+        c = jax.tree.unflatten(call.trees[1], cols)
+        s = jnp.einsum("...qd,...kd->...qk", r["q"], c["k"]) * consts[0]
+        lse = jax.nn.logsumexp(s, axis=-1)
+        return jnp.einsum("...qk,...kd->...qd", jnp.exp(s - lse[..., None]), c["v"]), lse
+
+    q = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 4))
+    loss = lambda q: jnp.sum(jnp.sin(mw.attention(q, q, q, chunk_size=4)))
+    plain, plain_grad = jax.value_and_grad(loss)(q)
+    kernel = kernels.register(
+        kernels.Kernel(
+            "dense reference",
+            "dot_product_attention",
+            "softmax",
+            (kernels.platform(),),
+            apply=dense_attention,
+            accepts=lambda call: not call.pattern.option("causal"),
+        )
+    )
+    try:
+        fused, fused_grad = jax.value_and_grad(loss)(q)
+        assert len(calls) == 1 and calls[0].pattern.option("rows") == ("q",)
+        np.testing.assert_allclose(fused, plain, rtol=1e-5)
+        np.testing.assert_allclose(fused_grad, plain_grad, rtol=1e-4, atol=1e-6)
+        mw.attention(q, q, q, causal=True, chunk_size=4)  # declined: the loops ran
+        assert len(calls) == 1
+    finally:
+        kernels.unregister(kernel)
+    mw.attention(q, q, q, chunk_size=4)
+    assert len(calls) == 1 and kernel not in kernels.registered()

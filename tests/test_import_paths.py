@@ -6,9 +6,18 @@ import pytest
 
 import memwise as mw
 
-# (module, names importable from it): memwise.ot, memwise.fit, memwise.measure and
-# memwise.timeline were single modules.
+# (module, names importable from it): memwise.ot, memwise.fit, memwise.measure,
+# memwise.timeline and memwise.engine were single modules.
 PATHS = {
+    "memwise.engine": [
+        "REDUCTIONS",
+        "Reduction",
+        "Ring",
+        "accumulation_dtype",
+        "promote",
+        "sum_dtype",
+        "tiled_reduce",
+    ],
     "memwise.ot": [
         "SinkhornResult",
         "sinkhorn",

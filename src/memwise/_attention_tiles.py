@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise.engine import Ring, accumulation_dtype, tiled_reduce
+from memwise._dtypes import accumulation_dtype
+from memwise.engine import Ring, tiled_reduce
+from memwise.engine.kernels import Pattern
 from memwise.tiling import ChunkSize, item_bytes, tiling
 
 __all__ = ["Visibility", "attend", "dropout_rows"]
@@ -238,6 +240,21 @@ def attend(
         upcast=True,
         live=live if skips else None,
         ring=ring,
+        # A fused attention kernel registered for this platform may take the call
+        # (memwise.engine.kernels): the leaves are the dicts above, by these names.
+        pattern=Pattern(
+            "dot_product_attention",
+            (
+                ("causal", vis.causal),
+                ("window", vis.window),
+                ("softcap", vis.softcap),
+                ("dropout_rate", vis.dropout_rate),
+                ("rows", tuple(sorted(rows))),
+                ("cols", tuple(sorted(cols))),
+                ("pairs", tuple(sorted(pairs))),
+                ("consts", tuple(sorted(consts))),
+            ),
+        ),
         forward_mode_error=(
             f"{caller} supports reverse mode (grad, vjp, jacrev; also jax.hessian and "
             "jacfwd of grad) and vmap, but not forward mode through it (jvp, jacfwd, "

@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from memwise import knobs
-from memwise.engine import accumulation_dtype
+from memwise._dtypes import accumulation_dtype
 from memwise.sharding import check_divisible, devices, row_sharding, sharded_call
 
 __all__ = ["accumulate_grad"]

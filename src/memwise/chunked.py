@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from memwise._arguments import check_arrays
+from memwise._dtypes import accumulation_dtype, sum_dtype
 from memwise._vjp import (
     Static,
     add,
@@ -40,7 +41,6 @@ from memwise._vjp import (
     select,
     unwrap,
 )
-from memwise.engine import accumulation_dtype, sum_dtype
 from memwise.sharding import (
     check_divisible,
     convert,

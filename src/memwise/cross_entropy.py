@@ -50,8 +50,8 @@ from memwise._cross_entropy_inputs import (
     float_array,
     vocabulary_split,
 )
-from memwise.engine import accumulation_dtype, tiled_reduce
-from memwise.pairwise import _combine_over_devices as combine_over_devices
+from memwise._dtypes import accumulation_dtype
+from memwise.engine import REDUCTIONS, tiled_reduce
 from memwise.sharding import check_divisible, sharded_call
 from memwise.tiling import ChunkSize, Tiling, item_bytes, tiling
 
@@ -292,7 +292,7 @@ def _local(
     )
     both = _lse_and_label(head, x2, labels2, tiles)
     if vocab_axes is not None:
-        both = combine_over_devices(both, "logsumexp", vocab_axes, local_vocab)
+        both = REDUCTIONS["logsumexp"].combine_over_devices(both, vocab_axes, local_vocab)
     lse, label_score = both[:, 0], both[:, 1]
     loss = lse - label_score
     if opts.smoothing:
@@ -315,7 +315,7 @@ def _local(
     if opts.return_argmax:
         value, arg = _argmax(head, x2, tiles)
         if vocab_axes is not None:
-            arg = combine_over_devices((value, arg), "argmax", vocab_axes, local_vocab)
+            _, arg = REDUCTIONS["max"].combine_over_devices((value, arg), vocab_axes, local_vocab)
         out.append(arg.reshape(shape))
     return tuple(out)
 

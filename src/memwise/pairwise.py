@@ -14,6 +14,7 @@ devices every device tiles its own rows (:mod:`memwise.sharding`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -24,7 +25,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from memwise._arguments import check_arrays
-from memwise.engine import Ring, sum_dtype, tiled_reduce
+from memwise.engine import REDUCTIONS, Ring, tiled_reduce
 from memwise.sharding import (
     check_divisible,
     convert,
@@ -41,7 +42,29 @@ from memwise.tiling import ChunkSize, Tiling, item_bytes, leading_length, tiling
 
 __all__ = ["pairwise_reduce"]
 
-_PAIRWISE = ("sum", "logsumexp", "max", "min", "argmax", "argmin")
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """One of ``pairwise_reduce``'s reductions as the engine computes it: the engine's
+    reduction, the sign of the scores (a min is ``-max(-s)``), whether the result is
+    the index (the arg-extremes: no derivative), and how weights enter (``"times"``
+    for a sum, ``"plus"``, log-weights, for a log-sum-exp; ``None``: not supported)."""
+
+    engine: str
+    sign: float = 1.0
+    index: bool = False
+    weights: str | None = None
+
+
+_KINDS = {
+    "sum": _Kind("sum", weights="times"),
+    "logsumexp": _Kind("logsumexp", weights="plus"),
+    "max": _Kind("max"),
+    "min": _Kind("max", sign=-1.0),
+    "argmax": _Kind("max", index=True),
+    "argmin": _Kind("max", sign=-1.0, index=True),
+}
+_PAIRWISE = tuple(_KINDS)
 
 
 def pairwise_reduce(
@@ -160,8 +183,9 @@ def pairwise_reduce(
     m = leading_length(y, reduced)
     x = jax.tree.map(jnp.asarray, x)
     y = jax.tree.map(jnp.asarray, y)
+    kind = _KINDS[reduce]
     if weights is not None:
-        if reduce not in ("sum", "logsumexp"):
+        if kind.weights is None:
             raise ValueError(f"weights are not supported with reduce={reduce!r}; fold them into fn")
         if weights.ndim < 1 or weights.shape[0] != m:
             raise ValueError(
@@ -178,7 +202,7 @@ def pairwise_reduce(
         ) from e
     if not isinstance(out0, jax.ShapeDtypeStruct):
         raise TypeError(f"fn must return one array (a scalar per pair), got {out0}")
-    if reduce != "sum" and not jnp.issubdtype(out0.dtype, jnp.floating):
+    if kind.engine != "sum" and not jnp.issubdtype(out0.dtype, jnp.floating):
         raise TypeError(f"reduce={reduce!r} needs a real float fn, but fn returns {out0.dtype}")
     w_trailing = () if weights is None else weights.shape[1:]
     try:
@@ -190,7 +214,7 @@ def pairwise_reduce(
         ) from e
     out_ndim = len(out_shape)
     if n == 0 or m == 0:
-        return _empty_result(reduce, n, m, out_shape, out0.dtype, weights, reduced, chunk_size)
+        return _empty_result(reduce, n, out_shape, out0.dtype, weights, reduced, chunk_size)
 
     row_shard, col_shard = x_shard, y_shard
     if row_shard is None and col_shard is None:
@@ -199,8 +223,8 @@ def pairwise_reduce(
                 "ring=True needs the points split over devices: pass mesh= (and "
                 "axis_name=), shard x, or call under jax.set_mesh"
             )
-        out = _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim)
-        return _index_only(out, reduce)
+        out = _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim)
+        return _user_result(out, kind)
     ringed = None
     if row_shard is not None:
         # The kept points split: the reduced ones on a ring, or replicated.
@@ -223,10 +247,11 @@ def pairwise_reduce(
     # enter as replicated values; their gradients are all-reduced once by the
     # shard_map's transpose.
     def local(x_l, y_l, w_l):
-        out = _pairwise_local(fn, x_l, y_l, w_l, reduce, chunk_size, out_ndim, ringed)
-        if row_shard is not None:
-            return _index_only(out, reduce)
-        return _combine_over_devices(out, reduce, axes, leading_length(y_l, reduced))
+        out = _pairwise_local(fn, x_l, y_l, w_l, kind, chunk_size, out_ndim, ringed)
+        if row_shard is None:  # each device reduced its own columns
+            m_local = leading_length(y_l, reduced)
+            out = REDUCTIONS[kind.engine].combine_over_devices(out, axes, m_local)
+        return _user_result(out, kind)
 
     if row_shard is not None:
         y_spec = P(axes) if ringed else P()
@@ -236,43 +261,18 @@ def pairwise_reduce(
     return sharded_call(local, mesh, in_specs, out_specs, x, y, weights)
 
 
-def _combine_over_devices(local: Any, reduce: str, axes: Any, m_local: int) -> Any:
-    """Combine per-device partial reductions (columns split over ``axes``, ``m_local``
-    per device); for the arg-extremes ``local`` is ``(extreme value, local index)``."""
-    if reduce == "sum":
-        return lax.psum(local, axes)
-    if reduce == "logsumexp":
-        top = lax.pmax(lax.stop_gradient(local), axes)
-        top = jnp.where(jnp.isfinite(top), top, 0.0)
-        return top + jnp.log(lax.psum(jnp.exp(local - top), axes))
-    if reduce in ("max", "min"):
-        gathered = lax.all_gather(local, axes)  # (devices, n, ...): O(n) per device
-        return jnp.max(gathered, 0) if reduce == "max" else jnp.min(gathered, 0)
-    value, arg = local
-    values = lax.all_gather(value, axes)
-    # Global index: the device's first column plus its local index.
-    args = lax.all_gather(arg + lax.axis_index(axes) * m_local, axes)
-    # jnp.argmax/argmin over devices: the first device wins ties and NaNs, as within one.
-    best = jnp.argmax(values, 0) if reduce == "argmax" else jnp.argmin(values, 0)
-    return jnp.take_along_axis(args, best[None], 0)[0]
-
-
-def _empty_result(reduce, n, m, out_shape, dtype, weights, reduced, chunk_size):
+def _empty_result(reduce, n, out_shape, dtype, weights, reduced, chunk_size):
     """The dense result of a pairwise reduction with no kept points (``n = 0``) or
     nothing to reduce over (``m = 0``); gradients are zeros."""
     if chunk_size != "auto":  # still a valid size ("auto" is a knob: not resolved here)
         tiling(1, 1, chunk_size)
-    if reduce in ("argmax", "argmin"):
+    kind = _KINDS[reduce]
+    if kind.index:
         return jnp.zeros((n,) + out_shape, jnp.int32) if n == 0 else _no_identity(reduce, reduced)
     if weights is not None:
         dtype = jnp.result_type(dtype, weights.dtype)
-    if reduce == "sum":
-        return jnp.zeros((n,) + out_shape, sum_dtype(dtype))
-    if n == 0:
-        return jnp.zeros((n,) + out_shape, dtype)
-    if reduce == "logsumexp":
-        return jnp.full((n,) + out_shape, -jnp.inf, dtype)
-    return _no_identity(reduce, reduced)
+    value = REDUCTIONS[kind.engine].empty(n, out_shape, dtype)
+    return _no_identity(reduce, reduced) if value is None else value
 
 
 def _no_identity(reduce: str, reduced: str) -> NoReturn:
@@ -282,11 +282,12 @@ def _no_identity(reduce: str, reduced: str) -> NoReturn:
     )
 
 
-def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
+def _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim, ring=None):
     """pairwise_reduce on one device (or per device inside shard_map, ``y`` and the
-    weights this device's block of a ``ring``); the arg-extremes return ``(extreme
-    value, index)``."""
-    if reduce in ("argmax", "argmin") and ring is None and varying_over(x, y):
+    weights this device's block of a ``ring``), as the engine's result: for a max,
+    ``(signed extreme, index or None)``."""
+    if kind.index and ring is None and varying_over(x, y):
+        reduce = [name for name, k in _KINDS.items() if k == kind][0]
         raise NotImplementedError(
             f"reduce={reduce!r} with the reduced points split over devices is not supported; "
             "shard the kept points instead (axis=1: rows of x)"
@@ -295,8 +296,6 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
     converted, consts, (x, y, weights), vary_consts = convert(
         fn, data, lambda d: (first_items(d[0]), first_items(d[1]))
     )
-    sign = -1.0 if reduce in ("min", "argmin") else 1.0
-    engine = {"sum": "sum", "logsumexp": "logsumexp"}.get(reduce, "max")
     cols: dict = {"y": y}
     if weights is not None:
         cols["w"] = weights
@@ -307,8 +306,8 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
         if "w" in cb:
             w = cb["w"]
             w = w.reshape((1, w.shape[0]) + (1,) * (out_ndim - (w.ndim - 1)) + w.shape[1:])
-            s = s * w if engine == "sum" else s + w
-        return -s if sign < 0 else s
+            s = s * w if kind.weights == "times" else s + w
+        return -s if kind.sign < 0 else s
 
     tiles = tiling(
         leading_length(x, "x"),
@@ -316,27 +315,26 @@ def _pairwise_local(fn, x, y, weights, reduce, chunk_size, out_ndim, ring=None):
         chunk_size,
         pair_bytes=lambda: item_bytes(converted, first_items(x), first_items(y), *consts),
     )
-    if reduce in ("argmax", "argmin"):  # an index: no derivative, in either mode
+    if kind.index:  # an index: no derivative, in either mode
         x, cols, consts = lax.stop_gradient((x, cols, consts))
     out = tiled_reduce(
         tile_fn,
         x,
         cols,
-        reduce=engine,
+        reduce=kind.engine,
         tiles=tiles,
         consts=consts,
         vary_consts=vary_consts,
         ring=ring,
         forward_mode_error=_FORWARD_MODE,
     )
-    if engine != "max":
+    if kind.engine != "max":
         return out
     value, arg = out
-    value = -value if sign < 0 else value
-    if reduce in ("argmax", "argmin"):
+    if kind.index:
         # The value too: combining over devices compares each device's extreme.
         return lax.stop_gradient(value), lax.stop_gradient(arg)
-    return value
+    return value, None
 
 
 _FORWARD_MODE = (
@@ -347,9 +345,15 @@ _FORWARD_MODE = (
 )
 
 
-def _index_only(out: Any, reduce: str) -> Any:
-    """The result a user sees: for the arg-extremes, the index without its value."""
-    return out[1] if reduce in ("argmax", "argmin") else out
+def _user_result(out: Any, kind: _Kind) -> Any:
+    """The result a user sees from the engine's: for a max, the value with its sign
+    restored, or for the arg-extremes the index without its value."""
+    if kind.engine != "max":
+        return out
+    value, arg = out
+    if kind.index:
+        return arg
+    return -value if kind.sign < 0 else value
 
 
 def _swapped(fn: Callable) -> Callable:

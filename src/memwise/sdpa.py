@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from memwise._attention_tiles import Visibility, attend, dropout_rows
+from memwise._dtypes import accumulation_dtype
 from memwise.attention import _check_scale, as_array
-from memwise.engine import accumulation_dtype
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]

@@ -38,7 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from memwise.engine import accumulation_dtype
+from memwise._dtypes import accumulation_dtype
 from memwise.ntk._covariance import (
     Layer,
     _aligned_sin2,

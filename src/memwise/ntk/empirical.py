@@ -30,8 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from memwise._dtypes import accumulation_dtype
 from memwise.chunked import chunked_map, over_row_chunks
-from memwise.engine import accumulation_dtype
 from memwise.tiling import ChunkSize, item_bytes, tiling
 
 __all__ = ["empirical"]

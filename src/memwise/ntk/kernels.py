@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from memwise.engine import accumulation_dtype
+from memwise._dtypes import accumulation_dtype
 from memwise.ntk._covariance import (
     _LAYERS,
     Layer,

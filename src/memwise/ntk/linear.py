@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from memwise.engine import accumulation_dtype
+from memwise._dtypes import accumulation_dtype
 from memwise.ntk._covariance import (
     Layer,
     _Layout,

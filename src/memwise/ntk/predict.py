@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 
+from memwise._dtypes import accumulation_dtype
 from memwise.chunked import over_row_chunks
-from memwise.engine import accumulation_dtype
 from memwise.ntk.regression import (
     _check_pair,
     _check_ridge,

@@ -37,8 +37,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from memwise._dtypes import accumulation_dtype
 from memwise.chunked import chunked_map, chunked_sum, over_row_chunks, sum_over_chunks
-from memwise.engine import accumulation_dtype
 from memwise.ntk.kernels import KernelFn
 from memwise.sharding import check_divisible, devices, row_sharding, sharded_call
 from memwise.tiling import Chunking, ChunkSize, Tiling, item_bytes, tiling

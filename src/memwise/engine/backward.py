@@ -1,0 +1,215 @@
+"""The engine's backward pass: one more tiled pass that re-evaluates each tile under
+``jax.vjp``.
+
+The gradient of a reduction is a reduction of the same shape (KeOps: Charlier, Feydy,
+Glaunes, Collin, Durif, JMLR 22, 2021): for every tile, the reduction's score cotangent
+(:meth:`~memwise.engine.reductions.Reduction.score_cotangent`, from the per-row
+cotangent and the forward's saved statistics) is pulled back through ``tile_fn``.
+Cotangents of rows are complete after their row block's pass over the columns and
+stored once in their own dtype; those of columns, pairs and constants accumulate over
+row blocks, in at least float32, written in place into padded carries. Replicated
+inputs enter the loops as varying copies, so each tile's vjp yields a local partial
+cotangent that one all-reduce sums at the end.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from memwise._dtypes import accumulation_dtype, promote
+from memwise._vjp import add, cotangents, fill, select
+from memwise.engine.forward import tiled_forward
+from memwise.engine.tiles import accumulators, pair_blocks
+from memwise.sharding import psum_replicated, typed_zeros, vary, varying_over
+
+__all__ = ["add_block", "backward"]
+
+
+def backward(spec, values, residual, flags, ct, running=None):
+    """The tiled backward pass: the cotangents of ``values`` (``None`` where a flag is
+    off). With ``running`` (a ring's accumulators, see :func:`_ring_core_bwd`), this
+    pass adds into them instead and returns them, padded, in the accumulation dtype."""
+    rows, cols, pairs, consts = values
+    R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
+    reduction = spec.reduction
+    nb = len(spec.batch)
+
+    # Per-row quantities the backward needs: the cotangent and the saved statistics.
+    per_row = reduction.row_cotangents(
+        residual, ct, nb, lambda: jax.eval_shape(lambda: tiled_forward(spec, *values)[0])
+    )
+
+    row_f, col_f, pair_f, const_f = flags
+    axes = varying_over(values, per_row)
+    primals = values
+    # Replicated inputs enter the loops as varying copies so that each tile's vjp yields
+    # a local partial cotangent; psum_replicated all-reduces once at the end.
+    rows, cols, pairs = vary(values[:3], axes)
+    consts = vary(values[3], axes) if spec.vary_consts else values[3]
+    if spec.upcast:
+        consts = promote(consts)
+    pairs = spec.squeeze_pairs(pairs)
+    cols = spec.squeeze_cols(cols)
+    # A pair's row/column axes follow the batch dims it does not broadcast over; so does
+    # a column leaf's column axis.
+    lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
+    col_lead = spec.col_lead()
+
+    # Blocks are sliced by index from the unpadded arrays (splitting into (chunks, size,
+    # ...) copied q once more), and cotangents are written in place into padded carries;
+    # slots past the end are masked (zero cotangent), then sliced off.
+    def padded(a, chunks, dtype, k=nb):
+        shape = a.shape[:k] + (chunks.padded,) + a.shape[k + 1 :]
+        return vary(jnp.zeros(shape, dtype), axes)
+
+    def pair_accumulator(p, k):
+        shape = list(p.shape)
+        full_rows, full_cols = shape[k] == R.length, shape[k + 1] == C.length
+        shape[k] = R.padded if full_rows else 1
+        shape[k + 1] = C.padded if full_cols else 1
+        # A full pair gets each element once; one broadcast over rows or columns sums
+        # one contribution per tile, in the accumulation dtype.
+        once = (full_rows or R.length == 1) and (full_cols or C.length == 1)
+        dtype = jnp.result_type(p) if once else accumulation_dtype(jnp.result_type(p))
+        return vary(jnp.zeros(shape, dtype), axes)
+
+    if running is None:
+        d_rows0 = [padded(a, R, a.dtype) for a in select(rows, row_f)]
+        d_cols0 = [
+            padded(a, C, accumulation_dtype(a.dtype), k)
+            for a, k in zip(select(cols, col_f), select(col_lead, col_f))
+        ]
+        d_pairs0 = [
+            pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
+        ]
+        d_consts0 = accumulators(select(consts, const_f))
+    else:
+        d_rows0, d_cols0, d_pairs0, d_consts0 = running
+    # One tile of every problem in the batch at once.
+    tile_in_axes = lambda level: (0, spec.col_axes(level), spec.pair_axes(level), None)  # noqa: E731
+
+    def row_body(carry, inp):
+        d_rows, d_cols, d_pairs, d_consts = carry
+        r_ids, r_valid = R.chunk_ids(inp)
+        r0 = r_ids[0]
+        row_blk = [R.block(a, r0, axis=nb) for a in rows]
+        row_data = [R.block(a, r0, axis=nb) for a in per_row]
+
+        def col_body(carry2, inp2):
+            d_row, d_cols, d_pairs, d_consts = carry2
+            c_ids, c_valid = C.chunk_ids(inp2)
+            c0 = c_ids[0]
+            col_blk = [C.block(a, c0, axis=k) for a, k in zip(cols, col_lead)]
+            pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+            blocks = [row_blk, col_blk, pblk]
+            if spec.upcast:
+                blocks = promote(blocks)
+            tile = spec.over_batch(
+                lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
+            )
+
+            def f(r_d, c_d, p_d, k_d):
+                return tile(
+                    fill(blocks[0], row_f, r_d),
+                    fill(blocks[1], col_f, c_d),
+                    fill(blocks[2], pair_f, p_d),
+                    fill(consts, const_f, k_d),
+                )
+
+            primal_in = (
+                select(blocks[0], row_f),
+                select(blocks[1], col_f),
+                select(blocks[2], pair_f),
+                select(consts, const_f),
+            )
+            score_ct = spec.over_batch(
+                lambda out, rd: reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
+                lambda level: (0, 0),
+            )
+
+            def tile_grads():
+                out, vjp = jax.vjp(f, *primal_in)
+                return vjp(score_ct(out, row_data))
+
+            if spec.live is None:
+                dr, dc, dp, dk = tile_grads()
+            else:
+                # Only the tile's cotangents are branched (not the carried accumulators),
+                # so the cond never copies an O(n) or O(n m) buffer.
+                dr, dc, dp, dk = lax.cond(
+                    spec.is_live(r_ids, c_ids, consts),
+                    tile_grads,
+                    lambda: tuple(typed_zeros(group) for group in primal_in),
+                )
+            d_row = add(d_row, dr)
+            d_cols = [
+                add_block(acc, g, (c0,), k)
+                for acc, g, k in zip(d_cols, dc, select(col_lead, col_f))
+            ]
+            d_pairs = [
+                add_block(acc, g, (r0, c0), k)
+                for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
+            ]
+            return (d_row, d_cols, d_pairs, add(d_consts, dk)), None
+
+        (d_row, d_cols, d_pairs, d_consts), _ = lax.scan(
+            col_body,
+            (accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
+            C.indices(),
+        )
+        if running is None:
+            # A row block's cotangent is complete here: stored once, in its own dtype.
+            d_rows = [
+                lax.dynamic_update_slice_in_dim(acc, g.astype(acc.dtype), r0, axis=nb)
+                for acc, g in zip(d_rows, d_row)
+            ]
+        else:  # one column block of a ring: add to the other blocks' share
+            d_rows = [add_block(acc, g, (r0,), nb) for acc, g in zip(d_rows, d_row)]
+        return (d_rows, d_cols, d_pairs, d_consts), None
+
+    (d_rows, d_cols, d_pairs, d_consts), _ = lax.scan(
+        row_body, (d_rows0, d_cols0, d_pairs0, d_consts0), R.indices()
+    )
+    if running is not None:
+        return d_rows, d_cols, d_pairs, d_consts
+
+    def finish(cts, primal_group):
+        return [c.astype(p.dtype) for c, p in zip(psum_replicated(cts, primal_group), primal_group)]
+
+    d_rows = finish(
+        [lax.slice_in_dim(a, 0, R.length, axis=nb) for a in d_rows], select(primals[0], row_f)
+    )
+    primal_cols = select(primals[1], col_f)
+    d_cols = [
+        lax.slice_in_dim(a, 0, C.length, axis=k) for a, k in zip(d_cols, select(col_lead, col_f))
+    ]
+    d_cols = [
+        d.reshape(p.shape)
+        for d, p in zip(finish(d_cols, select(spec.squeeze_cols(primals[1]), col_f)), primal_cols)
+    ]
+    d_pairs = [
+        lax.slice(a, (0,) * a.ndim, p.shape[:k] + p.shape[k : k + 2] + a.shape[k + 2 :])
+        for a, p, k in zip(d_pairs, select(pairs, pair_f), select(lead, pair_f))
+    ]
+    primal_pairs = select(primals[2], pair_f)
+    d_pairs = [d.reshape(p.shape) for d, p in zip(finish(d_pairs, primal_pairs), primal_pairs)]
+    d_consts = finish(d_consts, select(primals[3], const_f))
+    return (
+        cotangents(row_f, d_rows),
+        cotangents(col_f, d_cols),
+        cotangents(pair_f, d_pairs),
+        cotangents(const_f, d_consts),
+    )
+
+
+def add_block(acc, g, starts, k):
+    """Add a block's cotangent ``g`` into ``acc`` at ``starts`` on axes ``k, k+1, ...``
+    (at 0 on an axis of size 1: a pair that broadcasts over it)."""
+    starts = tuple(i if n != 1 else 0 for i, n in zip(starts, acc.shape[k:]))
+    zero = jnp.zeros((), jnp.int32)  # one index dtype (python 0s are int64 under x64)
+    start = (zero,) * k + tuple(jnp.asarray(i, jnp.int32) for i in starts)
+    start += (zero,) * (acc.ndim - len(start))
+    cur = lax.dynamic_slice(acc, start, g.shape)
+    return lax.dynamic_update_slice(acc, cur + g.astype(acc.dtype), start)

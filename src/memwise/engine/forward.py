@@ -1,0 +1,131 @@
+"""The engine's forward pass: every row block reduced over the column tiles.
+
+Each problem of a batch is one call of :func:`statistics` under ``vmap`` (pairs
+broadcast over the batch dims they lack, never expanded); within it, row blocks are
+sliced by index and their statistics written in place into one carried buffer, and
+each row block's pass over the column tiles is a ``lax.scan`` whose step is the
+reduction's :meth:`~memwise.engine.reductions.Reduction.update`. Tiles a ``live``
+predicate marks invisible are skipped by ``lax.cond`` (a real branch: the predicate
+reads tile indices only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from memwise.engine.tiles import Leaves, TileSpec, pair_blocks
+from memwise.sharding import vary, varying_over
+
+__all__ = ["statistics", "tiled_forward"]
+
+
+def _tile_type(spec: TileSpec, rows: Leaves, cols: Leaves, pairs: Leaves, consts: Leaves) -> Any:
+    """Shapes and dtypes of one tile's output (the first tile of the first problem)."""
+    R, C, nb = spec.tiles.rows, spec.tiles.cols, len(spec.batch)
+
+    def first_tile():
+        r = [R.block(a[(0,) * nb], 0) for a in rows]
+        c = [C.block(a[(0,) * k], 0) for a, k in zip(cols, spec.col_lead())]
+        lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
+        p = pair_blocks(R, C, [a[(0,) * k] for a, k in zip(pairs, lead)], 0, 0)
+        return spec.tile((r, c, p, consts), R.chunk_ids(0)[0], C.chunk_ids(0)[0])
+
+    return jax.eval_shape(first_tile)
+
+
+def _row_pass(
+    spec: TileSpec,
+    first: Any,
+    rows: Any,
+    cols: Any,
+    pairs: Leaves,
+    consts: Leaves,
+    row_ids: jax.Array,
+) -> Any:
+    """Reduce one row block over all column tiles (the forward pass of one row block).
+
+    ``first`` is the tile's output type. Returns the block's statistics (the
+    reduction's :meth:`~memwise.engine.reductions.Reduction.close` of its state).
+    """
+    reduction = spec.reduction
+
+    def scores_of(col_blk, c_ids):
+        pblk = pair_blocks(spec.tiles.rows, spec.tiles.cols, pairs, row_ids[0], c_ids[0])
+        return spec.tile((rows, col_blk, pblk, consts), row_ids, c_ids)
+
+    init = vary(reduction.init(first), varying_over(rows, cols, pairs, consts))
+
+    def body(state, k):
+        # Column blocks sliced by index from the unsplit columns: splitting them into
+        # (chunks, size, ...) made a copy (under vmap, a transposed one) of k and v.
+        col_blk = [spec.tiles.cols.block(a, k * spec.tiles.cols.size) for a in cols]
+        inp = (col_blk, *spec.tiles.cols.chunk_ids(k))
+        if spec.live is None:
+            return step(state, inp), None
+        # The predicate depends on tile indices only (never on vmapped data), so under
+        # vmap this stays a real branch and a dead tile costs nothing.
+        keep = spec.is_live(row_ids, inp[1], consts)
+        return lax.cond(keep, step, lambda s, _: s, state, inp), None
+
+    def step(state, inp):
+        col_blk, c_ids, c_valid = inp
+        return reduction.update(state, scores_of(col_blk, c_ids), c_valid, c_ids)
+
+    state, _ = lax.scan(body, init, spec.tiles.cols.indices())
+    return reduction.close(state)
+
+
+def _problem_forward(
+    spec: TileSpec, first: Any, rows: Any, cols: Any, pairs: Leaves, consts: Leaves
+) -> Any:
+    """The forward statistics of one problem (no batch dims)."""
+    R = spec.tiles.rows
+
+    # Row blocks sliced by index, as the columns' and the backward's: splitting rows
+    # into (chunks, size, ...) copied q (transposed, under the batch's vmap).
+    def one_row_block(k):
+        row_blk = [R.block(a, k * R.size) for a in rows]
+        return _row_pass(spec, first, row_blk, cols, pairs, consts, R.chunk_ids(k)[0])
+
+    # Each block's statistics written in place into a carried buffer: stacking them as
+    # the loop's output and merging made two more copies (under vmap, transposed).
+    block_type = jax.eval_shape(one_row_block, jnp.int32(0))
+    init = jax.tree.map(lambda t: jnp.zeros((R.padded,) + t.shape[1:], t.dtype), block_type)
+    init = vary(init, varying_over(rows, cols, pairs, consts))
+
+    def body(acc, k):
+        blk = one_row_block(k)
+        start = k * R.size
+        return jax.tree.map(
+            lambda a, b: lax.dynamic_update_slice_in_dim(a, b, start, axis=0), acc, blk
+        ), None
+
+    out, _ = lax.scan(body, init, R.indices())
+    return jax.tree.map(lambda a: a[: R.length], out)
+
+
+def statistics(
+    spec: TileSpec, rows: Leaves, cols: Leaves, pairs: Leaves, consts: Leaves
+) -> tuple[Any, Any]:
+    """``(tile type, statistics)`` of the whole batch: each problem vmapped, pairs
+    broadcast over the batch dims they lack (never expanded)."""
+    pairs = spec.squeeze_pairs(pairs)
+    cols = spec.squeeze_cols(cols)
+    first = _tile_type(spec, rows, cols, pairs, consts)
+    problem = spec.over_batch(
+        lambda r, c, p: _problem_forward(spec, first, r, c, p, consts),
+        lambda level: (0, spec.col_axes(level), spec.pair_axes(level)),
+    )
+    return first, problem(rows, cols, pairs)
+
+
+def tiled_forward(
+    spec: TileSpec, rows: Leaves, cols: Leaves, pairs: Leaves, consts: Leaves
+) -> tuple[Any, Any]:
+    """``(result, residual)`` of the whole batch."""
+    first, stats = statistics(spec, rows, cols, pairs, consts)
+    return spec.reduction.finish(first, stats)

@@ -1,0 +1,172 @@
+"""The engine's ring form: columns split over a mesh axis, each block passed around.
+
+Inside ``shard_map``, every device holds ``m / size`` columns; block by block they
+travel to the next device (``ppermute``) while the current one is reduced against the
+local rows, and the blocks' statistics merge with the reduction's
+:meth:`~memwise.engine.reductions.Reduction.combine` (ring attention: Liu, Zaharia,
+Abbeel, arXiv:2310.01889). In the backward each block's cotangent travels with it, so
+after ``size`` steps every block is home with the cotangent summed over every device's
+rows. No all-gather: the memory per device is the local rows, one block of columns (two
+while one is in flight) and one tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from memwise._dtypes import accumulation_dtype
+from memwise._vjp import Static, cotangents, custom_vjp, select, unwrap
+from memwise.engine.backward import backward
+from memwise.engine.forward import statistics
+from memwise.engine.tiles import Leaves, TileSpec, accumulators
+
+__all__ = ["Ring", "ring_core", "ring_spec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """Inside ``shard_map``: the mesh axis (or axes) the columns are split over, and its
+    number of devices. Every device holds ``m / size`` columns; block by block they
+    travel to the next device (``ppermute``) while the current one is reduced."""
+
+    axes: Any
+    size: int
+
+
+def ring_spec(spec: TileSpec) -> TileSpec:
+    """``spec`` for one column block of a ring: its consts gain the block's first global
+    column, added to the column ids ``tile_fn`` and ``live`` see (a causal mask compares
+    global positions); the loops still slice with block-local ids."""
+    tile_fn, live = spec.tile_fn, spec.live
+
+    def shifted(rows, cols, pairs, consts, row_ids, col_ids):
+        user, offset = consts
+        return tile_fn(rows, cols, pairs, user, row_ids, col_ids + offset)
+
+    def shifted_live(row_ids, col_ids, consts):
+        assert live is not None  # installed only when spec has live
+        user, offset = consts
+        return live(row_ids, col_ids + offset, user)
+
+    user = jax.tree.unflatten(spec.trees[3], [0] * spec.trees[3].num_leaves)
+    return dataclasses.replace(
+        spec,
+        tile_fn=shifted,
+        live=None if live is None else shifted_live,
+        trees=spec.trees[:3] + (jax.tree.structure((user, 0)),),
+    )
+
+
+def _rotate(tree: Any, ring: Ring) -> Any:
+    """Every device's ``tree`` sent to the next device of the ring."""
+    perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    return jax.tree.map(lambda a: lax.ppermute(a, ring.axes, perm), tree)
+
+
+def _block_offset(ring: Ring, m_local: int, step: int | jax.Array) -> jax.Array:
+    """The first global column of the block a device holds at ``step``: it started on
+    the device ``step`` places before this one."""
+    me = lax.axis_index(ring.axes)
+    return (((me - step) % ring.size) * m_local).astype(jnp.int32)
+
+
+def _ring_statistics(
+    spec: TileSpec, ring: Ring, rows: Leaves, cols: Leaves, pairs: Leaves, consts: Leaves
+) -> tuple[Any, Any]:
+    """``(tile type, statistics over every device's columns)``."""
+    m_local = cols[0].shape[len(spec.batch)]
+
+    def block(blk, step):
+        offset = _block_offset(ring, m_local, step)
+        first, stats = statistics(spec, rows, blk, pairs, [*consts, offset])
+        return first, spec.reduction.globalize(stats, offset)
+
+    in_flight = _rotate(cols, ring)  # the next block travels while this one is reduced
+    first, stats = block(cols, 0)
+
+    def step(carry, i):
+        blk, stats = carry
+        in_flight = _rotate(blk, ring)  # (the last step's send is not used)
+        return (in_flight, spec.reduction.combine(stats, block(blk, i)[1])), None
+
+    (_, stats), _ = lax.scan(step, (in_flight, stats), jnp.arange(1, ring.size))
+    return first, stats
+
+
+@functools.partial(
+    custom_vjp,
+    nondiff_argnums=(0, 1),
+    forward_mode_error=lambda spec, _ring: spec.forward_mode_error,
+)
+def ring_core(
+    spec: TileSpec, ring: Ring, rows: Leaves, cols: Leaves, pairs: Leaves, consts: Leaves
+) -> Any:
+    return spec.reduction.finish(*_ring_statistics(spec, ring, rows, cols, pairs, consts))[0]
+
+
+def _ring_core_fwd(spec, ring, *primals):
+    values, flags = zip(*(unwrap(p) for p in primals))
+    out, residual = spec.reduction.finish(*_ring_statistics(spec, ring, *values))
+    return out, (values, residual, Static(flags))
+
+
+def _ring_core_bwd(spec, ring, res, ct):
+    """The tiled backward of each block against the global statistics, the block and
+    its cotangent travelling on together: after ``size`` steps every block is home with
+    the cotangent summed over every device's rows (ring attention's backward). The
+    tile loops add straight into the carried accumulators (no per-block copies)."""
+    values, residual, flags = res
+    row_f, col_f, pair_f, const_f = flags.value
+    rows, cols, pairs, consts = values
+    nb = len(spec.batch)
+    m_local = cols[0].shape[nb]
+    R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
+    block_flags = (row_f, col_f, pair_f, const_f + (False,))
+
+    def padded(a, chunks):
+        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1 :]
+        return jnp.zeros(shape, accumulation_dtype(a.dtype))
+
+    def step(carry, i):
+        blk, d_blk, d_rows, d_consts = carry
+        in_flight = _rotate(blk, ring)
+        offset = _block_offset(ring, m_local, i)
+        res_b = spec.reduction.localize(residual, offset)
+        d_rows, d_blk, _, d_consts = backward(
+            spec,
+            (rows, blk, pairs, [*consts, offset]),
+            res_b,
+            block_flags,
+            ct,
+            running=(d_rows, d_blk, [], d_consts),
+        )
+        return (in_flight, _rotate(d_blk, ring), d_rows, d_consts), None  # d_blk follows
+
+    init = (
+        list(cols),
+        [padded(a, C) for a in select(cols, col_f)],
+        [padded(a, R) for a in select(rows, row_f)],
+        accumulators(select(consts, const_f)),
+    )
+    (_, d_blk, d_rows, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
+
+    def finish(cts, group, f, chunks=None):
+        if chunks is not None:
+            cts = [lax.slice_in_dim(c, 0, chunks.length, axis=nb) for c in cts]
+        return cotangents(f, [c.astype(p.dtype) for c, p in zip(cts, select(group, f))])
+
+    return (
+        finish(d_rows, rows, row_f, R),
+        finish(d_blk, cols, col_f, C),
+        cotangents(pair_f, []),
+        finish(d_consts, consts, const_f),
+    )
+
+
+ring_core.defvjp(_ring_core_fwd, _ring_core_bwd)

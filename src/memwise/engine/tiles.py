@@ -1,0 +1,148 @@
+"""The static description of one tiled reduction, and the slicing of its operands.
+
+:class:`TileSpec` is the non-differentiable argument of the engine's custom VJPs: the
+tile function, the reduction kind, the resolved :class:`~memwise.tiling.Tiling`, the
+operands' tree structures and their batch layout. Blocks of rows and columns are sliced
+by index from the unsplit operands (splitting into ``(chunks, size, ...)`` copies them,
+under ``vmap`` transposed); a pair operand (mask, bias) is sliced from its own shape,
+an axis of size 1 broadcast, never expanded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from memwise._dtypes import accumulation_dtype
+from memwise.engine.reductions import REDUCTIONS, Reduction
+from memwise.sharding import typed_zeros
+from memwise.tiling import Chunking, Tiling
+
+__all__ = ["FORWARD_MODE", "Leaves", "TileSpec", "accumulators", "pair_blocks"]
+
+# The flattened leaves of one pytree operand (rows, cols, pairs or consts).
+Leaves = list[jax.Array]
+
+
+def accumulators(values: Sequence[Any]) -> list:
+    """Loop-carry zeros shaped like ``values``, in their accumulation dtype."""
+    return [z.astype(accumulation_dtype(z.dtype)) for z in typed_zeros(values)]
+
+
+FORWARD_MODE = (
+    "memwise's tiled reductions support reverse mode (grad, vjp, jacrev; also jax.hessian "
+    "and jacfwd of grad) and vmap, but not forward mode through them (jvp, jacfwd, "
+    "jax.linearize); for forward mode compute the dense version, or differentiate in "
+    "reverse mode"
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TileSpec:
+    """Static description of one tiled reduction (a nondiff argument of the custom_vjp).
+
+    ``tile_fn(rows, cols, pairs, consts, row_ids, col_ids)`` returns the scores of one
+    tile of one problem, shape ``(R, C) + trailing``; for ``"softmax"`` it returns
+    ``(scores (R, C), values (C, dv))`` and the reduction is ``sum_j softmax_j(scores)
+    values_j``. Scores equal to -inf are excluded (masking).
+    """
+
+    tile_fn: Callable
+    reduce: str
+    tiles: Tiling
+    trees: tuple  # treedefs of (rows, cols, pairs, consts)
+    batch: tuple = ()  # leading batch dims of rows and cols
+    # Per pair leaf: its leading batch dims, 1 where it broadcasts over that batch dim.
+    pair_batch: tuple = ()
+    # The same per column leaf (grouped-query attention: one K/V head for many heads);
+    # empty when every column leaf has the full batch dims (then none is squeezed).
+    col_batch: tuple = ()
+    upcast: bool = False  # differentiate tiles on float32 copies of the blocks
+    vary_consts: bool = True  # see memwise.sharding.convert
+    # live(row_ids, col_ids, consts) -> bool scalar: False when every score of the tile is
+    # -inf (e.g. above a causal diagonal); such tiles are skipped with lax.cond.
+    live: Callable | None = None
+    # The TypeError forward mode raises, naming the caller's public function and the fix.
+    forward_mode_error: str = ""
+
+    @property
+    def reduction(self) -> Reduction:
+        return REDUCTIONS[self.reduce]
+
+    def tile(self, leaves: Sequence[list], row_ids: jax.Array, col_ids: jax.Array) -> Any:
+        rows, cols, pairs, consts = (
+            jax.tree.unflatten(tree, flat) for tree, flat in zip(self.trees, leaves)
+        )
+        return self.tile_fn(rows, cols, pairs, consts, row_ids, col_ids)
+
+    def is_live(self, row_ids: jax.Array, col_ids: jax.Array, const_leaves: list) -> jax.Array:
+        assert self.live is not None  # called only for a spec with live
+        return self.live(row_ids, col_ids, jax.tree.unflatten(self.trees[3], const_leaves))
+
+    def pair_axes(self, level: int) -> list:
+        """vmap in_axes of the (squeezed) pair leaves at batch dim ``level``."""
+        return [None if pb[level] == 1 else 0 for pb in self.pair_batch]
+
+    def col_axes(self, level: int) -> list:
+        """vmap in_axes of the (squeezed) column leaves at batch dim ``level``."""
+        if not self.col_batch:
+            return [0] * self.trees[1].num_leaves
+        return [None if cb[level] == 1 else 0 for cb in self.col_batch]
+
+    def squeeze_pairs(self, pairs: list) -> list:
+        """Pair leaves without the batch dims they broadcast over (a reshape, no copy)."""
+        return _squeeze(pairs, self.pair_batch, len(self.batch))
+
+    def squeeze_cols(self, cols: list) -> list:
+        """Column leaves without the batch dims they broadcast over (no copy)."""
+        if not self.col_batch:
+            return list(cols)
+        return _squeeze(cols, self.col_batch, len(self.batch))
+
+    def col_lead(self) -> list:
+        """Per squeezed column leaf: the axis of its columns."""
+        if not self.col_batch:
+            return [len(self.batch)] * self.trees[1].num_leaves
+        return [sum(s != 1 for s in cb) for cb in self.col_batch]
+
+    def over_batch(
+        self, fn: Callable, in_axes: Callable[[int], tuple], out_axes: Any = 0
+    ) -> Callable:
+        """``fn`` of one problem vmapped over the batch dims, outermost first."""
+        for level in reversed(range(len(self.batch))):
+            fn = jax.vmap(fn, in_axes=in_axes(level), out_axes=out_axes)
+        return fn
+
+
+def _squeeze(leaves: list, leaf_batch: tuple, nb: int) -> list:
+    """Each leaf without the leading batch dims it broadcasts over (size 1 in ``leaf_batch``)."""
+    return [
+        a.reshape(tuple(s for s in lb if s != 1) + a.shape[nb:])
+        for a, lb in zip(leaves, leaf_batch)
+    ]
+
+
+def pair_blocks(
+    rows: Chunking,
+    cols: Chunking,
+    pairs: list,
+    i_start: int | jax.Array,
+    j_start: int | jax.Array,
+    lead: Sequence[int] | None = None,
+) -> list:
+    """The tile of each pair operand at ``(i_start, j_start)``, no copy.
+
+    A pair's row and column axes sit after its ``lead`` batch dims; an axis of size 1
+    broadcasts (a key-padding mask is ``(1, m)``) and is not sliced.
+    """
+    out = []
+    for p, k in zip(pairs, lead or [0] * len(pairs)):
+        if p.shape[k] != 1:
+            p = rows.block(p, i_start, axis=k)
+        if p.shape[k + 1] != 1:
+            p = cols.block(p, j_start, axis=k + 1)
+        out.append(p)
+    return out
