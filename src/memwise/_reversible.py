@@ -103,6 +103,12 @@ class DriftLog:
     The kept carries bound the drift: the backward restarts from each, so a drift
     measured here is also the largest error of a carry the gradient was computed at.
 
+    Each record is a ``Drift(step, absolute, relative, steps_rebuilt)``: the carry after
+    ``step`` steps (0: ``init``) was rebuilt over ``steps_rebuilt`` inverse steps and
+    differs from the kept one by ``absolute`` (the largest ``|rebuilt - kept|`` over the
+    leaves), ``relative`` to the largest ``|kept|``. ``max_absolute``,
+    ``max_relative`` and :meth:`check` summarise them; :meth:`clear` forgets them.
+
     Example::
 
         >>> import jax, jax.numpy as jnp, memwise as mw
@@ -256,19 +262,21 @@ def _check_inverse_output(inverse: Callable, init: Any, x_example: Any) -> None:
 
 def scan(
     f: Callable,
-    inverse: Callable,
+    inverse: Any,
     init: Any,
     xs: Any,
-    *,
     n: int,
+    read_only: list,
+    schedule: str,
+    drift: Any,
+    *,
     checkpoints: Any,
     reverse: bool,
     unroll: Any,
-    read_only: list,
-    drift: DriftLog | None,
 ) -> tuple[Any, Any]:
     """``memwise.scan(f, init, xs, inverse=inverse, ...)`` once the common checks passed
     (``init`` with its weak types resolved, ``read_only`` from ``scan``'s carry check)."""
+    check_inverse(inverse, drift, schedule, checkpoints)
     _check_inverse_output(inverse, init, first_items(xs))
     if n == 0:
         if checkpoints is not None:
@@ -409,9 +417,12 @@ def _compare(drift: tuple, rebuilt: list, stored: list, at_kept: Any, index: Any
     for r, s in zip(rebuilt, stored):
         if r.size == 0:
             continue
-        s32 = s.astype(jnp.float32)
-        absolute = jnp.maximum(absolute, jnp.max(jnp.abs(r.astype(jnp.float32) - s32)))
-        scale = jnp.maximum(scale, jnp.max(jnp.abs(s32)))
+        # the difference in the carry's own precision (a float64 drift of 1e-16 would
+        # vanish in float32 arithmetic), at least float32; the figures as float32
+        wide = jnp.promote_types(r.dtype, jnp.float32)
+        difference = jnp.max(jnp.abs(r.astype(wide) - s.astype(wide))).astype(jnp.float32)
+        absolute = jnp.maximum(absolute, difference)
+        scale = jnp.maximum(scale, jnp.max(jnp.abs(s)).astype(jnp.float32))
     relative = jnp.where(scale > 0, absolute / jnp.where(scale > 0, scale, 1.0), absolute)
     index = jnp.minimum(index, drift[0].shape[0] - 1)
     return tuple(

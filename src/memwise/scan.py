@@ -354,16 +354,13 @@ def scan(
         (plain ``lax.scan``: all residuals, n evaluations).
       reverse: as in ``lax.scan``: run the loop from the last step to the first.
       unroll: as in ``lax.scan``; applies to the forward pass.
-      inverse: ``(next_carry, x) -> carry``, the exact inverse of ``f``'s carry update
-        (``inverse(f(carry, x)[0], x) == carry``), for a reversible step (a reversible
-        residual network, the reversible Heun method). The gradient then rebuilds each
-        carry from the next one instead of keeping it: its memory is constant in the
-        length, at 2n body and n inverse evaluations. ``checkpoints`` then counts the
-        carries kept to bound the drift of the rebuilt ones in floating point (``None``:
-        one, the final carry; ``c``: one every ``ceil(n / c)`` steps, where the backward
-        restarts). ``schedule`` must stay ``"binomial"``.
-      drift: a :class:`memwise.DriftLog` (with ``inverse``): the backward pass records in
-        it, at each kept carry and at ``init``, how far the rebuilt carry drifted.
+      inverse: ``(next_carry, x) -> carry``, the exact inverse of ``f``'s carry update,
+        for steps that can be undone (a RevNet coupling, reversible Heun): the gradient
+        rebuilds each carry from the next instead of keeping it, so its memory is
+        constant in the length (2n body, n inverse evaluations). ``checkpoints`` then
+        keeps that many carries (default one), evenly spaced, to bound the drift.
+      drift: a :class:`memwise.DriftLog` (with ``inverse``) that records, when the
+        gradient runs, how far the rebuilt carries drift from the kept ones.
 
     Returns:
       ``(final_carry, ys)`` exactly as ``jax.lax.scan``.
@@ -397,19 +394,8 @@ def scan(
     if inverse is not None or drift is not None:
         from memwise import _reversible  # it builds on this module's loop plumbing
 
-        _reversible.check_inverse(inverse, drift, schedule, checkpoints)
-        return _reversible.scan(
-            f,
-            inverse,
-            init,
-            xs,
-            n=n,
-            checkpoints=checkpoints,
-            reverse=reverse,
-            unroll=unroll,
-            read_only=read_only,
-            drift=drift,
-        )
+        options = {"checkpoints": checkpoints, "reverse": reverse, "unroll": unroll}
+        return _reversible.scan(f, inverse, init, xs, n, read_only, schedule, drift, **options)
 
     if schedule in ("none", "per_step"):
         if checkpoints is not None:
