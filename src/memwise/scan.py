@@ -394,8 +394,8 @@ def scan(
     if inverse is not None or drift is not None:
         from memwise import _reversible  # it builds on this module's loop plumbing
 
-        options = {"checkpoints": checkpoints, "reverse": reverse, "unroll": unroll}
-        return _reversible.scan(f, inverse, init, xs, n, read_only, schedule, drift, **options)
+        static = (schedule, checkpoints, reverse, unroll)
+        return _reversible.scan(f, inverse, init, xs, n, read_only, drift, *static)
 
     if schedule in ("none", "per_step"):
         if checkpoints is not None:
