@@ -315,3 +315,29 @@ def test_bad_inverse_options_name_the_argument(options, error, words):
     with pytest.raises(error, match=words) as info:
         mw.scan(lambda c, x: (c + x, None), jnp.zeros(2), jnp.ones((3, 2)), **options)
     assert "jax._src" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_gradient_evaluates_the_body_2n_times_and_the_inverse_n_times():
+    calls = {"step": 0, "inverse": 0}
+
+    def count(name):
+        def bump(*_):
+            calls[name] += 1
+
+        return bump
+
+    def loss(w, xs):
+        def step(h, x):
+            jax.debug.callback(count("step"))
+            return h + jnp.sin(w * x), None
+
+        def inverse(h, x):
+            jax.debug.callback(count("inverse"))
+            return h - jnp.sin(w * x)
+
+        return mw.scan(step, jnp.zeros(3), xs, inverse=inverse, checkpoints=3)[0].sum()
+
+    jax.block_until_ready(jax.jit(jax.grad(loss))(0.5, jnp.ones((10, 3))))
+    jax.effects_barrier()
+    assert calls == {"step": 20, "inverse": 10}
