@@ -174,6 +174,37 @@ def _scan(schedule):
     return build
 
 
+def _coupling(w):
+    """A RevNet additive coupling on (a, b) and its inverse (the ``inverse=`` rows)."""
+
+    def step(c, x):
+        a = c[0] + jnp.tanh(w @ c[1] + x)
+        b = c[1] + jnp.tanh(w.T @ a)
+        return (a, b), jnp.sum(a * b)
+
+    def inverse(c, x):
+        b = c[1] - jnp.tanh(w.T @ c[0])
+        return (c[0] - jnp.tanh(w @ b + x), b)
+
+    return step, inverse
+
+
+def _scan_inverse(n, chunk, dtype):
+    xs, w, b0 = _inputs(dtype, (n, 3), (3, 3), (3,))
+
+    def f(xs, w, b0):
+        step, inverse = _coupling(w)
+        init = (jnp.zeros(3, xs.dtype), b0)
+        (a, b), ys = mw.scan(step, init, xs, inverse=inverse, checkpoints=chunk)
+        return jnp.concatenate([a, b, ys])
+
+    def dense(xs, w, b0):
+        (a, b), ys = jax.lax.scan(_coupling(w)[0], (jnp.zeros(3, xs.dtype), b0), xs)
+        return jnp.concatenate([a, b, ys])
+
+    return f, dense, (xs, w, b0)
+
+
 def _while_loop(n, chunk, dtype):
     (w,) = _inputs(dtype, (3, 3))
     h0 = jnp.ones(3, dtype) * 0.5
@@ -306,6 +337,7 @@ CASES = {
     ),
     "scan_binomial": Case(_scan("binomial")),
     "scan_nested": Case(_scan("nested"), forward_mode=True),
+    "scan_inverse": Case(_scan_inverse),
     "while_loop": Case(_while_loop),
     "sinkhorn_divergence": Case(_divergence, min_tolerance=1e-5),
     "linearize": Case(_linearize),
@@ -424,6 +456,13 @@ def _closure_scan_carried(w, k):
     return step, (jnp.zeros(3, w.dtype), k), _XS.astype(w.dtype)
 
 
+def _closure_scan_inverse(w, k):
+    # the int k enters the step and its inverse; the carry is rebuilt, not kept
+    step = lambda c, x: (c + jnp.sin(w * x) * k, c * k)  # noqa: E731
+    inverse = lambda c, x: c - jnp.sin(w * x) * k  # noqa: E731
+    return step, jnp.ones(3, w.dtype), _XS.astype(w.dtype), inverse
+
+
 def _closure_while(carried):
     """A loop of k + 1 steps whose bound (and a term of the body) is the integer k; with
     ``carried``, k travels in the carry unchanged, as a solver's ``max_steps`` does."""
@@ -495,6 +534,12 @@ CLOSURE_PRIMITIVES = {
     "scan_carried_int": (
         lambda w, k: mw.scan(*_closure_scan_carried(w, k), checkpoints=2)[1].ravel(),
         lambda w, k: jax.lax.scan(*_closure_scan_carried(w, k))[1].ravel(),
+    ),
+    "scan_inverse": (
+        lambda w, k: jnp.concatenate(
+            mw.scan(*_closure_scan_inverse(w, k)[:3], inverse=_closure_scan_inverse(w, k)[3])[1]
+        ),
+        lambda w, k: jnp.concatenate(jax.lax.scan(*_closure_scan_inverse(w, k)[:3])[1]),
     ),
     "while_loop": _closure_while(carried=False),
     "while_loop_carried_int": _closure_while(carried=True),
@@ -851,6 +896,26 @@ BAD_INPUTS = {
         lambda: mw.scan(lambda h, x: (h.astype(jnp.int32), None), 0.0, _X),
         TypeError,
         "changed the type of the carry: init is float64[] (weakly typed",
+    ),
+    "scan inverse not callable": (
+        lambda: mw.scan(_STEP, jnp.zeros(2), _X, inverse="h - x"),
+        TypeError,
+        "inverse must be callable",
+    ),
+    "scan inverse returns a pair": (
+        lambda: mw.scan(_STEP, jnp.zeros(2), _X, inverse=lambda h, x: (h - x, None)),
+        TypeError,
+        "inverse must return the carry before the step, structured as init",
+    ),
+    "scan inverse changes the dtype": (
+        lambda: mw.scan(_STEP, jnp.zeros(2), _X, inverse=lambda h, x: (h - x).astype(int)),
+        TypeError,
+        "inverse changed the type of the carry",
+    ),
+    "scan drift without inverse": (
+        lambda: mw.scan(_STEP, jnp.zeros(2), _X, drift=mw.DriftLog()),
+        ValueError,
+        "drift= records how far the carries rebuilt by inverse= drift",
     ),
     "scan carry leaf path": (
         lambda: mw.scan(

@@ -1,6 +1,7 @@
 """memwise: reverse-mode differentiation in JAX that fits in memory."""
 
 from memwise import knobs, measure, ntk, ot, schedule
+from memwise._reversible import DriftLog
 from memwise.accumulate import accumulate_grad
 from memwise.attention import attention
 from memwise.chunked import chunked_map, chunked_sum
@@ -15,6 +16,7 @@ from memwise.sdpa import dot_product_attention, flax_attention_fn
 __version__ = "0.3.0.dev0"
 
 __all__ = [
+    "DriftLog",
     "Linearized",
     "MemoryBudgetError",
     "MemoryReport",

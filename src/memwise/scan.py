@@ -45,7 +45,7 @@ Trade-offs, honestly:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.extend
@@ -59,6 +59,9 @@ from memwise._arguments import check_arrays
 from memwise._jax_private import hoist_constant_casts, varying_axes
 from memwise._vjp import closure_convert, fill, select
 from memwise.sharding import first_items, vary, varying_over
+
+if TYPE_CHECKING:
+    from memwise._reversible import DriftLog
 
 __all__ = ["scan", "while_loop", "resolve_checkpoints"]
 
@@ -322,6 +325,8 @@ def scan(
     schedule: str = "binomial",
     reverse: bool = False,
     unroll: int | bool = 1,
+    inverse: Callable[[Any, Any], Any] | None = None,
+    drift: DriftLog | None = None,
 ) -> tuple[Any, Any]:
     """``jax.lax.scan`` whose gradient keeps at most ``checkpoints`` carries.
 
@@ -349,6 +354,13 @@ def scan(
         (plain ``lax.scan``: all residuals, n evaluations).
       reverse: as in ``lax.scan``: run the loop from the last step to the first.
       unroll: as in ``lax.scan``; applies to the forward pass.
+      inverse: ``(next_carry, x) -> carry``, the exact inverse of ``f``'s carry update,
+        for steps that can be undone (a RevNet coupling, reversible Heun): the gradient
+        rebuilds each carry from the next instead of keeping it, so its memory is
+        constant in the length (2n body, n inverse evaluations). ``checkpoints`` then
+        keeps that many carries (default one), evenly spaced, to bound the drift.
+      drift: a :class:`memwise.DriftLog` (with ``inverse``) that records, when the
+        gradient runs, how far the rebuilt carries drift from the kept ones.
 
     Returns:
       ``(final_carry, ys)`` exactly as ``jax.lax.scan``.
@@ -379,6 +391,11 @@ def scan(
         raise ValueError(f"schedule={schedule!r} is not one of {_SCHEDULES}")
     n = _scan_length(xs, length)
     init, read_only = _strong_carry(f, init, first_items(xs))
+    if inverse is not None or drift is not None:
+        from memwise import _reversible  # it builds on this module's loop plumbing
+
+        static = (schedule, checkpoints, reverse, unroll)
+        return _reversible.scan(f, inverse, init, xs, n, read_only, drift, *static)
 
     if schedule in ("none", "per_step"):
         if checkpoints is not None:
