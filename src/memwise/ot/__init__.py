@@ -45,7 +45,9 @@ from memwise.ot.api import SinkhornResult, sinkhorn, sinkhorn_divergence
 
 # Names that memwise.ot held as one module, importable from here as before.
 from memwise.ot.costs import CostFn as CostFn
+from memwise.ot.costs import PNormP
 from memwise.ot.passes import DEFAULT_EPSILON_SCALE as DEFAULT_EPSILON_SCALE
+from memwise.ot.plan import TransportPlan
 from memwise.tiling import ChunkSize as ChunkSize
 
-__all__ = ["SinkhornResult", "sinkhorn", "sinkhorn_divergence"]
+__all__ = ["PNormP", "SinkhornResult", "TransportPlan", "sinkhorn", "sinkhorn_divergence"]
