@@ -36,7 +36,7 @@ from memwise.ot.passes import kernel_apply, safe_log, softmin
 __all__ = ["FIRST_ORDER_ONLY", "potentials", "reg_ot_cost", "reverse_mode_only"]
 
 # Relative residual at which the potentials' implicit vjp stops its CG solve.
-_CG_RTOL = {"float32": 1e-5, "float64": 1e-10}
+_CG_RTOL = {"float32": 1e-6, "float64": 1e-10}
 
 FIRST_ORDER_ONLY = (
     "memwise.ot supports first-order reverse mode only (jax.grad, jax.vjp, "
