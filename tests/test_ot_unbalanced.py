@@ -35,11 +35,11 @@ def rel(u, v):
     return float(jnp.linalg.norm(u - v) / jnp.linalg.norm(v))
 
 
-def ott_solve(x, y, a, b, tau_a, tau_b, cost_fn=None):
+def ott_solve(x, y, a, b, tau_a, tau_b, cost_fn=None, threshold=1e-6):
     geom = pointcloud.PointCloud(x, y, epsilon=EPS, cost_fn=cost_fn)
     # use_danskin=False: OTT's unbalanced reg_ot_cost is not stationary at its own
     # fixed point, so its Danskin gradient is not the derivative; implicit is.
-    solver = ott_sinkhorn.Sinkhorn(use_danskin=False, **TIGHT)
+    solver = ott_sinkhorn.Sinkhorn(use_danskin=False, threshold=threshold, max_iterations=5000)
     return solver(linear_problem.LinearProblem(geom, a, b, tau_a=tau_a, tau_b=tau_b))
 
 
@@ -52,17 +52,24 @@ def test_unbalanced_values_potentials_and_gradients_match_ott(tau_a, tau_b):
     x, y, a, b = clouds(0)
 
     def ours(x, a, b):
-        out = ot.sinkhorn(x, y, a, b, epsilon=EPS, tau_a=tau_a, tau_b=tau_b, chunk_size=128, **TIGHT)
+        out = ot.sinkhorn(
+            x, y, a, b, epsilon=EPS, tau_a=tau_a, tau_b=tau_b, chunk_size=128, **TIGHT
+        )
         return out.reg_ot_cost, out
 
     def theirs(x, a, b):
-        out = ott_solve(x, y, a, b, tau_a, tau_b)
+        out = ott_solve(x, y, a, b, tau_a, tau_b, threshold=1e-10)
         return out.reg_ot_cost, (out.f, out.g)
 
     (value, out), grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2), has_aux=True))(x, a, b)
-    (ref, (ref_f, ref_g)), ref_grads = jax.jit(
-        jax.value_and_grad(theirs, (0, 1, 2), has_aux=True)
-    )(x, a, b)
+    # OTT in float64, converged to 1e-10: in float32 its semi-unbalanced gradient is
+    # 2e-5 off that, ours 6e-7 (our CG solves to 1e-6 in float32).
+    with jax.enable_x64():
+        wide = [v.astype(jnp.float64) for v in (x, y, a, b)]
+        y = wide[1]
+        (ref, (ref_f, ref_g)), ref_grads = jax.jit(
+            jax.value_and_grad(theirs, (0, 1, 2), has_aux=True)
+        )(wide[0], wide[2], wide[3])
     assert bool(out.converged)
     np.testing.assert_allclose(value, ref, rtol=1e-5)
     # OTT's potentials are ours plus eps log(weights); no free constant when unbalanced.
@@ -76,9 +83,11 @@ def test_unbalanced_values_potentials_and_gradients_match_ott(tau_a, tau_b):
 def test_unbalanced_gradient_is_the_derivative_in_float64():
     with jax.enable_x64():
         x, y, a, b = (v.astype(jnp.float64) for v in clouds(1, n=30, m=33))
-        fn = lambda x, a, b: ot.sinkhorn(  # noqa: E731
-            x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.6, threshold=1e-12
-        ).reg_ot_cost
+        fn = lambda x, a, b: (
+            ot.sinkhorn(  # noqa: E731
+                x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.6, threshold=1e-12
+            ).reg_ot_cost
+        )
         grads = jax.grad(fn, (0, 1, 2))(x, a, b)
         h = 1e-5
         for i, (arg, grad) in enumerate(zip((x, a, b), grads)):
@@ -283,13 +292,41 @@ def test_min_iterations_and_warm_start():
 
 
 @pytest.mark.slow
-def test_unbalanced_gradient_memory_within_1_2x_of_balanced():
+def test_unbalanced_gradient_memory():
+    """The envelope gradient within 1.2x of the balanced one; the exact one O(n + m)."""
+
     def temps(n, **kw):
         x, y = jnp.zeros((n, 2)), jnp.ones((n, 2))
         fn = lambda x, y: ot.sinkhorn_divergence(x, y, epsilon=0.1, **kw)  # noqa: E731
         return compiled_memory(fn, x, y, grad=True).temp_bytes
 
+    relaxed = dict(tau_a=0.9, tau_b=0.9)
+    exact = {}
     for n in (20_000, 50_000):
-        balanced, unbalanced = temps(n), temps(n, tau_a=0.9, tau_b=0.9)
-        assert unbalanced <= 1.2 * balanced, (n, unbalanced, balanced)
-        assert unbalanced < 100 * 2**20
+        balanced = temps(n)
+        envelope = temps(n, cost_gradient="envelope", **relaxed)
+        exact[n] = temps(n, **relaxed)
+        assert envelope <= 1.2 * balanced, (n, envelope, balanced)
+        assert exact[n] < 16 * 2**20  # one 50,000 x 50,000 float32 matrix: 9.3 GiB
+    # 30,000 more points add O(n) vectors (about 250 bytes a point), no matrix.
+    assert exact[50_000] - exact[20_000] < 300 * 30_000
+
+
+@pytest.mark.slow
+def test_envelope_gradient_is_otts_danskin_gradient():
+    x, y, a, b = clouds(15, n=200, m=150)
+    kw = dict(epsilon=EPS, tau_a=0.8, tau_b=0.7, **TIGHT)
+    grads = jax.grad(
+        lambda x, a: ot.sinkhorn(x, y, a, b, cost_gradient="envelope", **kw).reg_ot_cost, (0, 1)
+    )(x, a)
+
+    def theirs(x, a):
+        geom = pointcloud.PointCloud(x, y, epsilon=EPS)
+        solver = ott_sinkhorn.Sinkhorn(use_danskin=True, **TIGHT)
+        return solver(linear_problem.LinearProblem(geom, a, b, tau_a=0.8, tau_b=0.7)).reg_ot_cost
+
+    ref = jax.grad(theirs, (0, 1))(x, a)
+    for g, r in zip(grads, ref):
+        assert rel(g, r) < 1e-5
+    with pytest.raises(ValueError, match="cost_gradient"):
+        ot.sinkhorn(x, y, cost_gradient="danskin")

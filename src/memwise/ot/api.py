@@ -114,6 +114,7 @@ def sinkhorn(
     tau_b: float | Array = 1.0,
     reach: float | None = None,
     min_iterations: int = 0,
+    cost_gradient: str = "exact",
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds, in chunked memory.
 
@@ -165,6 +166,12 @@ def sinkhorn(
         ``tau_a = tau_b = rho / (rho + epsilon)`` at the target epsilon. Not with
         ``tau_a``/``tau_b``.
       min_iterations: iterations run before the threshold may stop the solve.
+      cost_gradient: how ``reg_ot_cost`` is differentiated when a marginal is relaxed:
+        ``"exact"`` (the default) adds the potentials' implicit derivative (a chunked
+        CG solve: OTT-JAX's unbalanced ``reg_ot_cost`` is not stationary at the fixed
+        point of its updates), ``"envelope"`` holds the potentials fixed (OTT-JAX's
+        default ``use_danskin=True``: its numbers, in the balanced gradient's memory,
+        but not the derivative). Balanced problems: both are the exact envelope gradient.
 
     Returns:
       A :class:`SinkhornResult`.
@@ -203,6 +210,7 @@ def sinkhorn(
         tau_b=tau_b,
         reach=reach,
         min_iterations=min_iterations,
+        cost_gradient=cost_gradient,
     )
     n, m = p.x.shape[0], p.y.shape[0]
     if init is None:
@@ -274,10 +282,18 @@ def _differentiable(p, x, y, a, b, eps, f, g, mass, error, n_iterations, errors,
     taus = tuple(jnp.asarray(side.tau, p.x.dtype) for side in sides)
     args = (x, y, a, b, eps, p.consts, taus)
     df, dg = potentials(p.cost, p.chunk, p.max_iterations, relaxed, *args, f, g)
-    if any(relaxed):
+    if any(relaxed) and p.cost_gradient == "exact":
         # OTT's unbalanced cost is not stationary at its fixed point: its gradient also
         # flows through the potentials' implicit vjp.
         reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, df, dg, mass)
+    elif any(relaxed):
+        # OTT's Danskin gradient holds its own potentials f + eps log a fixed, so the
+        # weights and epsilon still move ours.
+        def held(h, w):
+            log_w = jnp.log(jnp.where(w > 0, w, 1.0))
+            return jax.lax.stop_gradient(h + eps * log_w) - eps * log_w
+
+        reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, held(f, a), held(g, b), mass)
     else:
         reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, f, g, mass)
     plan = TransportPlan(
@@ -349,6 +365,7 @@ def sinkhorn_divergence(
     tau_b: float | Array = 1.0,
     reach: float | None = None,
     min_iterations: int = 0,
+    cost_gradient: str = "exact",
 ) -> Array | tuple[Array, tuple[SinkhornResult, SinkhornResult, SinkhornResult]]:
     """Sinkhorn divergence between two weighted point clouds, in chunked memory.
 
@@ -383,6 +400,7 @@ def sinkhorn_divergence(
       tau_b: as in :func:`sinkhorn`, for all three problems.
       reach: as in :func:`sinkhorn`.
       min_iterations: as in :func:`sinkhorn`, for each of the three problems.
+      cost_gradient: as in :func:`sinkhorn`, for each of the three terms.
 
     Returns:
       The divergence (a scalar), or ``(divergence, (xy, xx, yy))``.
@@ -414,6 +432,7 @@ def sinkhorn_divergence(
         tau_b=tau_b,
         reach=reach,
         min_iterations=min_iterations,
+        cost_gradient=cost_gradient,
     )
     xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.x.dtype))
     xx = _self_transport(p, p.x, p.a)

@@ -78,6 +78,7 @@ class Problem(NamedTuple):
     side_a: Side = HARD
     side_b: Side = HARD
     min_iterations: int = 0
+    cost_gradient: str = "exact"
 
     @property
     def is_balanced(self) -> bool:
@@ -112,6 +113,7 @@ def prepare(
     tau_b: Any = 1.0,
     reach: Any = None,
     min_iterations: int = 0,
+    cost_gradient: str = "exact",
 ) -> Problem:
     """The :class:`Problem` of a public call, every input checked before any solve."""
     _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
@@ -123,6 +125,11 @@ def prepare(
         raise ValueError(
             f"min_iterations must be an int in [0, max_iterations={max_iterations}], "
             f"got {min_iterations!r}"
+        )
+    if cost_gradient not in ("exact", "envelope"):
+        raise ValueError(
+            f'cost_gradient must be "exact" or "envelope" (OTT-JAX\'s use_danskin=True: '
+            f"the potentials held fixed, exact only when balanced), got {cost_gradient!r}"
         )
     relaxed = _check_relaxation(tau_a, tau_b, reach, cost)
     x, y = _check_points("x", x), _check_points("y", y)
@@ -189,6 +196,7 @@ def prepare(
         side_a,
         side_b,
         int(min_iterations),
+        cost_gradient,
     )
 
 
