@@ -991,6 +991,48 @@ BAD_INPUTS = {
         "sum(a)",
     ),
     "ot cost": (lambda: mw.ot.sinkhorn(_X, _X, cost="manhattan"), ValueError, "cost"),
+    "ot tau above 1": (lambda: mw.ot.sinkhorn(_X, _X, tau_a=1.5), ValueError, "tau_a"),
+    "ot tau 0": (lambda: mw.ot.sinkhorn_divergence(_X, _X, tau_b=0.0), ValueError, "tau_b"),
+    "ot reach and tau": (
+        lambda: mw.ot.sinkhorn(_X, _X, tau_a=0.5, reach=1.0),
+        ValueError,
+        "either reach",
+    ),
+    "ot negative weights unbalanced": (
+        lambda: mw.ot.sinkhorn(_X, _X, a=-jnp.ones(4), tau_a=0.5),
+        ValueError,
+        "negative",
+    ),
+    "ot mismatched dims unbalanced": (
+        lambda: mw.ot.sinkhorn(_X, jnp.ones((3, 5)), tau_b=0.5),
+        ValueError,
+        "same dimension",
+    ),
+    "ot non-scalar cost": (
+        lambda: mw.ot.sinkhorn(_X, _X, cost=lambda u, v: u * v),
+        TypeError,
+        "scalar",
+    ),
+    "ot cost of one point": (
+        lambda: mw.ot.sinkhorn(_X, _X, cost=lambda u: jnp.sum(u)),
+        TypeError,
+        "function of two points",
+    ),
+    "ot min_iterations": (
+        lambda: mw.ot.sinkhorn(_X, _X, min_iterations=-1),
+        ValueError,
+        "min_iterations",
+    ),
+    "ot cost_gradient": (
+        lambda: mw.ot.sinkhorn(_X, _X, cost_gradient="danskin"),
+        ValueError,
+        "cost_gradient",
+    ),
+    "ot plan axis": (
+        lambda: mw.ot.sinkhorn(_X, _X, epsilon=1.0).apply(jnp.ones(4), axis=3),
+        ValueError,
+        "axis",
+    ),
     "ot string x": (lambda: mw.ot.sinkhorn("abc", _X), TypeError, "x must be"),
     "ot string weights": (lambda: mw.ot.sinkhorn(_X, _X, b="abc"), TypeError, "b must be"),
     "ot string epsilon": (lambda: mw.ot.sinkhorn(_X, _X, epsilon="0.1"), TypeError, "epsilon"),

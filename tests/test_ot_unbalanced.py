@@ -62,8 +62,7 @@ def test_unbalanced_values_potentials_and_gradients_match_ott(tau_a, tau_b):
         return out.reg_ot_cost, (out.f, out.g)
 
     (value, out), grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2), has_aux=True))(x, a, b)
-    # OTT in float64, converged to 1e-10: in float32 its semi-unbalanced gradient is
-    # 2e-5 off that, ours 6e-7 (our CG solves to 1e-6 in float32).
+    # OTT in float64, converged to 1e-10.
     with jax.enable_x64():
         wide = [v.astype(jnp.float64) for v in (x, y, a, b)]
         y = wide[1]
@@ -75,19 +74,25 @@ def test_unbalanced_values_potentials_and_gradients_match_ott(tau_a, tau_b):
     # OTT's potentials are ours plus eps log(weights); no free constant when unbalanced.
     assert rel(out.f, ref_f - EPS * jnp.log(a)) < 1e-5
     assert rel(out.g, ref_g - EPS * jnp.log(b)) < 1e-5
+    # Semi-unbalanced, OTT's implicit gradient (even in float64) is 2.4e-5 from ours,
+    # which matches finite differences to 1e-6 (next test): its linear solve's tolerance.
+    tolerance = 1e-5 if tau_a < 1 else 3e-5
     for g, r in zip(grads, ref_grads):
-        assert rel(g, r) < 1e-5
+        assert rel(g, r) < tolerance
 
 
+@pytest.mark.parametrize("tau_a,tau_b", [(0.8, 0.6), (1.0, 0.7)])
 @pytest.mark.slow
-def test_unbalanced_gradient_is_the_derivative_in_float64():
+def test_unbalanced_gradient_is_the_derivative_in_float64(tau_a, tau_b):
     with jax.enable_x64():
         x, y, a, b = (v.astype(jnp.float64) for v in clouds(1, n=30, m=33))
-        fn = lambda x, a, b: (
-            ot.sinkhorn(  # noqa: E731
-                x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.6, threshold=1e-12
-            ).reg_ot_cost
-        )
+
+        def fn(x, a, b):
+            return ot.sinkhorn(
+                x, y, a, b, epsilon=EPS, tau_a=tau_a, tau_b=tau_b, threshold=1e-12,
+                max_iterations=20_000,
+            ).reg_ot_cost  # fmt: skip
+
         grads = jax.grad(fn, (0, 1, 2))(x, a, b)
         h = 1e-5
         for i, (arg, grad) in enumerate(zip((x, a, b), grads)):
