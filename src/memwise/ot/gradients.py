@@ -201,6 +201,7 @@ def _potentials_bwd(cost, chunk_size, max_steps, relaxed, residuals, cotangents)
     log_pf, log_pg = log_a + f / eps, log_b + g / eps  # log P = log_pf + log_pg - C/eps
     r, c = jnp.exp(log_pf - t_b / eps), jnp.exp(log_pg - t_a / eps)  # P's marginals
     v_f, v_g = cotangents
+    nu = jnp.zeros((), f.dtype)
     if balanced:
         nu = (jnp.sum(v_f) - jnp.sum(v_g)) / (jnp.sum(a) + jnp.sum(b))
         v_f, v_g = v_f - nu * a, v_g + nu * b

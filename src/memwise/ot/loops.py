@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from memwise.ot import marginals
-from memwise.ot.marginals import HARD, Side
+from memwise.ot.marginals import HARD
 from memwise.ot.passes import Placed, max_cost, safe_log, softmin
 from memwise.ot.problem import EpsilonSchedule
 
@@ -118,9 +118,9 @@ def solve(
     max_iterations,
     threshold,
     scaling,
-    side_a: Side = HARD,
-    side_b: Side = HARD,
-    min_iterations: int = 0,
+    side_a=HARD,
+    side_b=HARD,
+    min_iterations=0,
 ):
     """Alternating log-domain updates; returns ``(f, g, errors, n_iterations, error,
     mass)``, ``mass`` the total mass of the plan of the returned ``(f, g)``.
@@ -182,8 +182,8 @@ def solve_symmetric(
     max_iterations,
     threshold,
     scaling,
-    side: Side = HARD,
-    min_iterations: int = 0,
+    side=HARD,
+    min_iterations=0,
 ):
     """Averaged updates ``f <- (f + T_a(f)) / 2`` for OT(a, a) (Feydy et al. Eq. 25);
     returns ``(f, errors, n_iterations, error, mass)``. ``side`` relaxes both marginals

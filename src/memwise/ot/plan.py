@@ -45,7 +45,21 @@ class TransportPlan:
     Build one with :func:`memwise.ot.sinkhorn` (``out.plan``), not by hand.
     """
 
-    def __init__(self, x, y, a, b, f, g, eps, consts, *, cost, chunk: Placed, dtype: Any):
+    def __init__(
+        self,
+        x: Array,
+        y: Array,
+        a: Array,
+        b: Array,
+        f: Array,
+        g: Array,
+        eps: Array,
+        consts: tuple,
+        *,
+        cost: Any,
+        chunk: Placed,
+        dtype: Any,
+    ) -> None:
         self.x, self.y, self.a, self.b = x, y, a, b
         self.f, self.g, self.eps, self.consts = f, g, eps, consts
         self.cost, self.chunk, self.dtype = cost, chunk, dtype
