@@ -125,7 +125,18 @@ class TransportPlan:
 
     def marginal(self, axis: int) -> Array:
         """``P 1`` (``axis=1``, ``[n]``) or ``P^T 1`` (``axis=0``, ``[m]``), in the log
-        domain (one ``logsumexp`` pass): OTT-JAX's ``marginal``."""
+        domain (one ``logsumexp`` pass): OTT-JAX's ``marginal``.
+
+        Raises:
+          ValueError: for an axis other than 0 or 1.
+
+        Example::
+
+            >>> import jax.numpy as jnp, memwise as mw
+            >>> out = mw.ot.sinkhorn(jnp.zeros((3, 2)), jnp.ones((4, 2)), epsilon=1.0)
+            >>> out.plan.marginal(1).round(4)  # P 1 = a
+            Array([0.3333, 0.3333, 0.3333], dtype=float32)
+        """
         if axis not in (0, 1):
             raise ValueError(f"axis must be 0 (P^T 1) or 1 (P 1), got {axis!r}")
         left, right = self._logs()
@@ -139,7 +150,15 @@ class TransportPlan:
 
     def transport_cost(self) -> Array:
         """``<P, C> = sum_ij P_ij C(x_i, y_j)``, the plan's bare transport cost (OTT-JAX's
-        ``primal_cost``)."""
+        ``primal_cost``).
+
+        Example::
+
+            >>> import jax.numpy as jnp, memwise as mw
+            >>> out = mw.ot.sinkhorn(jnp.zeros((3, 2)), jnp.ones((4, 2)), epsilon=1.0)
+            >>> float(out.plan.transport_cost())  # every pair costs |x - y|^2 = 2
+            2.0
+        """
         left, right = self._logs()
         value = plan_cost(self.cost, self.consts, self.x, self.y, self.eps, self.chunk, left, right)
         return value.astype(self.dtype)
@@ -152,6 +171,15 @@ class TransportPlan:
 
         Raises:
           ValueError: for points that are not ``[k, d]`` with the clouds' ``d``.
+          TypeError: for points that are not floats.
+
+        Example::
+
+            >>> import jax.numpy as jnp, memwise as mw
+            >>> y = jnp.array([[0.0, 0.0], [4.0, 0.0]])
+            >>> out = mw.ot.sinkhorn(jnp.array([[0.0, 0.0], [4.0, 0.0]]), y, epsilon=0.1)
+            >>> out.plan.transport(jnp.array([[0.5, 0.0]])).round(3)  # near y_0
+            Array([[0., 0.]], dtype=float32)
         """
         z = self.x if points is None else jnp.asarray(points)
         if z.ndim != 2 or z.shape[1] != self.x.shape[1]:
@@ -185,6 +213,13 @@ class TransportPlan:
         Warns (``ResourceWarning``) above ``MATRIX_WARNING_SIZE`` entries: this is the
         array every other method avoids; use :meth:`apply`, :meth:`marginal` or
         :meth:`transport` instead.
+
+        Example::
+
+            >>> import jax.numpy as jnp, memwise as mw
+            >>> out = mw.ot.sinkhorn(jnp.zeros((3, 2)), jnp.ones((4, 2)), epsilon=1.0)
+            >>> out.plan.matrix().shape
+            (3, 4)
         """
         n, m = self.shape
         if n * m > MATRIX_WARNING_SIZE:
