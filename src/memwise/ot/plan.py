@@ -37,10 +37,17 @@ class TransportPlan:
     """The plan of one solve, as an operator (never an ``n x m`` array).
 
     Args:
-      x: ``[n, d]`` source points; ``y``: ``[m, d]`` target points.
-      a, b: their weights; f, g: the potentials; eps: epsilon; consts: the cost's
-        arrays; cost, chunk: the cost function and the placement of its passes;
-        dtype: the dtype results are returned in.
+      x: ``[n, d]`` source points.
+      y: ``[m, d]`` target points.
+      a: ``[n]`` source weights.
+      b: ``[m]`` target weights.
+      f: ``[n]`` potential of ``x``.
+      g: ``[m]`` potential of ``y``.
+      eps: epsilon.
+      consts: the arrays the cost closes over.
+      cost: the cost, a function of ``(xi, yj, *consts)``.
+      chunk: where the passes run (their tiles).
+      dtype: the dtype results are returned in.
 
     Build one with :func:`memwise.ot.sinkhorn` (``out.plan``), not by hand.
     """
