@@ -242,6 +242,104 @@ def _divergence(n, chunk, dtype):
     return f, dense, (x, y)
 
 
+def _ot_clouds(n, dtype):
+    """n + 2 and n + 3 points with a duplicated point and a zero weight on each side."""
+    x, y = _inputs(dtype, (n + 2, 2), (n + 3, 2))
+    x, y = x.at[-1].set(x[0]), y.at[-1].set(y[0])
+    a = jnp.linspace(1.0, 2.0, n + 2).at[1].set(0.0)
+    b = jnp.linspace(2.0, 1.0, n + 3).at[1].set(0.0)
+    return x, y, 1.3 * a / a.sum(), b / b.sum()
+
+
+def _dense_unbalanced(x, y, a, b, cost, tau_a, tau_b, epsilon=0.5, iterations=400):
+    """Dense OTT-convention (un)balanced Sinkhorn, differentiated through its iterations.
+
+    ``f = tau_a T_b(g) - (1 - tau_a) eps log a`` (this package's potentials); the
+    unrolled derivative of the converged loop is the exact one.
+    """
+    c = jax.vmap(jax.vmap(cost, (None, 0)), (0, None))(x, y)
+    log_a = jnp.where(a > 0, jnp.log(jnp.where(a > 0, a, 1.0)), -jnp.inf)
+    log_b = jnp.where(b > 0, jnp.log(jnp.where(b > 0, b, 1.0)), -jnp.inf)
+
+    def update(tau, t, log_w):
+        return tau * t - (1.0 - tau) * epsilon * jnp.where(jnp.isfinite(log_w), log_w, 0.0)
+
+    def potentials(g):
+        f = update(tau_a, -epsilon * jax.nn.logsumexp(log_b + (g - c) / epsilon, axis=1), log_a)
+        t_a = -epsilon * jax.nn.logsumexp(log_a[:, None] + (f[:, None] - c) / epsilon, 0)
+        return f, update(tau_b, t_a, log_b)
+
+    g = jax.lax.fori_loop(0, iterations, lambda _, g: potentials(g)[1], jnp.zeros(len(y), c.dtype))
+    f, _ = potentials(g)
+    plan = a[:, None] * b[None] * jnp.exp((f[:, None] + g[None] - c) / epsilon)
+
+    def mass_term(w, h, tau):
+        if tau == 1.0:
+            return w @ h
+        rho = epsilon * tau / (1.0 - tau)
+        return -rho * jnp.sum(w * jnp.expm1(-h / rho))
+
+    reg = (
+        mass_term(a, f, tau_a) + mass_term(b, g, tau_b) + epsilon * (a.sum() * b.sum() - plan.sum())
+    )
+    return reg, plan, f, g
+
+
+def _unbalanced(tau_a, tau_b, cost):
+    def build(n, chunk, dtype):
+        x, y, a, b = _ot_clouds(n, dtype)
+        mw_cost = cost if isinstance(cost, str) else cost
+        dense_cost = mw.ot.costs.BUILTIN_COSTS[cost] if isinstance(cost, str) else cost
+
+        def f(x, y):
+            return mw.ot.sinkhorn(
+                x, y, a.astype(x.dtype), b.astype(x.dtype), epsilon=0.5, cost=mw_cost,
+                tau_a=tau_a, tau_b=tau_b, chunk_size=chunk + 1, threshold=1e-7,
+                max_iterations=3000,
+            ).reg_ot_cost  # fmt: skip
+
+        def dense(x, y):
+            return _dense_unbalanced(
+                x, y, a.astype(x.dtype), b.astype(x.dtype), dense_cost, tau_a, tau_b
+            )[0]
+
+        return f, dense, (x, y)
+
+    return build
+
+
+def _plan_operator(n, chunk, dtype):
+    """apply (both axes), marginals, <P, C> and the entropic map of new points."""
+    x, y, a, b = _ot_clouds(n, dtype)
+    z, v = _inputs(dtype, (n + 1, 2), (n + 3,), seed=1)
+
+    def f(x, y, z, v):
+        out = mw.ot.sinkhorn(
+            x, y, a.astype(x.dtype), b.astype(x.dtype), epsilon=0.5, tau_a=0.7, tau_b=0.5,
+            chunk_size=chunk + 1, threshold=1e-7, max_iterations=3000,
+        )  # fmt: skip
+        w = out.apply(v, axis=1)
+        return jnp.concatenate(
+            [w, out.apply(w, axis=0), out.marginal(0), out.transport_cost()[None],
+             out.transport(z).ravel()]
+        )  # fmt: skip
+
+    def dense(x, y, z, v):
+        aa, bb = a.astype(x.dtype), b.astype(x.dtype)
+        sq = mw.ot.costs.BUILTIN_COSTS["sqeuclidean"]
+        _, plan, _, g = _dense_unbalanced(x, y, aa, bb, sq, 0.7, 0.5)
+        c = jax.vmap(jax.vmap(sq, (None, 0)), (0, None))(x, y)
+        cz = jax.vmap(jax.vmap(sq, (None, 0)), (0, None))(z, y)
+        log_b = jnp.where(bb > 0, jnp.log(jnp.where(bb > 0, bb, 1.0)), -jnp.inf)
+        weights = jax.nn.softmax(log_b + (g - cz) / 0.5, axis=1)
+        w = plan @ v
+        return jnp.concatenate(
+            [w, plan.T @ w, plan.sum(0), jnp.sum(plan * c)[None], (weights @ y).ravel()]
+        )
+
+    return f, dense, (x, y, z, v)
+
+
 def _linearize(n, chunk, dtype):
     w, v, x = _inputs(dtype, (3, 4), (4, 2), (n, 3))
 
@@ -340,6 +438,14 @@ CASES = {
     "scan_inverse": Case(_scan_inverse),
     "while_loop": Case(_while_loop),
     "sinkhorn_divergence": Case(_divergence, min_tolerance=1e-5),
+    "sinkhorn_unbalanced": Case(_unbalanced(0.7, 0.5, "sqeuclidean"), min_tolerance=1e-5),
+    "sinkhorn_semi_unbalanced_pnorm": Case(
+        _unbalanced(1.0, 1e-3, mw.ot.PNormP(1.5)), min_tolerance=1e-5
+    ),
+    "sinkhorn_user_cost_tau_near_0": Case(
+        _unbalanced(1e-3, 0.9, lambda u, v: jnp.sum(jnp.abs(u - v))), min_tolerance=1e-5
+    ),
+    "ot_plan_operator": Case(_plan_operator, min_tolerance=1e-5),
     "linearize": Case(_linearize),
     "cross_entropy": Case(_cross_entropy("per_token")),
     "cross_entropy_capped_tied": Case(_cross_entropy("capped_tied")),
@@ -950,6 +1056,48 @@ BAD_INPUTS = {
         "sum(a)",
     ),
     "ot cost": (lambda: mw.ot.sinkhorn(_X, _X, cost="manhattan"), ValueError, "cost"),
+    "ot tau above 1": (lambda: mw.ot.sinkhorn(_X, _X, tau_a=1.5), ValueError, "tau_a"),
+    "ot tau 0": (lambda: mw.ot.sinkhorn_divergence(_X, _X, tau_b=0.0), ValueError, "tau_b"),
+    "ot reach and tau": (
+        lambda: mw.ot.sinkhorn(_X, _X, tau_a=0.5, reach=1.0),
+        ValueError,
+        "either reach",
+    ),
+    "ot negative weights unbalanced": (
+        lambda: mw.ot.sinkhorn(_X, _X, a=-jnp.ones(4), tau_a=0.5),
+        ValueError,
+        "negative",
+    ),
+    "ot mismatched dims unbalanced": (
+        lambda: mw.ot.sinkhorn(_X, jnp.ones((3, 5)), tau_b=0.5),
+        ValueError,
+        "same dimension",
+    ),
+    "ot non-scalar cost": (
+        lambda: mw.ot.sinkhorn(_X, _X, cost=lambda u, v: u * v),
+        TypeError,
+        "scalar",
+    ),
+    "ot cost of one point": (
+        lambda: mw.ot.sinkhorn(_X, _X, cost=lambda u: jnp.sum(u)),
+        TypeError,
+        "function of two points",
+    ),
+    "ot min_iterations": (
+        lambda: mw.ot.sinkhorn(_X, _X, min_iterations=-1),
+        ValueError,
+        "min_iterations",
+    ),
+    "ot cost_gradient": (
+        lambda: mw.ot.sinkhorn(_X, _X, cost_gradient="danskin"),
+        ValueError,
+        "cost_gradient",
+    ),
+    "ot plan axis": (
+        lambda: mw.ot.sinkhorn(_X, _X, epsilon=1.0).apply(jnp.ones(4), axis=3),
+        ValueError,
+        "axis",
+    ),
     "ot string x": (lambda: mw.ot.sinkhorn("abc", _X), TypeError, "x must be"),
     "ot string weights": (lambda: mw.ot.sinkhorn(_X, _X, b="abc"), TypeError, "b must be"),
     "ot string epsilon": (lambda: mw.ot.sinkhorn(_X, _X, epsilon="0.1"), TypeError, "epsilon"),

@@ -24,6 +24,15 @@ O(n + m + tile) memory too; it runs only when ``f`` or ``g`` is differentiated. 
 ``<a, f> = <b, g>``, which makes them a function of the inputs. Both gradients are
 exact at convergence only: lower ``threshold`` when they must be accurate.
 
+Unbalanced OT. ``tau_a``/``tau_b`` < 1 (or GeomLoss's ``reach``) relax a marginal by a
+KL penalty (Sejourne, Feydy, Vialard, Trouve, Peyre 2019), in OTT-JAX 0.6's convention
+(:mod:`memwise.ot.marginals`): the same updates, potentials and ``reg_ot_cost``. That
+cost is not stationary at the fixed point of OTT's updates, so its exact gradient adds
+the potentials' implicit derivative (``cost_gradient="envelope"`` drops it, as OTT's
+default ``use_danskin=True`` does). The plan is an operator on the result
+(:class:`memwise.ot.TransportPlan`: ``apply``, ``marginal``, ``transport_cost``, the
+entropic map ``transport`` of new points), each one or two chunked passes.
+
 Only first-order reverse mode is supported (``jax.grad``, ``jax.vjp``, ``jax.jacrev``):
 forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) and second derivatives
 (``jax.hessian``, grad of grad) raise memwise's ``TypeError``, eagerly and under ``jit``
@@ -45,7 +54,9 @@ from memwise.ot.api import SinkhornResult, sinkhorn, sinkhorn_divergence
 
 # Names that memwise.ot held as one module, importable from here as before.
 from memwise.ot.costs import CostFn as CostFn
+from memwise.ot.costs import PNormP
 from memwise.ot.passes import DEFAULT_EPSILON_SCALE as DEFAULT_EPSILON_SCALE
+from memwise.ot.plan import TransportPlan
 from memwise.tiling import ChunkSize as ChunkSize
 
-__all__ = ["SinkhornResult", "sinkhorn", "sinkhorn_divergence"]
+__all__ = ["PNormP", "SinkhornResult", "TransportPlan", "sinkhorn", "sinkhorn_divergence"]

@@ -18,6 +18,8 @@ from memwise._arguments import check_arrays
 from memwise.ot.costs import CostFn
 from memwise.ot.gradients import potentials, reg_ot_cost
 from memwise.ot.loops import solve, solve_symmetric
+from memwise.ot.marginals import Side
+from memwise.ot.plan import TransportPlan
 from memwise.ot.problem import Problem, prepare
 from memwise.tiling import ChunkSize
 
@@ -50,6 +52,11 @@ class SinkhornResult(NamedTuple):
         iteration-``k`` potentials left inexact (at the epsilon of that iteration), ``-1``
         for iterations not run, NaN where the problem became NaN (bad input).
       epsilon: the regularisation used (the default when ``epsilon=None`` was passed).
+      plan: the :class:`memwise.ot.TransportPlan` of ``(f, g)``, an operator that is
+        never formed: ``out.plan.apply(v, axis=...)``, ``out.plan.marginal(axis)``,
+        ``out.plan.transport_cost()``, ``out.plan.transport(points)`` (the entropic
+        map of new points) and, for small problems, ``out.plan.matrix()``; the same
+        methods are on the result itself (``out.apply(v)``, ...).
 
     Example::
 
@@ -67,6 +74,27 @@ class SinkhornResult(NamedTuple):
     n_iterations: Array
     errors: Array
     epsilon: Array
+    plan: TransportPlan
+
+    def apply(self, v: Array, *, axis: int = 0) -> Array:
+        """:meth:`memwise.ot.TransportPlan.apply`: ``P^T v`` (axis 0) or ``P v`` (axis 1)."""
+        return self.plan.apply(v, axis=axis)
+
+    def marginal(self, axis: int) -> Array:
+        """:meth:`memwise.ot.TransportPlan.marginal`: ``P 1`` (axis 1) or ``P^T 1`` (axis 0)."""
+        return self.plan.marginal(axis)
+
+    def transport_cost(self) -> Array:
+        """:meth:`memwise.ot.TransportPlan.transport_cost`: ``<P, C>``."""
+        return self.plan.transport_cost()
+
+    def transport(self, points: Array | None = None) -> Array:
+        """:meth:`memwise.ot.TransportPlan.transport`: the entropic map of ``points``."""
+        return self.plan.transport(points)
+
+    def matrix(self) -> Array:
+        """:meth:`memwise.ot.TransportPlan.matrix`: the dense plan (small problems)."""
+        return self.plan.matrix()
 
 
 def sinkhorn(
@@ -82,11 +110,19 @@ def sinkhorn(
     threshold: float = 1e-3,
     epsilon_scaling: float | None = None,
     init: tuple[Array, Array] | None = None,
+    tau_a: float | Array = 1.0,
+    tau_b: float | Array = 1.0,
+    reach: float | None = None,
+    min_iterations: int = 0,
+    cost_gradient: str = "exact",
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds, in chunked memory.
 
     Solves ``min_P <P, C> + epsilon KL(P | a b^T)`` over plans with marginals ``a`` and
-    ``b`` by log-domain Sinkhorn iterations. The cost matrix ``C_ij = cost(x_i, y_j)`` is
+    ``b`` by log-domain Sinkhorn iterations; with ``tau_a < 1`` (``tau_b < 1``) the
+    marginal ``a`` (``b``) is relaxed by a KL penalty (unbalanced OT, OTT-JAX's
+    ``LinearProblem(tau_a=..., tau_b=...)``: same updates, potentials, ``reg_ot_cost``
+    and gradients). The cost matrix ``C_ij = cost(x_i, y_j)`` is
     never stored: each iteration makes two chunked ``logsumexp`` passes over it with
     :func:`memwise.pairwise_reduce`, holding one ``rows x cols`` tile at a time.
 
@@ -102,7 +138,7 @@ def sinkhorn(
       b: ``[m]`` target weights (default uniform ``1/m``). Balanced OT needs
         ``sum(a) == sum(b)`` up to the weights' rounding: other totals raise a
         ``ValueError``, or, for weights traced under ``jit``, give NaN costs with
-        ``converged=False``.
+        ``converged=False``. Unbalanced OT (a relaxed marginal) takes any totals.
       epsilon: entropic regularisation; ``None`` means ``0.05 * std(C)`` as in OTT-JAX 0.6
         (not differentiated), floored where ``std(C) < 1% |mean(C)|`` (a single point,
         coincident points: OTT's epsilon is then 0 and its cost NaN).
@@ -118,11 +154,34 @@ def sinkhorn(
         at the largest cost (the data's squared diameter for ``"sqeuclidean"``) and is
         multiplied by this factor every iteration down to ``epsilon`` (GeomLoss-style
         annealing); far fewer iterations at small epsilon.
-      init: optional warm start ``(f, g)`` in this function's convention; the first
-        update recomputes ``f`` from ``g``.
+      init: optional warm start ``(f, g)`` in this function's convention (e.g. a
+        previous result's ``(out.f, out.g)``); the first update recomputes ``f`` from ``g``.
+      tau_a: OTT-JAX's relaxation of the marginal ``a``, in (0, 1]: ``1.0`` is a hard
+        constraint; ``tau = rho / (rho + epsilon)`` for a KL penalty ``rho KL(P 1 | a)``.
+        A float (or a 0-d array; not differentiated).
+      tau_b: the same for ``b``. One of them ``< 1`` is semi-unbalanced OT.
+      reach: GeomLoss's spelling of the same penalty on both marginals: ``rho =
+        reach**p`` for a cost growing like ``|x - y|**p`` (``p = 2`` for
+        ``"sqeuclidean"``, 1 for ``"euclidean"``, a :class:`PNormP`'s ``p``), so
+        ``tau_a = tau_b = rho / (rho + epsilon)`` at the target epsilon. Not with
+        ``tau_a``/``tau_b``.
+      min_iterations: iterations run before the threshold may stop the solve.
+      cost_gradient: how ``reg_ot_cost`` is differentiated when a marginal is relaxed:
+        ``"exact"`` (the default) adds the potentials' implicit derivative (a chunked
+        CG solve: OTT-JAX's unbalanced ``reg_ot_cost`` is not stationary at the fixed
+        point of its updates), ``"envelope"`` holds the potentials fixed (OTT-JAX's
+        default ``use_danskin=True``: its numbers, in the balanced gradient's memory,
+        but not the derivative). Balanced problems: both are the exact envelope gradient.
 
     Returns:
       A :class:`SinkhornResult`.
+
+    Raises:
+      ValueError: for bad points, weights (negative, wrong length, unequal totals when
+        balanced), options, ``tau_a``/``tau_b`` outside (0, 1], or ``reach`` together
+        with ``tau_a``/``tau_b``.
+      TypeError: for non-array input, or a cost that is not a function of two points
+        returning a scalar.
 
     Example::
 
@@ -136,7 +195,23 @@ def sinkhorn(
         >>> bool(out.converged), round(float(value), 1), grad_x.shape
         (True, 2.5, (300, 2))
     """
-    p = prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling)
+    p = prepare(
+        x,
+        y,
+        a,
+        b,
+        cost,
+        epsilon,
+        chunk_size,
+        max_iterations,
+        threshold,
+        epsilon_scaling,
+        tau_a=tau_a,
+        tau_b=tau_b,
+        reach=reach,
+        min_iterations=min_iterations,
+        cost_gradient=cost_gradient,
+    )
     n, m = p.x.shape[0], p.y.shape[0]
     if init is None:
         g_init = jnp.zeros((m,), p.x.dtype)
@@ -159,12 +234,21 @@ def sinkhorn(
 
 
 def _sinkhorn(p: Problem, g_init: Array) -> SinkhornResult:
-    b, balanced = p.balanced_b()
-    # A traced epsilon <= 0 (a concrete one raised in prepare) makes the problem NaN too.
-    eps = jnp.where(balanced & (p.eps > 0), p.eps, jnp.nan)
-    sx, sy, sa, sb, seps, sconsts, sg = jax.lax.stop_gradient(
-        (p.x, p.y, p.a, b, eps, p.consts, g_init)
-    )
+    return _solve_pair(p, p.x, p.y, p.a, p.b, g_init, p.side_a, p.side_b)
+
+
+def _solve_pair(
+    p: Problem, x: Array, y: Array, a: Array, b: Array, g_init: Array, side_a: Side, side_b: Side
+) -> SinkhornResult:
+    """OT(a, b) of ``x``, ``y`` by alternating updates."""
+    balanced = not (side_a.relaxed or side_b.relaxed)
+    if balanced:
+        b, totals_agree = p.balanced_b()
+        # A traced epsilon <= 0 (a concrete one raised in prepare) makes the problem NaN.
+        eps = jnp.where(totals_agree & (p.eps > 0), p.eps, jnp.nan)
+    else:
+        eps = jnp.where(p.eps > 0, p.eps, jnp.nan)
+    sx, sy, sa, sb, seps, sconsts, sg = jax.lax.stop_gradient((x, y, a, b, eps, p.consts, g_init))
     f, g, errors, n_iterations, error, mass = solve(
         p.cost,
         sconsts,
@@ -178,18 +262,63 @@ def _sinkhorn(p: Problem, g_init: Array) -> SinkhornResult:
         max_iterations=p.max_iterations,
         threshold=p.threshold,
         scaling=p.epsilon_scaling,
+        side_a=side_a,
+        side_b=side_b,
+        min_iterations=p.min_iterations,
     )
-    # The potentials' free constant (f + t, g - t) is fixed by <a, f> = <b, g>: so they
-    # are a function of the inputs, with a derivative.
-    shift = (jnp.sum(sb * g) - jnp.sum(sa * f)) / (jnp.sum(sa) + jnp.sum(sb))
-    f, g = f + shift, g - shift
-    reg = reg_ot_cost(p.cost, p.chunk, p.x, p.y, p.a, b, eps, p.consts, f, g, mass)
-    f, g = potentials(p.cost, p.chunk, p.max_iterations, p.x, p.y, p.a, b, eps, p.consts, f, g)
-    return _result(p, f, g, reg, error, n_iterations, errors)
+    if balanced:
+        # The potentials' free constant (f + t, g - t) is fixed by <a, f> = <b, g>: so
+        # they are a function of the inputs, with a derivative.
+        shift = (jnp.sum(sb * g) - jnp.sum(sa * f)) / (jnp.sum(sa) + jnp.sum(sb))
+        f, g = f + shift, g - shift
+    return _differentiable(
+        p, x, y, a, b, eps, f, g, mass, error, n_iterations, errors, (side_a, side_b)
+    )
+
+
+def _differentiable(p, x, y, a, b, eps, f, g, mass, error, n_iterations, errors, sides):
+    """The result at the stopped potentials, with its custom vjps attached."""
+    relaxed = (sides[0].relaxed, sides[1].relaxed)
+    taus = tuple(jnp.asarray(side.tau, p.x.dtype) for side in sides)
+    args = (x, y, a, b, eps, p.consts, taus)
+    df, dg = potentials(p.cost, p.chunk, p.max_iterations, relaxed, *args, f, g)
+    if any(relaxed) and p.cost_gradient == "exact":
+        # OTT's unbalanced cost is not stationary at its fixed point: its gradient also
+        # flows through the potentials' implicit vjp.
+        reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, df, dg, mass)
+    elif any(relaxed):
+        # OTT's Danskin gradient holds its own potentials f + eps log a fixed, so the
+        # weights and epsilon still move ours.
+        def held(h, w):
+            log_w = jnp.log(jnp.where(w > 0, w, 1.0))
+            return jax.lax.stop_gradient(h + eps * log_w) - eps * log_w
+
+        reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, held(f, a), held(g, b), mass)
+    else:
+        reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, f, g, mass)
+    plan = TransportPlan(
+        x, y, a, b, df, dg, eps, p.consts, cost=p.cost, chunk=p.chunk, dtype=p.dtype
+    )
+    converged = (error < p.threshold) & ~jnp.any(jnp.isnan(errors))
+    return SinkhornResult(
+        df, dg, reg, converged, n_iterations, errors, jax.lax.stop_gradient(p.eps), plan
+    )
+
+
+def _same_side(side_a: Side, side_b: Side) -> bool:
+    if side_a.relaxed != side_b.relaxed:
+        return False
+    if not side_a.relaxed or side_a.tau is side_b.tau:
+        return True
+    return isinstance(side_a.tau, float) and side_a.tau == side_b.tau
 
 
 def _self_transport(p: Problem, x: Array, a: Array) -> SinkhornResult:
-    """OT(a, a) of the points x (one of p.x, p.y) with their weights a."""
+    """OT(a, a) of the points x (one of p.x, p.y) with their weights a, relaxed as the
+    x-y problem (OTT-JAX's divergence passes tau_a, tau_b to all three)."""
+    if not _same_side(p.side_a, p.side_b):
+        # tau_a != tau_b: not symmetric, so alternating updates.
+        return _solve_pair(p, x, x, a, a, jnp.zeros_like(a), p.side_a, p.side_b)
     sx, sa, seps, sconsts = jax.lax.stop_gradient((x, a, p.eps, p.consts))
     f, errors, n_iterations, error, mass = solve_symmetric(
         p.cost,
@@ -202,23 +331,12 @@ def _self_transport(p: Problem, x: Array, a: Array) -> SinkhornResult:
         max_iterations=p.max_iterations,
         threshold=p.threshold,
         scaling=p.epsilon_scaling,
+        side=p.side_a,
+        min_iterations=p.min_iterations,
     )
-    reg = reg_ot_cost(p.cost, p.chunk, x, x, a, a, p.eps, p.consts, f, f, mass)
-    f, g = potentials(p.cost, p.chunk, p.max_iterations, x, x, a, a, p.eps, p.consts, f, f)
-    return _result(p, f, g, reg, error, n_iterations, errors)
-
-
-def _result(
-    p: Problem,
-    f: Array,
-    g: Array,
-    reg: Array,
-    error: Array,
-    n_iterations: Array,
-    errors: Array,
-) -> SinkhornResult:
-    converged = (error < p.threshold) & ~jnp.any(jnp.isnan(errors))
-    return SinkhornResult(f, g, reg, converged, n_iterations, errors, jax.lax.stop_gradient(p.eps))
+    return _differentiable(
+        p, x, x, a, a, p.eps, f, f, mass, error, n_iterations, errors, (p.side_a, p.side_b)
+    )
 
 
 def _in_dtype(result: SinkhornResult, dtype: Any) -> SinkhornResult:
@@ -243,6 +361,11 @@ def sinkhorn_divergence(
     threshold: float = 1e-3,
     epsilon_scaling: float | None = None,
     return_results: bool = False,
+    tau_a: float | Array = 1.0,
+    tau_b: float | Array = 1.0,
+    reach: float | None = None,
+    min_iterations: int = 0,
+    cost_gradient: str = "exact",
 ) -> Array | tuple[Array, tuple[SinkhornResult, SinkhornResult, SinkhornResult]]:
     """Sinkhorn divergence between two weighted point clouds, in chunked memory.
 
@@ -272,6 +395,12 @@ def sinkhorn_divergence(
       epsilon_scaling: as in :func:`sinkhorn`.
       return_results: also return the three :class:`SinkhornResult` (x-y, x-x, y-y), to
         read their ``converged`` flags and ``errors``.
+      tau_a: as in :func:`sinkhorn`, for all three problems (OTT-JAX's convention): the
+        unbalanced Sinkhorn divergence of Sejourne et al. 2019 as OTT-JAX computes it.
+      tau_b: as in :func:`sinkhorn`, for all three problems.
+      reach: as in :func:`sinkhorn`.
+      min_iterations: as in :func:`sinkhorn`, for each of the three problems.
+      cost_gradient: as in :func:`sinkhorn`, for each of the three terms.
 
     Returns:
       The divergence (a scalar), or ``(divergence, (xy, xx, yy))``.
@@ -288,7 +417,23 @@ def sinkhorn_divergence(
     """
     if not isinstance(return_results, (bool, np.bool_)):
         raise TypeError(f"return_results must be True or False, got {return_results!r}")
-    p = prepare(x, y, a, b, cost, epsilon, chunk_size, max_iterations, threshold, epsilon_scaling)
+    p = prepare(
+        x,
+        y,
+        a,
+        b,
+        cost,
+        epsilon,
+        chunk_size,
+        max_iterations,
+        threshold,
+        epsilon_scaling,
+        tau_a=tau_a,
+        tau_b=tau_b,
+        reach=reach,
+        min_iterations=min_iterations,
+        cost_gradient=cost_gradient,
+    )
     xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.x.dtype))
     xx = _self_transport(p, p.x, p.a)
     yy = _self_transport(p, p.y, p.b)

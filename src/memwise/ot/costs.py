@@ -9,7 +9,9 @@ zero vectors). A callable cost may close over arrays (a learned metric): they ar
 hoisted out as explicit arguments (``memwise._vjp.closure_convert``, which hoists integer tracers too), so the custom VJPs can
 return their gradient and the solver loop can stop it.
 
-Adding a cost: one function of ``(xi, yj)`` in :data:`BUILTIN_COSTS`.
+Adding a cost: one function of ``(xi, yj)`` in :data:`BUILTIN_COSTS` (its power of
+distance in :data:`COST_EXPONENTS`, for ``reach``), or a callable object such as
+:class:`PNormP` with an ``exponent`` attribute.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 
 from memwise._vjp import closure_convert
 
-__all__ = ["BUILTIN_COSTS", "CostFn", "resolve_cost"]
+__all__ = ["BUILTIN_COSTS", "CostFn", "PNormP", "cost_exponent", "resolve_cost"]
 
 Array = jax.Array
 CostFn = Callable[[Array, Array], Array]
@@ -59,6 +61,49 @@ BUILTIN_COSTS: dict[str, CostFn] = {
     "euclidean": _euclidean,
     "cosine": _cosine,
 }
+
+# The power p of |x - y| each cost grows with: GeomLoss's ``reach`` is ``rho = reach**p``.
+COST_EXPONENTS: dict[str, float] = {"sqeuclidean": 2.0, "euclidean": 1.0}
+
+
+class PNormP:
+    """The ``p``-norm to the ``p``, over ``p``: ``sum_k |x_k - y_k|**p / p`` (OTT-JAX's
+    ``costs.PNormP``), for ``p >= 1``.
+
+    Its gradient is finite where coordinates coincide (``p >= 1``). ``exponent`` is
+    ``p``, so ``reach`` (GeomLoss's spelling of the marginal penalty) reads it.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> cost = mw.ot.PNormP(1.5)
+        >>> float(cost(jnp.zeros(2), jnp.ones(2)))  # (1 + 1) / 1.5
+        1.3333333730697632
+    """
+
+    def __init__(self, p: float):
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 1.0 <= p < float("inf"):
+            raise ValueError(f"PNormP's p must be a finite float >= 1, got {p!r}")
+        self.p = float(p)
+        self.exponent = self.p
+
+    def __call__(self, xi: Array, yj: Array) -> Array:
+        diff = jnp.abs(xi - yj)
+        # The double where keeps |z|**p's slope at z = 0 (infinite for p < 1 in the
+        # chain rule's pieces) out of the gradient.
+        positive = diff > 0
+        return jnp.sum(jnp.where(positive, jnp.where(positive, diff, 1.0) ** self.p, 0.0)) / self.p
+
+    def __repr__(self) -> str:
+        return f"PNormP({self.p})"
+
+
+def cost_exponent(cost: Any) -> float | None:
+    """The power of distance that ``cost`` grows with, or None when it has none."""
+    if isinstance(cost, str):
+        return COST_EXPONENTS.get(cost)
+    exponent = getattr(cost, "exponent", None)
+    return float(exponent) if isinstance(exponent, (int, float)) else None
 
 
 def resolve_cost(cost: Any, x: Array, y: Array) -> tuple[Callable, tuple]:

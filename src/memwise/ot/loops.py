@@ -6,7 +6,9 @@ of Schmitzer 2019); :func:`solve_symmetric` makes the averaged updates
 Eq. 25). Both run in one ``lax.while_loop`` over chunked passes
 (:mod:`memwise.ot.passes`), with epsilon annealing when asked
 (:class:`memwise.ot.problem.EpsilonSchedule`), and stop when the L1 marginal error is
-below the threshold at the target epsilon, on a NaN, or at ``max_iterations``. Their
+below the threshold at the target epsilon (after ``min_iterations``), on a NaN, or at
+``max_iterations``. A relaxed marginal (:mod:`memwise.ot.marginals`) scales its update
+by ``tau`` and measures its error against the marginal the penalty asks for. Their
 inputs are stopped: gradients come from :mod:`memwise.ot.gradients` at the potentials
 they return.
 """
@@ -19,6 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from memwise.ot import marginals
+from memwise.ot.marginals import HARD
 from memwise.ot.passes import Placed, max_cost, safe_log, softmin
 from memwise.ot.problem import EpsilonSchedule
 
@@ -34,12 +38,19 @@ class _Loop(NamedTuple):
     g_next: Array
     error: Array
     errors: Array
+    mass: Array
 
 
-def _marginal_error(weights, log_ratio):
-    """``sum_k |w_k exp(log_ratio_k) - w_k|``, overflow-safe, NaN if the state is not finite."""
-    ratio = jnp.expm1(jnp.minimum(log_ratio, 80.0))
-    error = jnp.sum(jnp.where(weights > 0, weights * jnp.abs(ratio), 0.0))
+def _marginal_error(weights, log_ratio, log_target=0.0):
+    """``sum_k |w_k exp(log_ratio_k) - w_k exp(log_target_k)|`` (the plan's marginal over
+    ``w`` is ``exp(log_ratio)``; the target over ``w`` is 1 for a hard marginal),
+    overflow-safe, NaN if the state is not finite."""
+    ratio = jnp.expm1(jnp.minimum(log_ratio - log_target, 80.0))
+    error = jnp.sum(
+        jnp.where(
+            weights > 0, weights * jnp.exp(jnp.minimum(log_target, 80.0)) * jnp.abs(ratio), 0.0
+        )
+    )
     return jnp.where(jnp.all(jnp.isfinite(log_ratio)), error, jnp.nan)
 
 
@@ -65,12 +76,20 @@ def _loop(
     schedule: EpsilonSchedule,
     threshold: float,
     max_iterations: int,
+    min_iterations: int,
+    mass: Array,
 ) -> _Loop:
-    """Run ``body`` until converged at the target epsilon, NaN, or max_iterations."""
+    """Run ``body`` until converged at the target epsilon (after min_iterations), NaN, or
+    max_iterations."""
 
     def keep_going(state: _Loop) -> Array:
         at_target = schedule.at(state.iteration - 1) <= schedule.target
-        converged = at_target & (state.error < threshold) & (state.iteration > 0)
+        converged = (
+            at_target
+            & (state.error < threshold)
+            & (state.iteration > 0)
+            & (state.iteration >= min_iterations)
+        )
         return (state.iteration < max_iterations) & ~converged & ~jnp.isnan(state.error)
 
     init = _Loop(
@@ -80,17 +99,35 @@ def _loop(
         g_next,
         jnp.asarray(jnp.inf, f.dtype),
         -jnp.ones((max_iterations,), f.dtype),
+        mass,
     )
     return jax.lax.while_loop(keep_going, body, init)
 
 
-def solve(cost, consts, x, y, a, b, eps, g_init, *, chunk_size, max_iterations, threshold, scaling):
+def solve(
+    cost,
+    consts,
+    x,
+    y,
+    a,
+    b,
+    eps,
+    g_init,
+    *,
+    chunk_size,
+    max_iterations,
+    threshold,
+    scaling,
+    side_a=HARD,
+    side_b=HARD,
+    min_iterations=0,
+):
     """Alternating log-domain updates; returns ``(f, g, errors, n_iterations, error,
     mass)``, ``mass`` the total mass of the plan of the returned ``(f, g)``.
 
-    Each iteration sets ``f = T_b(g)`` (rows exact), then computes ``T_a(f)``: that both
-    measures the column error of ``(f, g)`` and is the next ``g``. The loop stops before
-    taking it, so the returned pair is the one whose error was measured.
+    Each iteration sets ``f`` from ``T_b(g)`` (rows optimal), then computes ``T_a(f)``:
+    that both measures the column error of ``(f, g)`` and gives the next ``g``. The loop
+    stops before taking it, so the returned pair is the one whose error was measured.
     """
     log_a, log_b = safe_log(a), safe_log(b)
     schedule = _schedule(cost, consts, x, y, eps, chunk_size, scaling)
@@ -98,24 +135,59 @@ def solve(cost, consts, x, y, a, b, eps, g_init, *, chunk_size, max_iterations, 
     def body(state: _Loop) -> _Loop:
         eps_k = schedule.at(state.iteration)
         g = state.g_next
-        f = softmin(cost, consts, x, y, log_b + g / eps_k, eps_k, chunk_size)
-        g_next = softmin(cost, consts, x, y, log_a + f / eps_k, eps_k, chunk_size, axis=0)
+        t_b = softmin(cost, consts, x, y, log_b + g / eps_k, eps_k, chunk_size)
+        f = marginals.update(side_a, t_b, a, eps_k)
+        t_a = softmin(cost, consts, x, y, log_a + f / eps_k, eps_k, chunk_size, axis=0)
+        g_next = marginals.update(side_b, t_a, b, eps_k)
+        target = marginals.relaxed_target(side_b, b, g, eps_k)
         # A traced epsilon <= 0 cannot be rejected up front: it shows as a NaN error.
-        error = jnp.where(eps > 0, _marginal_error(b, (g - g_next) / eps_k), jnp.nan)
+        error = jnp.where(eps > 0, _marginal_error(b, (g - t_a) / eps_k, target), jnp.nan)
+        if side_a.relaxed:  # the rows carry what the penalty on a leaves them
+            mass = jnp.sum(jnp.where(a > 0, a * jnp.exp((f - t_b) / eps_k), 0.0))
+        else:  # f = T_b(g) exactly: the plan's rows sum to a
+            mass = state.mass
         return _Loop(
-            state.iteration + 1, f, g, g_next, error, state.errors.at[state.iteration].set(error)
+            state.iteration + 1,
+            f,
+            g,
+            g_next,
+            error,
+            state.errors.at[state.iteration].set(error),
+            mass,
         )
 
-    out = _loop(body, jnp.zeros_like(a), g_init, g_init, schedule, threshold, max_iterations)
-    mass = jnp.sum(a)  # f = T_b(g) exactly: the plan's rows sum to a
-    return out.f, out.g, out.errors, out.iteration, out.error, mass
+    out = _loop(
+        body,
+        jnp.zeros_like(a),
+        g_init,
+        g_init,
+        schedule,
+        threshold,
+        max_iterations,
+        min_iterations,
+        jnp.sum(a),
+    )
+    return out.f, out.g, out.errors, out.iteration, out.error, out.mass
 
 
 def solve_symmetric(
-    cost, consts, x, a, eps, f_init, *, chunk_size, max_iterations, threshold, scaling
+    cost,
+    consts,
+    x,
+    a,
+    eps,
+    f_init,
+    *,
+    chunk_size,
+    max_iterations,
+    threshold,
+    scaling,
+    side=HARD,
+    min_iterations=0,
 ):
     """Averaged updates ``f <- (f + T_a(f)) / 2`` for OT(a, a) (Feydy et al. Eq. 25);
-    returns ``(f, errors, n_iterations, error, mass)``.
+    returns ``(f, errors, n_iterations, error, mass)``. ``side`` relaxes both marginals
+    alike (one ``tau``), so the problem stays symmetric.
 
     The error is the L1 error of both marginals of ``(f, f)`` (as OTT-JAX measures
     parallel updates); the loop stops before averaging once it is below ``threshold``.
@@ -127,11 +199,12 @@ def solve_symmetric(
         eps_k = schedule.at(state.iteration)
         f = state.f
         t = softmin(cost, consts, x, x, log_a + f / eps_k, eps_k, chunk_size)
-        error = jnp.where(eps > 0, 2.0 * _marginal_error(a, (f - t) / eps_k), jnp.nan)
-        done = (eps_k <= eps) & (error < threshold)
+        target = marginals.relaxed_target(side, a, f, eps_k)
+        error = jnp.where(eps > 0, 2.0 * _marginal_error(a, (f - t) / eps_k, target), jnp.nan)
+        done = (eps_k <= eps) & (error < threshold) & (state.iteration + 1 >= min_iterations)
         # g carries the row mass of (f, f), needed for reg_ot_cost when the loop stops.
         mass = jnp.sum(jnp.where(a > 0, a * jnp.exp((f - t) / eps_k), 0.0))
-        f_next = jnp.where(done, f, 0.5 * (f + t))
+        f_next = jnp.where(done, f, 0.5 * (f + marginals.update(side, t, a, eps_k)))
         return _Loop(
             state.iteration + 1,
             f_next,
@@ -139,9 +212,20 @@ def solve_symmetric(
             t,
             error,
             state.errors.at[state.iteration].set(error),
+            state.mass,
         )
 
-    out = _loop(body, f_init, jnp.zeros((1,), a.dtype), f_init, schedule, threshold, max_iterations)
+    out = _loop(
+        body,
+        f_init,
+        jnp.zeros((1,), a.dtype),
+        f_init,
+        schedule,
+        threshold,
+        max_iterations,
+        min_iterations,
+        jnp.sum(a),
+    )
     converged_at_stop = out.error < threshold
     # When the loop ran out of iterations the last f was averaged after its mass was
     # measured; the mass of the returned f is then only known to within the error.
@@ -150,5 +234,5 @@ def solve_symmetric(
         out.errors,
         out.iteration,
         out.error,
-        jnp.where(converged_at_stop, out.g[0], jnp.sum(a)),
+        out.g[0] if side.relaxed else jnp.where(converged_at_stop, out.g[0], jnp.sum(a)),
     )

@@ -28,6 +28,7 @@ __all__ = [
     "kernel_apply",
     "max_cost",
     "placement",
+    "plan_cost",
     "safe_log",
     "softmin",
 ]
@@ -141,6 +142,18 @@ def kernel_apply(cost, consts, x, y, eps, chunk_size, left, right, vector, *, ax
 
     return pairwise_reduce(
         entry, (x, left), (y, right), reduce="sum", weights=vector, axis=axis, **_placed(chunk_size)
+    )
+
+
+def plan_cost(cost, consts, x, y, eps, chunk_size, left, right):
+    """``sum_ij exp(left_i + right_j - C_ij / eps) C_ij``: a plan's ``<P, C>``, one pass."""
+
+    def entry(xi, yj):
+        c = cost(xi[0], yj[0], *consts)
+        return jnp.exp(jnp.minimum(xi[1] + yj[1] - c / eps, 80.0)) * c
+
+    return jnp.sum(
+        pairwise_reduce(entry, (x, left), (y, right), reduce="sum", **_placed(chunk_size))
     )
 
 

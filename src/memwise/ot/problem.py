@@ -7,11 +7,13 @@ the points and weights in the working dtype, the cost with its hoisted arrays, w
 the passes run, epsilon (OTT-JAX 0.6's default when ``None``), the solver options, and
 the marginal penalties ``tau_a``/``tau_b`` in OTT-JAX's convention (OTT's
 ``LinearProblem``: ``tau = rho / (rho + epsilon)`` for a KL penalty ``rho`` on a
-marginal; ``1.0`` is a hard constraint, balanced OT). Only balanced problems are solved
-today (``tau_a = tau_b = 1``); what an unbalanced solve would read from here is the
-mass check and the rescale of ``b`` (:meth:`Problem.balanced_b`), the updates' exponent
-``tau`` in the loops, the marginal error, the cost formula and the weight centring and
-gauge in the gradients.
+marginal; ``1.0`` is a hard constraint, balanced OT), resolved into one
+:class:`memwise.ot.marginals.Side` per marginal. The loops read them for the updates and
+the marginal error, the cost for its mass terms, the implicit differentiation for its
+linear system; only a balanced problem (both sides hard) has the mass check, the
+rescale of ``b`` (:meth:`Problem.balanced_b`), the potentials' gauge and the centred
+weight gradients. ``reach`` is GeomLoss's spelling of the same penalty: ``rho =
+reach**p`` for a cost growing like ``|x - y|**p``, ``tau = rho / (rho + epsilon)``.
 
 Epsilon annealing (:class:`EpsilonSchedule`) follows GeomLoss (Feydy et al. 2019,
 Sec. 3.1): epsilon starts at the largest cost and shrinks by a constant factor per
@@ -26,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise.ot.costs import CostFn, resolve_cost
+from memwise.ot.costs import CostFn, cost_exponent, resolve_cost
 from memwise.ot.gradients import reverse_mode_only
+from memwise.ot.marginals import HARD, Side
 from memwise.ot.passes import Placed, default_epsilon, placement
 from memwise.sharding import first_items
 from memwise.tiling import ChunkSize, item_bytes, tiling
@@ -71,13 +74,15 @@ class Problem(NamedTuple):
     max_iterations: int
     threshold: float
     epsilon_scaling: float | None
-    # OTT-JAX's marginal penalties; 1.0 is balanced (the only problem solved today).
-    tau_a: float = 1.0
-    tau_b: float = 1.0
+    # OTT-JAX's marginal penalties tau_a, tau_b; a hard side is balanced.
+    side_a: Side = HARD
+    side_b: Side = HARD
+    min_iterations: int = 0
+    cost_gradient: str = "exact"
 
     @property
     def is_balanced(self) -> bool:
-        return self.tau_a == 1.0 and self.tau_b == 1.0
+        return not (self.side_a.relaxed or self.side_b.relaxed)
 
     def balanced_b(self) -> tuple[Array, Array]:
         """``(b, balanced)``: ``b`` rescaled to ``sum(a)``, and whether the totals agree.
@@ -103,9 +108,30 @@ def prepare(
     max_iterations: int,
     threshold: float,
     epsilon_scaling: float | None,
+    *,
+    tau_a: Any = 1.0,
+    tau_b: Any = 1.0,
+    reach: Any = None,
+    min_iterations: int = 0,
+    cost_gradient: str = "exact",
 ) -> Problem:
     """The :class:`Problem` of a public call, every input checked before any solve."""
     _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
+    if (
+        isinstance(min_iterations, bool)
+        or not isinstance(min_iterations, (int, np.integer))
+        or not 0 <= min_iterations <= max_iterations
+    ):
+        raise ValueError(
+            f"min_iterations must be an int in [0, max_iterations={max_iterations}], "
+            f"got {min_iterations!r}"
+        )
+    if cost_gradient not in ("exact", "envelope"):
+        raise ValueError(
+            f'cost_gradient must be "exact" or "envelope" (OTT-JAX\'s use_danskin=True: '
+            f"the potentials held fixed, exact only when balanced), got {cost_gradient!r}"
+        )
+    relaxed = _check_relaxation(tau_a, tau_b, reach, cost)
     x, y = _check_points("x", x), _check_points("y", y)
     where = (x, y)  # before the casts: the inputs' own sharding decides the placement
     if x.shape[1] != y.shape[1]:
@@ -121,13 +147,14 @@ def prepare(
     # least 1e-5) are balanced: the solve rescales b to sum(a).
     mass_rtol = max(1e-5, *(4 * float(jnp.finfo(w.dtype).eps) for w in (a, b)))
     a, b = a.astype(work), b.astype(work)
-    if _is_concrete(a) and _is_concrete(b):
+    if not relaxed and _is_concrete(a) and _is_concrete(b):
         total_a, total_b = float(np.sum(np.asarray(a))), float(np.sum(np.asarray(b)))
         if abs(total_a - total_b) > mass_rtol * max(total_a, total_b):
             raise ValueError(
                 f"a and b must have the same total for balanced OT, got sum(a) = "
                 f"{total_a:.6g} and sum(b) = {total_b:.6g}; normalise both (a / a.sum(), "
-                "b / b.sum()), or leave them None for uniform weights"
+                "b / b.sum()), leave them None for uniform weights, or relax a marginal "
+                "(tau_a, tau_b < 1 or reach=...) for unbalanced OT"
             )
     cost_fn, consts = resolve_cost(cost, x, y)
     # One tiling (one "auto" knob for memwise.fit) serves every pass of the call: the
@@ -151,6 +178,7 @@ def prepare(
     else:
         eps = jnp.asarray(epsilon, work)
     x, y, a, b, consts, eps = reverse_mode_only((x, y, a, b, consts, eps))
+    side_a, side_b = _sides(tau_a, tau_b, reach, cost, eps, work)
     return Problem(
         x,
         y,
@@ -165,7 +193,71 @@ def prepare(
         max_iterations,
         threshold,
         epsilon_scaling,
+        side_a,
+        side_b,
+        int(min_iterations),
+        cost_gradient,
     )
+
+
+def _check_tau(name: str, tau: Any) -> None:
+    if not _is_concrete(tau):
+        return  # a traced tau is a relaxed side; its range cannot be checked
+    if not _is_real(tau) and not (hasattr(tau, "shape") and np.shape(tau) == ()):
+        raise TypeError(
+            f"{name} must be a float in (0, 1] (1.0: the marginal is a hard constraint), "
+            f"got {tau!r}"
+        )
+    value = float(np.asarray(tau))
+    if not 0.0 < value <= 1.0:
+        raise ValueError(
+            f"{name} must be in (0, 1] (OTT-JAX's convention: 1.0 balanced, tau = rho / "
+            f"(rho + epsilon) for a KL penalty rho on the marginal), got {tau!r}"
+        )
+
+
+def _check_relaxation(tau_a: Any, tau_b: Any, reach: Any, cost: Any) -> bool:
+    """Whether a marginal is relaxed; every bad tau/reach raised here."""
+    _check_tau("tau_a", tau_a)
+    _check_tau("tau_b", tau_b)
+    if reach is None:
+        return not (_is_hard(tau_a) and _is_hard(tau_b))
+    if not (_is_hard(tau_a) and _is_hard(tau_b)):
+        raise ValueError(
+            "pass either reach (GeomLoss's spelling) or tau_a/tau_b (OTT-JAX's), not both: "
+            f"got reach={reach!r}, tau_a={tau_a!r}, tau_b={tau_b!r}"
+        )
+    if _is_concrete(reach) and not (_is_real(reach) and 0 < reach < float("inf")):
+        raise ValueError(f"reach must be None (balanced) or a positive finite float, got {reach!r}")
+    if cost_exponent(cost) is None:
+        raise ValueError(
+            f"reach needs the power p of distance the cost grows with (rho = reach**p); "
+            f"cost {cost!r} has none: pass tau_a and tau_b instead (tau = rho / (rho + "
+            "epsilon)), or give a callable cost an `exponent` attribute"
+        )
+    return True
+
+
+def _is_hard(tau: Any) -> bool:
+    return _is_concrete(tau) and float(np.asarray(tau)) == 1.0
+
+
+def _sides(tau_a: Any, tau_b: Any, reach: Any, cost: Any, eps: Array, work: Any) -> tuple:
+    if reach is not None:
+        # GeomLoss: rho = reach**p; tau at the target epsilon, held fixed while annealing
+        # (OTT-JAX's convention) and in the gradient in epsilon.
+        exponent = cost_exponent(cost)
+        assert exponent is not None
+        rho = jnp.asarray(reach, work) ** exponent
+        tau = jax.lax.stop_gradient(rho / (rho + eps))
+        return Side(True, tau), Side(True, tau)
+
+    def side(tau):
+        if _is_hard(tau):
+            return Side(False)
+        return Side(True, float(tau) if _is_concrete(tau) else jnp.asarray(tau, work))
+
+    return side(tau_a), side(tau_b)
 
 
 def _is_concrete(value: Any) -> bool:
