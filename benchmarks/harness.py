@@ -247,7 +247,9 @@ def markdown_table(table: dict) -> str:
             "|" + "---|" * len(table["columns"]),
         ]
         for row in table["rows"]:
-            lines.append("| " + " | ".join(_cell(row.get(k), k) for k, _ in table["columns"]) + " |")
+            lines.append(
+                "| " + " | ".join(_cell(row.get(k), k) for k, _ in table["columns"]) + " |"
+            )
         return "\n".join(lines)
     extra_keys: list[str] = []
     for row in table["rows"]:

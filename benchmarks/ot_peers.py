@@ -1,58 +1,46 @@
 """Benchmark ``ot_peers``: CPU Sinkhorn speed of memwise beside the libraries a user would
 pick instead (POT, GeomLoss, OTT-JAX), and whose gradient fits at n = m = 50,000.
 
-Every library solves the same problem: uniform weights on two Gaussian clouds of n = m
-points (``x ~ N(0, I/d)``, ``y`` the same shifted by ``0.5/sqrt(d)`` per coordinate),
-the cost ``|x - y|^2``, the same absolute epsilon, float32 throughout. The conversions to
-each library's convention:
+Every library solves one problem: uniform weights on two Gaussian clouds (``x ~ N(0,
+I/d)``, ``y`` shifted by ``0.5/sqrt(d)`` per coordinate), the cost ``|x - y|^2``, one
+absolute epsilon, float32. In each library's convention: memwise ``epsilon`` and OTT-JAX
+``PointCloud(epsilon=)`` as they are (OTT's dense geometry: its online ``batch_size``
+mode does not compile on this jax, see the gradient table); POT ``reg`` (lazy
+``ot.bregman.empirical_sinkhorn`` for fixed counts, ``ot.solve_sample(lazy=True)`` to the
+threshold, batches of 1,000 rows); GeomLoss ``SamplesLoss("sinkhorn", p=2,
+debias=False)``, online (KeOps) with the cost formula ``"SqDist(X,Y)"`` and ``blur =
+sqrt(eps)`` (``eps = blur**p``), tensorized with its own cost ``|x - y|^2 / 2`` and
+``blur = sqrt(eps / 2)`` (half the cost at half the epsilon: the same plan).
 
-* memwise ``mw.ot.sinkhorn(epsilon=eps)`` and OTT-JAX ``PointCloud(epsilon=eps)``: the
-  cost ``|x - y|^2`` and ``eps`` as they are (OTT on its dense geometry: its online
-  ``batch_size`` mode does not compile on the jax this runs, see the 50,000 table);
-* POT ``ot.bregman.empirical_sinkhorn(reg=eps, isLazy=True)`` (fixed iteration counts)
-  and ``ot.solve_sample(reg=eps, lazy=True)`` (to the threshold), metric
-  ``"sqeuclidean"``, batches of 1,000 rows (its default, 100, is slower here);
-* GeomLoss ``SamplesLoss("sinkhorn", p=2, debias=False)``: the online backend (KeOps)
-  with the cost formula ``"SqDist(X,Y)"`` and ``blur = sqrt(eps)`` (``eps = blur**p``),
-  and the tensorized backend with its own cost ``|x - y|^2 / 2``, so
-  ``blur = sqrt(eps / 2)`` (halving the cost and epsilon gives the same plan).
-
-Time per iteration: each library runs two fixed iteration counts (GeomLoss: its epsilon
-schedule replaced by ``[eps] * K``, one symmetric update of both potentials per entry;
-OTT and POT as they run, checking the marginal error every 10 iterations, so at counts
-that are multiples of 10), interleaved round by round after a warm-up (JAX compiled
-ahead of time, KeOps formulas built); the time per iteration is the difference of the
-medians over the difference of the counts. Time to threshold: one solve to an L1
-marginal error of 1e-3 (memwise, OTT and POT have this stopping rule; GeomLoss has none
-and runs its default annealing, ``scaling=0.5``). The marginal error of every solve's
-potentials is then re-measured here in one convention (``P = a b^T exp((f + g - C) /
-eps)``, both marginals' L1 errors added), so the rows say how far each got.
-
-A measurement estimated (from the smallest size's times, scaled by (n / n_0)^2) to take
-over ``CAP_S`` seconds is not run and says so: KeOps' CPU kernels and POT's NumPy loop
-take many seconds per iteration at the larger sizes on this machine.
+Time per iteration: two fixed iteration counts per library, interleaved round by round
+after a warm-up (JAX compiled ahead of time, KeOps formulas built), the difference of the
+median times over the difference of the counts. GeomLoss runs its epsilon schedule
+replaced by ``[eps] * K`` (one symmetric update of both potentials per entry); OTT runs
+multiples of 10 (it checks the marginal every 10 iterations); POT runs 2 and 4, below its
+every-10 check (~5% of its time left out). Time to threshold: one solve to an L1 marginal
+error of 1e-3 (GeomLoss has no such rule and runs its default annealing, ``scaling=0.5``);
+the marginal error of every solve's potentials is then re-measured here in one convention
+(``P = a b^T exp((f + g - C) / eps)``, both marginals' L1 errors added). A POT or GeomLoss
+measurement estimated over ``CAP_S`` (from the smallest size, times (n / n_0)^2) is not
+run and says so.
 
 At n = m = 50,000 the gradient in ``x`` of the regularized OT cost is compiled (not run)
-for memwise and OTT-JAX and its ``memory_analysis()`` read; POT's lazy solver builds its
-cost from NumPy copies of the points (no gradient in ``x``); GeomLoss' tensorized backend
-holds dense ``n x m`` matrices (their size is given); its online backend holds O(n + m),
-and the row gives the time one iteration would take here.
+for memwise and OTT-JAX and its ``memory_analysis()`` read; for POT and GeomLoss the row
+says what they would hold by construction.
 
-Threads: every library runs on the same cores (this process's CPU affinity, ``T``):
-XLA's thread pool follows the affinity, torch gets ``torch.set_num_threads(T)``, NumPy's
-BLAS and KeOps' OpenMP ``OMP_NUM_THREADS=T``. The load average is recorded with the
-results: the machine is shared, read the ratios.
+Threads: every library on the same cores (the CPU affinity, ``MEMWISE_PEERS_THREADS``,
+default all): XLA's pool follows the affinity, torch gets ``set_num_threads``, BLAS and
+KeOps' OpenMP ``OMP_NUM_THREADS``. The load average is saved with the results.
 
-The peers live in their own environment, ``benchmarks/.venv-peers`` (git-ignored, about
-6 GB with torch), made and run by ``make bench-peers``; by hand::
+The peers live in ``benchmarks/.venv-peers`` (git-ignored, ~6 GB with torch), made and
+run by ``make bench-peers``; by hand::
 
     python3 -m venv benchmarks/.venv-peers
     benchmarks/.venv-peers/bin/pip install jax==0.10.2 ott-jax pot geomloss torch pykeops tqdm
     benchmarks/.venv-peers/bin/pip install --no-deps -e .
     python -m benchmarks ot_peers
 
-Without it, ``python -m benchmarks`` skips this benchmark with a message and keeps the
-saved results.
+Without it, ``python -m benchmarks`` skips this benchmark with a message.
 """
 
 from __future__ import annotations
@@ -62,7 +50,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -85,7 +72,10 @@ def _peer_python() -> str | None:
     check = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in %r))"
     for python in (sys.executable, str(PEERS_VENV / "bin" / "python")):
         if Path(python).exists():
-            if subprocess.run([python, "-c", check % (PEERS,)], capture_output=True).returncode == 0:
+            if (
+                subprocess.run([python, "-c", check % (PEERS,)], capture_output=True).returncode
+                == 0
+            ):
                 return python
     return None
 
@@ -129,20 +119,14 @@ class Solver:
     iterations = 50  # a guess of the iterations to threshold, before one is measured
     compile_s = 0.0
 
-    def fixed(self, iterations: int) -> Callable[[], tuple]:
-        raise NotImplementedError
-
-    def to_threshold(self) -> Callable[[], tuple]:
-        raise NotImplementedError
-
 
 class JaxSolver(Solver):
     """memwise or OTT-JAX: compiled ahead of time, so no run pays for compilation."""
 
-    def __init__(self, name, solve, x, y):
+    def __init__(self, name, solve, x, y, counts):
         import jax.numpy as jnp
 
-        self.name, self.solve = name, solve
+        self.name, self.solve, self.counts = name, solve, counts
         self.x, self.y = jnp.asarray(x), jnp.asarray(y)
         self.temp_bytes = None
 
@@ -181,13 +165,13 @@ def memwise_solve(x, y, *, iterations, threshold):
     return out.f, out.g, out.n_iterations, out.reg_ot_cost
 
 
-def ott_solve(x, y, *, iterations, threshold):
+def ott_solve(x, y, *, iterations, threshold, batch_size=None):
     import jax.numpy as jnp
     from ott.geometry import pointcloud
     from ott.problems.linear import linear_problem
     from ott.solvers.linear import sinkhorn
 
-    geom = pointcloud.PointCloud(x, y, epsilon=EPSILON)
+    geom = pointcloud.PointCloud(x, y, epsilon=EPSILON, batch_size=batch_size)
     if iterations is None:
         solver = sinkhorn.Sinkhorn(threshold=threshold, max_iterations=MAX_ITERATIONS)
     else:
@@ -203,6 +187,8 @@ def ott_solve(x, y, *, iterations, threshold):
 
 class PotSolver(Solver):
     name = "POT lazy (NumPy)"
+    counts = (2, 4)  # below its every-10 check of the marginal: ~5% in POT's favour
+    overhead = 0
 
     def __init__(self, x, y):
         self.x, self.y = x, y
@@ -262,6 +248,8 @@ class GeomLossSolver(Solver):
         import torch
 
         self.backend = backend
+        # Tensorized calls start by building the cost matrices: more iterations to time.
+        self.counts = (1, 2) if backend == "online" else (2, 10)
         self.name = f"GeomLoss {backend}" + (" (KeOps)" if backend == "online" else " (torch)")
         self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
         # online: the cost |x - y|^2 as a KeOps formula; tensorized: GeomLoss' |x - y|^2 / 2.
@@ -312,8 +300,10 @@ def check(x, y, f, g) -> tuple[float, float]:
     @jax.jit
     def error(x, y, f, g):
         n, m = x.shape[0], y.shape[0]
+
         def score(xi, yj):
             return -jnp.sum((xi - yj) ** 2) / EPSILON
+
         rows = mw.pairwise_reduce(score, x, y, reduce="logsumexp", weights=g / EPSILON - jnp.log(m))
         cols = mw.pairwise_reduce(
             score, x, y, reduce="logsumexp", weights=f / EPSILON - jnp.log(n), axis=0
@@ -328,8 +318,8 @@ def check(x, y, f, g) -> tuple[float, float]:
 
 def solvers(x, y, names=None) -> list[Solver]:
     every = [
-        JaxSolver("memwise", memwise_solve, x, y),
-        JaxSolver("OTT-JAX dense", ott_solve, x, y),
+        JaxSolver("memwise", memwise_solve, x, y, (5, 10)),
+        JaxSolver("OTT-JAX dense", ott_solve, x, y, (10, 20)),  # it checks every 10
         PotSolver(x, y),
         GeomLossSolver("online", x, y),
         GeomLossSolver("tensorized", x, y),
@@ -400,89 +390,52 @@ def gradients(n: int, d: int, per_iteration: dict, base: int) -> list[dict]:
     from memwise.measure import compiled_memory
 
     x, y = (jax.numpy.asarray(a) for a in clouds(n, d))
-    matrix = n * n * 4
+    matrix, keops = n * n * 4, per_iteration.get("GeomLoss online (KeOps)")
     rows = []
-    for name, solve in (("memwise", memwise_solve), ("OTT-JAX dense", ott_solve)):
-        def cost(x, y, solve=solve):
-            return solve(x, y, iterations=None, threshold=THRESHOLD)[3]
-        start = time.perf_counter()
+    for name, batch_size, solve in (
+        ("memwise", None, memwise_solve),
+        ("OTT-JAX dense", None, ott_solve),
+        ("OTT-JAX online (batch_size=1000)", 1000, ott_solve),
+    ):
+        kwargs = dict(iterations=None, threshold=THRESHOLD)
+        if batch_size:
+            kwargs["batch_size"] = batch_size
         try:
-            memory = compiled_memory(cost, x, y, grad=True)
+            memory = compiled_memory(lambda x, y: solve(x, y, **kwargs)[3], x, y, grad=True)
         except Exception as error:  # noqa: BLE001 - recorded in the table
-            rows.append({"variant": name, "n": n, "d": d, "gradient": f"fails: {error}"[:200]})
+            message = str(error).strip().splitlines()[0][:160]
+            found = f"does not compile on jax {jax.__version__}: {type(error).__name__}: {message}"
+            rows.append({"variant": name, "gradient": found})
             continue
         rows.append(
             {
                 "variant": name,
-                "n": n,
-                "d": d,
                 "gradient": "compiled (memory_analysis)",
                 "temp_bytes": memory.temp_bytes,
                 "peak_bytes": memory.peak_bytes,
                 "fits_24GiB": memory.peak_bytes <= BUDGET_BYTES,
-                "compile_s": time.perf_counter() - start,
             }
         )
-    rows.append(ott_online(n, d))
-    scale = (n / base) ** 2
-    keops = per_iteration.get("GeomLoss online (KeOps)")
+    online = f"est. {keops * (n / base) ** 2:.3g} s per iteration here" if keops else "no time"
     rows += [
         {
             "variant": "POT lazy (NumPy)",
-            "n": n,
-            "d": d,
             "gradient": "none in x (the lazy loop builds the cost from NumPy copies); "
             f"the dense solver needs the {matrix / GIB:.1f} GiB cost matrix",
         },
         {
             "variant": "GeomLoss tensorized (torch)",
-            "n": n,
-            "d": d,
             "gradient": f"holds two dense n x m matrices, {2 * matrix / GIB:.1f} GiB, and a "
             "third as the softmin's temporary",
             "fits_24GiB": 3 * matrix <= BUDGET_BYTES,
         },
         {
             "variant": "GeomLoss online (KeOps)",
-            "n": n,
-            "d": d,
-            "gradient": "O(n + m) memory (KeOps reductions); not run: "
-            + (f"est. {keops * scale:.3g} s per iteration here" if keops else "no timing"),
+            "gradient": f"O(n + m) memory (KeOps reductions); not run: {online}",
             "fits_24GiB": True,
         },
     ]
-    return rows
-
-
-def ott_online(n: int, d: int) -> dict:
-    """OTT-JAX's online geometry (``batch_size``): compiled, or the error it raises."""
-    import jax
-    from ott.geometry import pointcloud
-    from ott.problems.linear import linear_problem
-    from ott.solvers.linear import sinkhorn
-
-    from memwise.measure import compiled_memory
-
-    x, y = (jax.numpy.asarray(a) for a in clouds(n, d))
-
-    def cost(x, y):
-        geom = pointcloud.PointCloud(x, y, epsilon=EPSILON, batch_size=1000)
-        return sinkhorn.Sinkhorn(threshold=THRESHOLD)(linear_problem.LinearProblem(geom)).reg_ot_cost
-
-    row = {"variant": "OTT-JAX online (batch_size=1000)", "n": n, "d": d}
-    try:
-        memory = compiled_memory(cost, x, y, grad=True)
-    except Exception as error:  # noqa: BLE001 - recorded in the table
-        message = str(error).strip().splitlines()[0][:160]
-        row["gradient"] = f"does not compile on jax {jax.__version__}: {type(error).__name__}: {message}"
-        return row
-    row.update(
-        gradient="compiled (memory_analysis)",
-        temp_bytes=memory.temp_bytes,
-        peak_bytes=memory.peak_bytes,
-        fits_24GiB=memory.peak_bytes <= BUDGET_BYTES,
-    )
-    return row
+    return [{**row, "n": n, "d": d} for row in rows]
 
 
 CASE_COLUMNS = [
@@ -542,9 +495,7 @@ def child(quick: bool) -> None:
     for n in sizes:
         for d in (3, 64):
             rounds = 1 if quick or n > sizes[0] else 2
-            rows, measured = case(
-                n, d, rounds=rounds, estimates=estimates.get(d), base=sizes[0]
-            )
+            rows, measured = case(n, d, rounds=rounds, estimates=estimates.get(d), base=sizes[0])
             estimates.setdefault(d, measured)  # the smallest size's, for the larger
             table = {
                 "title": f"Sinkhorn, n=m={n:,}, d={d}, epsilon={EPSILON}, float32",
@@ -595,9 +546,7 @@ def child(quick: bool) -> None:
         + ", ".join(f"{k} {v}" for k, v in versions.items())
         + "."
     )
-    path = harness.save(
-        "ot_peers", [summary(cases), *cases, grad_table], notes=notes, quick=quick
-    )
+    path = harness.save("ot_peers", [summary(cases), *cases, grad_table], notes=notes, quick=quick)
     payload = json.loads(path.read_text())
     payload["machine"]["versions"].update(versions)
     payload["threads"] = threads
