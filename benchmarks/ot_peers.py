@@ -478,10 +478,8 @@ def summary(cases: list[dict]) -> dict:
 
 
 def child(quick: bool) -> None:
-    import json
-
-    import harness
-    import numpy
+    """The measurement; ``results/ot_peers.json`` is rewritten after every table, so a
+    run cut short keeps what it measured (and says so)."""
     import torch
 
     threads = int(os.environ["MEMWISE_PEERS_THREADS"])
@@ -489,38 +487,35 @@ def child(quick: bool) -> None:
     torch.set_num_threads(threads)
     sizes = (500, 1000) if quick else (5_000, 20_000)
     grad_n = 2_000 if quick else GRAD_N
-    load = [os.getloadavg()]
-    start = time.perf_counter()
-    cases, estimates = [], {}
+    load, start = [os.getloadavg()], time.perf_counter()
+    tables, estimates = [], {}
     for n in sizes:
         for d in (3, 64):
             rounds = 1 if quick or n > sizes[0] else 2
             rows, measured = case(n, d, rounds=rounds, estimates=estimates.get(d), base=sizes[0])
             estimates.setdefault(d, measured)  # the smallest size's, for the larger
-            table = {
-                "title": f"Sinkhorn, n=m={n:,}, d={d}, epsilon={EPSILON}, float32",
-                "baseline": "memwise",
-                "n": n,
-                "d": d,
-                "columns": CASE_COLUMNS,
-                "rows": rows,
-            }
-            cases.append(table)
-            harness.print_table(table)
+            title = f"Sinkhorn, n=m={n:,}, d={d}, epsilon={EPSILON}, float32"
+            tables.append({"title": title, "baseline": "memwise", "n": n, "d": d})
+            tables[-1].update(columns=CASE_COLUMNS, rows=rows)
             load.append(os.getloadavg())
+            _save(tables, threads, load, time.perf_counter() - start, quick, done=False)
     grads = [r for d in (3, 64) for r in gradients(grad_n, d, estimates[d], sizes[0])]
-    grad_table = {
-        "title": f"gradient in x of the regularized OT cost, n=m={grad_n:,}",
-        "baseline": "memwise",
-        "columns": GRAD_COLUMNS,
-        "rows": grads,
-    }
-    harness.print_table(grad_table)
+    title = f"gradient in x of the regularized OT cost, n=m={grad_n:,}"
+    tables.append({"title": title, "baseline": "memwise", "columns": GRAD_COLUMNS, "rows": grads})
     load.append(os.getloadavg())
+    _save(tables, threads, load, time.perf_counter() - start, quick, done=True)
+
+
+def _save(tables, threads, load, seconds, quick, *, done):
+    import json
+
     import geomloss
+    import harness
     import ot
     import pykeops
+    import torch
 
+    harness.print_table(tables[-1])
     versions = {
         "POT": ot.__version__,
         "geomloss": geomloss.__version__,
@@ -528,7 +523,8 @@ def child(quick: bool) -> None:
         "pykeops": pykeops.__version__,
     }
     notes = (
-        f"Same problem in every library: uniform weights, cost |x - y|^2, epsilon {EPSILON} "
+        ("" if done else "**Cut short: the run stopped after the last table below.** ")
+        + f"Same problem in every library: uniform weights, cost |x - y|^2, epsilon {EPSILON} "
         f"(POT reg={EPSILON}; GeomLoss online blur=sqrt({EPSILON}) with cost SqDist(X,Y), "
         f"tensorized blur=sqrt({EPSILON}/2) with its cost |x - y|^2/2), threshold "
         f"{THRESHOLD} on the L1 marginal error, float32. {threads} thread(s) for every "
@@ -542,17 +538,17 @@ def child(quick: bool) -> None:
         f"OTT-JAX runs its dense geometry (the cost matrix stored once). Load average "
         f"(1, 5, 15 min) before and after each table: "
         + "; ".join(", ".join(f"{v:.1f}" for v in a) for a in load)
-        + f". Total {time.perf_counter() - start:.0f} s. Versions: "
+        + f". Total {seconds:.0f} s. Versions: "
         + ", ".join(f"{k} {v}" for k, v in versions.items())
         + "."
     )
-    path = harness.save("ot_peers", [summary(cases), *cases, grad_table], notes=notes, quick=quick)
+    cases = [t for t in tables if "n" in t]
+    path = harness.save("ot_peers", [summary(cases), *tables], notes=notes, quick=quick)
     payload = json.loads(path.read_text())
     payload["machine"]["versions"].update(versions)
-    payload["threads"] = threads
-    payload["load_average"] = load
+    payload.update(threads=threads, load_average=load, complete=done)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    print(f"wrote {path}; numpy {numpy.__version__}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
