@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest -q -n 2
 
-.PHONY: demo test durations test-fast test-next-jax lint typecheck docs floor ci bench clean
+.PHONY: demo test durations test-fast test-next-jax lint typecheck docs floor ci bench bench-peers clean
 
 # The oldest JAX release memwise supports: the floor declared in pyproject.toml.
 JAX_FLOOR := $(shell sed -n 's/.*"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
@@ -82,6 +82,20 @@ ci: lint typecheck test docs floor test-next-jax
 
 bench: $(VENV)/.installed-test
 	$(BIN)/memwise bench
+
+# The optimal-transport peers' benchmark in its own environment (POT, GeomLoss, torch,
+# pykeops, OTT-JAX; several GB): `make bench` skips it when this is missing.
+PEERS_VENV := benchmarks/.venv-peers
+
+$(PEERS_VENV)/.installed: $(VENV)/.installed-test
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet "jax==$$($(BIN)/python -c 'import jax; print(jax.__version__)')" \
+		ott-jax pot geomloss torch pykeops tqdm
+	$(PEERS_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $@
+
+bench-peers: $(PEERS_VENV)/.installed
+	$(BIN)/python -m benchmarks ot_peers
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) build site src/*.egg-info

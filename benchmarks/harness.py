@@ -239,6 +239,18 @@ def markdown_table(table: dict) -> str:
     """One result table as Markdown: memory, time ratio, then the extra columns."""
     if table.get("failure") and not table.get("rows"):
         return f"**{table.get('title') or table.get('case')}**: {table['failure']}"
+    if table.get("columns"):  # a table that names its own columns: [key, label] pairs
+        lines = [
+            f"**{table['title']}**",
+            "",
+            "| " + " | ".join(label for _, label in table["columns"]) + " |",
+            "|" + "---|" * len(table["columns"]),
+        ]
+        for row in table["rows"]:
+            lines.append(
+                "| " + " | ".join(_cell(row.get(k), k) for k, _ in table["columns"]) + " |"
+            )
+        return "\n".join(lines)
     extra_keys: list[str] = []
     for row in table["rows"]:
         extra_keys += [k for k in row if k not in _SKIP and k not in extra_keys]

@@ -34,6 +34,28 @@ def test_run_table_save_and_markdown(tmp_path, monkeypatch):
     assert "| small |" in text and "1.00x" in text and "evaluations" in text
 
 
+def test_markdown_of_a_table_that_names_its_columns():
+    table = {
+        "title": "peers",
+        "baseline": "a",
+        "columns": [["variant", "library"], ["s", "s / iteration"], ["temp_bytes", "temp"]],
+        "rows": [{"variant": "a", "s": 0.25, "temp_bytes": 2048}, {"variant": "b", "s": "not run"}],
+    }
+    lines = harness.markdown_table(table).splitlines()
+    assert lines[2] == "| library | s / iteration | temp |"
+    assert lines[4:] == ["| a | 0.25 | 2.0 KiB |", "| b | not run | - |"]
+
+
+def test_ot_peers_skips_without_its_environment(tmp_path, monkeypatch, capsys):
+    # `make bench` runs every script; the peers' benchmark needs its own environment.
+    import ot_peers
+
+    monkeypatch.setattr(ot_peers, "PEERS_VENV", tmp_path / "missing")
+    monkeypatch.setattr(ot_peers, "PEERS", ("a_peer_that_is_not_installed",))
+    ot_peers.main(quick=True)
+    assert "ot_peers: skipped" in capsys.readouterr().out
+
+
 def test_unknown_baseline():
     with pytest.raises(ValueError, match="baseline"):
         harness.run_table("t", [harness.Variant("a", jnp.sin, (jnp.ones(2),))], baseline="b")
