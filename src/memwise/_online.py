@@ -62,6 +62,7 @@ from memwise._jax_private import varying_axes
 from memwise._vjp import (
     Static,
     custom_vjp,
+    fill,
     guard_forward_mode,
     is_zero,
     select,
@@ -77,7 +78,9 @@ class OnlineLoop:
     """The static parts of an online-checkpointed while loop (compared by identity).
 
     Attributes:
-      body: ``(carry, x, *consts) -> (new_carry, [])`` on lists of leaves (``x`` is []).
+      body: ``(carry, buffers, *consts) -> (new_carry, new_buffers)`` on lists of
+        leaves; ``buffers`` are the loop's write-only arrays (:mod:`memwise._buffers`),
+        outside the checkpointed carry.
       cond: ``(carry, *cond_consts) -> bool scalar``.
       n_checkpoints: c, the carries kept (x_0 included).
       max_steps: a bound on the trip count, or None.
@@ -99,18 +102,22 @@ class OnlineLoop:
         return go if self.max_steps is None else go & (i < self.max_steps)
 
 
-def run(loop: OnlineLoop, consts: list, cond_consts: list, carry: list) -> list:
-    """The final carry of ``loop``; reverse mode follows the online schedule.
+def run(
+    loop: OnlineLoop, consts: list, cond_consts: list, carry: list, buffers: list
+) -> tuple[list, list]:
+    """``(final carry, final buffers)`` of ``loop``; reverse mode follows the online schedule.
 
     ``consts`` are the body's closed-over arrays (they get cotangents), ``cond_consts``
-    the predicate's (pass them through ``lax.stop_gradient``).
+    the predicate's (pass them through ``lax.stop_gradient``). ``buffers`` are never
+    checkpointed: the backward pass threads their cotangents through the reversed
+    steps, each step reading those of the values it wrote (:mod:`memwise._buffers`).
     """
 
     def guard(leaves):
         # Forward mode through the custom_vjp raises the loop's own error, naming the fix.
         return guard_forward_mode(leaves, loop.forward_mode_error)
 
-    return _run(loop, guard(consts), list(cond_consts), guard(carry))
+    return _run(loop, guard(consts), list(cond_consts), guard(carry), guard(buffers))
 
 
 # --------------------------------------------------------------------------------------
@@ -333,48 +340,67 @@ def _place(
 @functools.partial(
     custom_vjp, nondiff_argnums=(0,), forward_mode_error=lambda loop: loop.forward_mode_error
 )
-def _run(loop, consts, cond_consts, carry):
+def _run(loop, consts, cond_consts, carry, written):
     def body(state):
-        i, carry = state
-        return i + 1, loop.step(carry, [], consts)[0]
+        i, carry, written = state
+        return i + 1, *loop.step(carry, written, consts)
 
-    return lax.while_loop(
-        lambda s: loop.keep_going(s[0], s[1], cond_consts), body, (jnp.int32(0), carry)
-    )[1]
+    _, carry, written = lax.while_loop(
+        lambda s: loop.keep_going(s[0], s[1], cond_consts),
+        body,
+        (jnp.int32(0), carry, written),
+    )
+    return carry, written
 
 
-def _run_fwd(loop, consts, cond_consts, carry):
+def _run_fwd(loop, consts, cond_consts, carry, written):
     consts, consts_perturbed = unwrap(consts)
     cond_consts, _ = unwrap(cond_consts)
     carry, carry_perturbed = unwrap(carry)
-    carry_mask = _perturbed_carry(loop, consts, carry, [], consts_perturbed, carry_perturbed, ())
+    written, written_perturbed = unwrap(written)
+    carry_mask = _perturbed_carry(
+        loop, consts, carry, written, consts_perturbed, carry_perturbed, written_perturbed
+    )
     c = loop.n_checkpoints
     buffers = [vary(jnp.zeros((c,) + a.shape, a.dtype), varying_axes(a)) for a in carry]
 
     def body(state):
-        i, carry, buffers, placement = state
+        i, carry, written, buffers, placement = state
         store, slot, placement = _place(i, placement, c)
         buffers = _store(buffers, carry, slot, store)
-        return i + 1, loop.step(carry, [], consts)[0], buffers, placement
+        return i + 1, *loop.step(carry, written, consts), buffers, placement
 
-    trips, carry, buffers, placement = lax.while_loop(
+    trips, carry, written, buffers, placement = lax.while_loop(
         lambda s: loop.keep_going(s[0], s[1], cond_consts),
         body,
-        (jnp.int32(0), carry, buffers, _initial_placement(c)),
+        (jnp.int32(0), carry, written, buffers, _initial_placement(c)),
     )
     stack = (placement["positions"], placement["order"], placement["count"])
-    perturbed = Static((consts_perturbed, len(cond_consts), carry_perturbed, carry_mask))
-    return carry, (consts, buffers, stack, trips, perturbed)
+    perturbed = Static(
+        (consts_perturbed, len(cond_consts), carry_perturbed, carry_mask, written_perturbed)
+    )
+    # The final write-only buffers stand in for the buffers of every replayed step: the
+    # body only writes them, so their values never reach a carry or a cotangent.
+    return (carry, written), (consts, written, buffers, stack, trips, perturbed)
 
 
-def _run_bwd(loop, residuals, ct_carry):
-    consts, buffers, (positions, order, count), trips, perturbed = residuals
-    consts_perturbed, n_cond, carry_perturbed, carry_mask = perturbed.value
+def _run_bwd(loop, residuals, output_cotangents):
+    consts, written, buffers, (positions, order, count), trips, perturbed = residuals
+    consts_perturbed, n_cond, carry_perturbed, carry_mask, written_perturbed = perturbed.value
+    ct_carry, ct_written = output_cotangents
     c = loop.n_checkpoints
-    taped = _TapedStep(loop, _entry(buffers), [], consts, carry_mask, (), consts_perturbed)
+    # Every differentiable buffer's cotangent runs through the steps (a step zeroes the
+    # cotangents of what it overwrote), whether or not its initial value is perturbed.
+    taped = _TapedStep(
+        loop, _entry(buffers), written, consts, carry_mask, (True,) * len(written), consts_perturbed
+    )
     ct_carry = [
         _entry_zeros(buf) if is_zero(ct) else ct
         for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))
+    ]
+    ct_written = [
+        typed_zeros([w])[0] if is_zero(ct) else ct
+        for ct, w in zip(select(ct_written, taped.x_mask), select(written, taped.x_mask))
     ]
     ct_consts = typed_zeros(select(consts, taped.const_mask))
 
@@ -394,13 +420,13 @@ def _run_bwd(loop, residuals, ct_carry):
         return buffers, positions, top + do.astype(jnp.int32)
 
     def reverse_step(state):
-        r, ct_carry, ct_consts, buffers, positions, top = state
+        r, ct_carry, ct_written, ct_consts, buffers, positions, top = state
         held = positions[top - 1]
         carry = _take(buffers, order[top - 1])
 
         def advance(inner):
             i, carry, target = inner
-            return i + 1, loop.step(carry, [], consts)[0], target
+            return i + 1, loop.step(carry, written, consts)[0], target
 
         def sweeping(held, top):
             # a slot for every step left (length <= slots + 1): every split is 1
@@ -413,12 +439,12 @@ def _run_bwd(loop, residuals, ct_carry):
             push_at = split_at(held, r, top)
             target = jnp.minimum(push_at, r)
             _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance, (held, carry, target - 1))
-            carry = loop.step(carry, [], consts)[0]
+            carry = loop.step(carry, written, consts)[0]
             return (target, carry, *push(carry, buffers, positions, top, target, push_at <= r))
 
         def sweep_step(inner):
             i, carry, buffers, positions, top = inner
-            carry = loop.step(carry, [], consts)[0]
+            carry = loop.step(carry, written, consts)[0]
             return (i + 1, carry, *push(carry, buffers, positions, top, i + 1, top < c))
 
         # Splits until the slots cover the steps left, then one step and one push per
@@ -432,16 +458,16 @@ def _run_bwd(loop, residuals, ct_carry):
         _, carry, buffers, positions, top = lax.while_loop(
             lambda inner: inner[0] < r, sweep_step, inner
         )
-        ct_carry, ct_x, ct_k = taped(carry, [], consts, ct_carry, [])
-        del ct_x
+        ct_y = fill([None] * len(written), taped.x_mask, ct_written)
+        ct_carry, ct_written, ct_k = taped(carry, written, consts, ct_carry, ct_y)
         ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
         top = top - (positions[top - 1] == r).astype(jnp.int32)
-        return r - 1, ct_carry, ct_consts, buffers, positions, top
+        return r - 1, ct_carry, ct_written, ct_consts, buffers, positions, top
 
-    _, ct_carry, ct_consts, _, _, _ = lax.while_loop(
+    _, ct_carry, ct_written, ct_consts, _, _, _ = lax.while_loop(
         lambda state: state[0] >= 0,
         reverse_step,
-        (trips - 1, ct_carry, ct_consts, buffers, positions, count),
+        (trips - 1, ct_carry, ct_written, ct_consts, buffers, positions, count),
     )
 
     out = functools.partial(replayed_cotangents, error=loop.second_order_error)
@@ -450,6 +476,10 @@ def _run_bwd(loop, residuals, ct_carry):
         out(taped.const_mask, ct_consts),
         [None] * n_cond,
         out(init_mask, select(ct_carry, select(carry_perturbed, carry_mask))),
+        out(
+            [m and p for m, p in zip(taped.x_mask, written_perturbed)],
+            select(ct_written, select(written_perturbed, taped.x_mask)),
+        ),
     )
 
 
