@@ -164,6 +164,7 @@ def test_against(t0, t1, ts):
 # test_adjoint.py: test_backprop_ts, test_sde_against
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adjoint", [MEMWISE(), MEMWISE(checkpoints=2)], ids=["default", "c=2"])
 def test_backprop_ts(adjoint):
     mlp = eqx.nn.MLP(1, 1, 8, 2, key=jr.PRNGKey(0))
@@ -299,8 +300,10 @@ def test_subsaveat(multi_subs, with_fn):
 # beyond Diffrax's file: what this adjoint must match or refuse
 
 _TERM = diffrax.ODETerm(lambda t, y, args: -args * y + jnp.sin(t))
-_Y0 = jnp.array([1.0, 2.0])
-_ARGS = jnp.array(0.7)
+
+
+def _y0_args():  # float64 under the module's configuration (not at import)
+    return jnp.array([1.0, 2.0]), jnp.array(0.7)
 
 
 def _solve(y0, args, adjoint, **kwargs):
@@ -326,33 +329,38 @@ def _event_loss(y0, args, adjoint):
     return jnp.sum(sol.ys**2) + jnp.sum(sol.ts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "loss", [_dense_loss, _steps_loss, _event_loss], ids=["dense", "steps", "event"]
 )
 def test_same_gradients_as_recursive_checkpoint_adjoint(loss):
-    value, grads = jax.value_and_grad(loss, (0, 1))(_Y0, _ARGS, MEMWISE(checkpoints=3))
+    y0, args = _y0_args()
+    value, grads = jax.value_and_grad(loss, (0, 1))(y0, args, MEMWISE(checkpoints=3))
     ref_value, ref_grads = jax.value_and_grad(loss, (0, 1))(
-        _Y0, _ARGS, diffrax.RecursiveCheckpointAdjoint(checkpoints=3)
+        y0, args, diffrax.RecursiveCheckpointAdjoint(checkpoints=3)
     )
     assert tree_allclose(value, ref_value)
     assert tree_allclose(grads, ref_grads, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_unbounded_solve():
-    loss = lambda y0, adjoint: jnp.sum(_solve(y0, _ARGS, adjoint, max_steps=None).ys)  # noqa: E731
-    grad = jax.grad(loss)(_Y0, MEMWISE(checkpoints=4))
+    y0, args = _y0_args()
+    loss = lambda y0, adjoint: jnp.sum(_solve(y0, args, adjoint, max_steps=None).ys)  # noqa: E731
+    grad = jax.grad(loss)(y0, MEMWISE(checkpoints=4))
     assert tree_allclose(
-        grad, jax.grad(loss)(_Y0, diffrax.RecursiveCheckpointAdjoint(checkpoints=4))
+        grad, jax.grad(loss)(y0, diffrax.RecursiveCheckpointAdjoint(checkpoints=4))
     )
     # without checkpoints the solve runs, as Diffrax's, and its gradient is refused
-    assert tree_allclose(loss(_Y0, MEMWISE()), loss(_Y0, diffrax.RecursiveCheckpointAdjoint()))
+    assert tree_allclose(loss(y0, MEMWISE()), loss(y0, diffrax.RecursiveCheckpointAdjoint()))
     with pytest.raises(RuntimeError, match="CheckpointAdjoint\\(checkpoints=<int>\\)"):
-        jax.grad(loss)(_Y0, MEMWISE())
+        jax.grad(loss)(y0, MEMWISE())
 
 
 def test_forward_mode_names_forward_mode_adjoint():
+    y0, args = _y0_args()
     with pytest.raises(TypeError, match="adjoint=diffrax.ForwardMode()"):
-        jax.jvp(lambda y: _solve(y, _ARGS, MEMWISE()).ys, (_Y0,), (_Y0,))
+        jax.jvp(lambda y: _solve(y, args, MEMWISE()).ys, (y0,), (y0,))
 
 
 def test_unsafe_brownian_path_is_refused():

@@ -100,6 +100,13 @@ class WriteOnlyBuffer:
     def __getitem__(self, index: Any) -> Any:
         raise self._read(f"buffer[{index!r}]")
 
+    def __getattr__(self, name: str) -> Any:
+        # array methods (.sum(), .T, .astype) read the buffer; private names stay
+        # AttributeErrors so that Python's protocols (copy, pickle) behave as usual
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise self._read(f"buffer.{name}")
+
     def __jax_array__(self) -> Any:
         raise self._read("using it as an array")
 

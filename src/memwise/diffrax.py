@@ -40,7 +40,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 import jax
 
 from memwise._buffers import WriteOnlyBuffer
-from memwise.scan import _WHILE_FORWARD_MODE, while_loop
+from memwise.scan import checked_while_loop
 
 __all__ = ["CheckpointAdjoint"]
 
@@ -154,20 +154,15 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
             )
         if checkpoints is None:
             checkpoints = _equinox_default(max_steps)
-        try:
-            return self._loop(
-                terms=terms,
-                saveat=saveat,
-                init_state=init_state,
-                max_steps=max_steps,
-                inner_while_loop=_memwise_loop,
-                outer_while_loop=functools.partial(_memwise_loop, checkpoints=checkpoints),
-                **kwargs,
-            )
-        except TypeError as error:
-            if str(error) != _WHILE_FORWARD_MODE:
-                raise
-            raise TypeError(_FORWARD_MODE) from None
+        return self._loop(
+            terms=terms,
+            saveat=saveat,
+            init_state=init_state,
+            max_steps=max_steps,
+            inner_while_loop=_memwise_loop,
+            outer_while_loop=functools.partial(_memwise_loop, checkpoints=checkpoints),
+            **kwargs,
+        )
 
 
 def _equinox_default(max_steps: int) -> int:
@@ -207,13 +202,14 @@ def _memwise_loop(
     def body(val):
         return _from_equinox(body_fun(_to_equinox(val)))
 
-    out = while_loop(
+    out = checked_while_loop(
         cond,
         body,
         _from_equinox(init_val),
         max_steps=max_steps,
         checkpoints=checkpoints,
         buffers=buffers,
+        forward_mode_error=_FORWARD_MODE,
     )
     return _to_equinox(out)
 

@@ -558,6 +558,23 @@ def while_loop(
         >>> round(float(jax.grad(newton)(4.0)), 4)  # d sqrt(a)/da = 1/(2 sqrt(a))
         0.25
     """
+    return checked_while_loop(
+        cond_fun, body_fun, init, max_steps=max_steps, checkpoints=checkpoints, buffers=buffers
+    )
+
+
+def checked_while_loop(
+    cond_fun: Callable[[Any], Any],
+    body_fun: Callable[[Any], Any],
+    init: Any,
+    *,
+    max_steps: int | None,
+    checkpoints: int | str | None,
+    buffers: Callable[[Any], Any] | None,
+    forward_mode_error: str = _WHILE_FORWARD_MODE,
+) -> Any:
+    """:func:`while_loop` with the ``TypeError`` message of forward mode chosen by the
+    caller (an adapter names its own fix, e.g. Diffrax's ``ForwardMode``)."""
     _check_callable(cond_fun, "cond_fun")
     _check_callable(body_fun, "body_fun")
     is_buffer = _buffers.buffer_mask(buffers, init)
@@ -638,7 +655,7 @@ def while_loop(
         cond=cond_conv,
         n_checkpoints=c,
         max_steps=max_steps,
-        forward_mode_error=_WHILE_FORWARD_MODE,
+        forward_mode_error=forward_mode_error,
         second_order_error=_WHILE_SECOND_ORDER,
     )
     out, written = _online.run(loop, body_consts, cond_consts, loop_carry, written)
