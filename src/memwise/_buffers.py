@@ -98,7 +98,8 @@ class WriteOnlyBuffer:
         return TypeError(_READ.format(what=what))
 
     def __getitem__(self, index: Any) -> Any:
-        raise self._read(f"buffer[{index!r}]")
+        shown = index if isinstance(index, (int, slice)) else "..."
+        raise self._read(f"buffer[{shown}]")
 
     def __getattr__(self, name: str) -> Any:
         # array methods (.sum(), .T, .astype) read the buffer; private names stay

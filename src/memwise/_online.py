@@ -64,6 +64,7 @@ from memwise._vjp import (
     custom_vjp,
     fill,
     guard_forward_mode,
+    is_differentiable,
     is_zero,
     select,
     unwrap,
@@ -380,7 +381,8 @@ def _run_fwd(loop, consts, cond_consts, carry, written):
         (consts_perturbed, len(cond_consts), carry_perturbed, carry_mask, written_perturbed)
     )
     # The final write-only buffers stand in for the buffers of every replayed step: the
-    # body only writes them, so their values never reach a carry or a cotangent.
+    # body only writes them, so their values never reach a carry or a cotangent (the
+    # buffers are outputs, so this keeps no array that the forward pass does not).
     return (carry, written), (consts, written, buffers, stack, trips, perturbed)
 
 
@@ -389,18 +391,28 @@ def _run_bwd(loop, residuals, output_cotangents):
     consts_perturbed, n_cond, carry_perturbed, carry_mask, written_perturbed = perturbed.value
     ct_carry, ct_written = output_cotangents
     c = loop.n_checkpoints
-    # Every differentiable buffer's cotangent runs through the steps (a step zeroes the
-    # cotangents of what it overwrote), whether or not its initial value is perturbed.
+    # A float buffer's cotangent runs through the steps (a step zeroes the cotangents of
+    # what it overwrote), whether or not its initial value is perturbed; one nobody
+    # differentiated (a zero cotangent) stays zero and is left out.
+    written_mask = [is_differentiable(w) and not is_zero(ct) for w, ct in zip(written, ct_written)]
     taped = _TapedStep(
-        loop, _entry(buffers), written, consts, carry_mask, (True,) * len(written), consts_perturbed
+        loop, _entry(buffers), written, consts, carry_mask, written_mask, consts_perturbed
     )
+    # the step's written buffers (its y) are differentiated as far as their cotangents
+    # run: a zero one would cost a buffer of zeros per step
+    taped.y_mask = list(written_mask)
+    ct_written = select(ct_written, written_mask)
+
+    def stand_ins(ct_written):
+        # What a replayed step writes into: a buffer's own cotangent where it has one (live
+        # in this loop anyway; then a nested loop, run again inside an enclosing loop's
+        # backward pass, need not keep a copy of its final buffer), else the final buffer.
+        cts = iter(ct_written)
+        return [next(cts) if d else w for w, d in zip(written, written_mask)]
+
     ct_carry = [
         _entry_zeros(buf) if is_zero(ct) else ct
         for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))
-    ]
-    ct_written = [
-        typed_zeros([w])[0] if is_zero(ct) else ct
-        for ct, w in zip(select(ct_written, taped.x_mask), select(written, taped.x_mask))
     ]
     ct_consts = typed_zeros(select(consts, taped.const_mask))
 
@@ -421,12 +433,13 @@ def _run_bwd(loop, residuals, output_cotangents):
 
     def reverse_step(state):
         r, ct_carry, ct_written, ct_consts, buffers, positions, top = state
+        written_in = stand_ins(ct_written)
         held = positions[top - 1]
         carry = _take(buffers, order[top - 1])
 
         def advance(inner):
             i, carry, target = inner
-            return i + 1, loop.step(carry, written, consts)[0], target
+            return i + 1, loop.step(carry, written_in, consts)[0], target
 
         def sweeping(held, top):
             # a slot for every step left (length <= slots + 1): every split is 1
@@ -439,12 +452,12 @@ def _run_bwd(loop, residuals, output_cotangents):
             push_at = split_at(held, r, top)
             target = jnp.minimum(push_at, r)
             _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance, (held, carry, target - 1))
-            carry = loop.step(carry, written, consts)[0]
+            carry = loop.step(carry, written_in, consts)[0]
             return (target, carry, *push(carry, buffers, positions, top, target, push_at <= r))
 
         def sweep_step(inner):
             i, carry, buffers, positions, top = inner
-            carry = loop.step(carry, written, consts)[0]
+            carry = loop.step(carry, written_in, consts)[0]
             return (i + 1, carry, *push(carry, buffers, positions, top, i + 1, top < c))
 
         # Splits until the slots cover the steps left, then one step and one push per
@@ -458,8 +471,8 @@ def _run_bwd(loop, residuals, output_cotangents):
         _, carry, buffers, positions, top = lax.while_loop(
             lambda inner: inner[0] < r, sweep_step, inner
         )
-        ct_y = fill([None] * len(written), taped.x_mask, ct_written)
-        ct_carry, ct_written, ct_k = taped(carry, written, consts, ct_carry, ct_y)
+        ct_y = fill([None] * len(written), written_mask, ct_written)
+        ct_carry, ct_written, ct_k = taped(carry, written_in, consts, ct_carry, ct_y)
         ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
         top = top - (positions[top - 1] == r).astype(jnp.int32)
         return r - 1, ct_carry, ct_written, ct_consts, buffers, positions, top
@@ -477,8 +490,8 @@ def _run_bwd(loop, residuals, output_cotangents):
         [None] * n_cond,
         out(init_mask, select(ct_carry, select(carry_perturbed, carry_mask))),
         out(
-            [m and p for m, p in zip(taped.x_mask, written_perturbed)],
-            select(ct_written, select(written_perturbed, taped.x_mask)),
+            [m and p for m, p in zip(written_mask, written_perturbed)],
+            select(ct_written, select(written_perturbed, written_mask)),
         ),
     )
 

@@ -159,7 +159,7 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
             saveat=saveat,
             init_state=init_state,
             max_steps=max_steps,
-            inner_while_loop=_memwise_loop,
+            inner_while_loop=_save_loop,
             outer_while_loop=functools.partial(_memwise_loop, checkpoints=checkpoints),
             **kwargs,
         )
@@ -175,6 +175,20 @@ def _equinox_default(max_steps: int) -> int:
 
 # --------------------------------------------------------------------------------------
 # the while loops Diffrax's solve calls, on memwise
+
+
+# Diffrax's loop over the save times that fall in one step asks for a checkpoint per save
+# time; it runs a handful of (cheap, vector-field-free) interpolations per step, so a few
+# checkpoints reverse it with little recomputation and keep memory independent of
+# len(SaveAt.ts).
+_SAVE_LOOP_CHECKPOINTS = 4
+
+
+def _save_loop(cond_fun: Any, body_fun: Any, init_val: Any, *, checkpoints: Any, **kwargs: Any):
+    """The loop over one step's save times: :func:`_memwise_loop` with few checkpoints."""
+    return _memwise_loop(
+        cond_fun, body_fun, init_val, checkpoints=min(checkpoints, _SAVE_LOOP_CHECKPOINTS), **kwargs
+    )
 
 
 def _memwise_loop(
