@@ -396,7 +396,7 @@ def _run_bwd(loop, residuals, output_cotangents):
     # differentiated (a zero cotangent) stays zero and is left out.
     written_mask = [is_differentiable(w) and not is_zero(ct) for w, ct in zip(written, ct_written)]
     taped = _TapedStep(
-        loop, _entry(buffers), written, consts, carry_mask, written_mask, consts_perturbed
+        loop, _entry(buffers), written, consts, carry_mask, tuple(written_mask), consts_perturbed
     )
     # the step's written buffers (its y) are differentiated as far as their cotangents
     # run: a zero one would cost a buffer of zeros per step

@@ -153,6 +153,7 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
                 final_state, msg=_NOT_DIFFERENTIABLE, symbolic=True
             )
         if checkpoints is None:
+            assert max_steps is not None  # the unbounded case returned above
             checkpoints = _equinox_default(max_steps)
         return self._loop(
             terms=terms,
@@ -184,7 +185,9 @@ def _equinox_default(max_steps: int) -> int:
 _SAVE_LOOP_CHECKPOINTS = 4
 
 
-def _save_loop(cond_fun: Any, body_fun: Any, init_val: Any, *, checkpoints: Any, **kwargs: Any):
+def _save_loop(
+    cond_fun: Any, body_fun: Any, init_val: Any, *, checkpoints: Any, **kwargs: Any
+) -> Any:
     """The loop over one step's save times: :func:`_memwise_loop` with few checkpoints."""
     return _memwise_loop(
         cond_fun, body_fun, init_val, checkpoints=min(checkpoints, _SAVE_LOOP_CHECKPOINTS), **kwargs
@@ -231,7 +234,9 @@ def _memwise_loop(
 def _to_equinox(tree: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda leaf: (
-            _EquinoxView(leaf, True, None, False) if isinstance(leaf, WriteOnlyBuffer) else leaf
+            _EquinoxView(leaf, True, None, False)  # type: ignore[arg-type]  # pred: True, always
+            if isinstance(leaf, WriteOnlyBuffer)
+            else leaf
         ),
         tree,
     )
@@ -255,7 +260,9 @@ class _EquinoxView(_EquinoxBuffer):
     (``_array``), which checks it; reads (``buffer[i]``) reach the view and raise.
     """
 
-    def _op(self, pred, item, x, op, kwargs, makes_false_steps):  # type: ignore[no-untyped-def]
+    def _op(
+        self, pred: Any, item: Any, x: Any, op: Any, kwargs: Any, makes_false_steps: Any
+    ) -> Any:
         del op, makes_false_steps
         if kwargs:
             raise TypeError(
