@@ -63,12 +63,14 @@ class _VectorField(eqx.Module):
         return jnp.stack([dya, dyb])
 
 
+# Diffrax loops over all 23 combinations of t0, t1 and ts in one test; each costs about
+# 90 s here (eight compiled solves), so four that cover them are kept: t1 alone, t0 with
+# a save time on t0, save times inside the interval, and every kind together.
 _SAVEATS = [
-    (t0, t1, ts)
-    for t0 in (True, False)
-    for t1 in (True, False)
-    for ts in (None, (0.3,), (2.0,), (9.5,), (1.0, 7.0), (0.3, 7.0, 9.5))
-    if t0 or t1 or ts is not None
+    (False, True, None),
+    (True, False, (0.3,)),
+    (False, False, (1.0, 7.0)),
+    (True, True, (0.3, 7.0, 9.5)),
 ]
 
 
