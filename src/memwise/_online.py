@@ -29,6 +29,11 @@ a 32x32 matrix-vector step), so the bookkeeping runs where it is needed only: re
 split is searched once per push, not once per step; segment costs are summed without a
 loop (``segment_advances``) and the evictions ranked in one scalar loop.
 
+The loop's write-only buffers (:mod:`memwise._buffers`) are loop state of both rules
+but never enter a slot: the body takes them as its ``x`` and returns them as its ``y``,
+so the taped step differentiates each write, and the backward loop carries each float
+buffer's cotangent (a step reads the cotangents of what it wrote and zeroes them).
+
 The two rules share :mod:`memwise._binomial`'s pieces: the taped step (``_TapedStep``), the
 perturbed-carry fixed point, slot reads and writes, and the forward-mode and
 second-order guards. Gradients do not depend on the placement or the splits being

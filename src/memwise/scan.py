@@ -39,7 +39,8 @@ Trade-offs, honestly:
   :mod:`memwise._online`) and reverses each stretch with revolve, so its memory, program
   and recomputation follow the steps that ran, never ``max_steps`` (which may be None).
   It matches the offline optimum below (c+1)(c+2)/2 steps and stays within 5% of it at
-  c >= 4 up to 10,000 steps.
+  c >= 4 up to 10,000 steps. Its ``buffers=`` (arrays the body only writes, e.g. an ODE
+  solution at save times) stay outside the checkpoints (:mod:`memwise._buffers`).
 """
 
 from __future__ import annotations
