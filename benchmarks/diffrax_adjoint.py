@@ -108,7 +108,7 @@ def _table(t1, tol, quick):
 
 def main(quick: bool = False) -> None:
     load_before = os.getloadavg()[0]
-    cases = ((20.0, 1e-5),) if quick else ((50.0, 1e-6), (150.0, 1e-8))
+    cases = ((20.0, 1e-5),) if quick else ((150.0, 1e-8),)  # about 1,100 steps
     tables = []
     with jax.enable_x64(True):
         for t1, tol in cases:
