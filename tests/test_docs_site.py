@@ -26,11 +26,12 @@ DOCS = ROOT / "docs"
 API = DOCS / "api"
 
 # Public modules besides those reachable through ``__all__`` (``memwise.ot``,
-# ``memwise.ntk.kernels``, ...): the Flax adapters, and the modules whose objects users
-# receive or pass (``fit``'s ``Fitted``/``Plan``, ``report.timeline()``'s ``Timeline``,
+# ``memwise.ntk.kernels``, ...): the Flax adapters, the Diffrax adjoint, and the modules
+# whose objects users receive or pass (``fit``'s ``Fitted``/``Plan``, ``report.timeline()``'s ``Timeline``,
 # ``chunk_size=Tiling(...)``, the roofline behind ``fit``).
 EXTRA_PUBLIC_MODULES = [
     "memwise.flax",
+    "memwise.diffrax",
     "memwise.fit",
     "memwise.timeline",
     "memwise.tiling",

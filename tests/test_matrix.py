@@ -226,6 +226,43 @@ def _while_loop(n, chunk, dtype):
     return f, dense, (w, h0)
 
 
+def _while_loop_buffers(zero_steps):
+    """Write-only buffers: each row of ``out`` written twice (index i // 2, the later
+    write wins), its last row and all of ``never`` never written."""
+
+    def build(n, chunk, dtype):
+        steps = 0 if zero_steps else n
+        w, b0 = _inputs(dtype, (3, 3), ((n + 1) // 2 + 1, 3))
+        h0 = jnp.ones(3, dtype) * 0.5
+
+        def f(w, h0, b0):
+            def body(s):
+                i, h, out, never = s
+                h = jnp.tanh(w @ h + 0.1)
+                return i + 1, h, out.at[i // 2].set(h), never
+
+            _, h, out, never = mw.while_loop(
+                lambda s: s[0] < steps,
+                body,
+                (0, h0, b0, 2 * b0),
+                max_steps=n + 2,
+                checkpoints=chunk,
+                buffers=lambda s: (s[2], s[3]),
+            )
+            return jnp.concatenate([h[None], out, never])
+
+        def dense(w, h0, b0):
+            h, out = h0, b0
+            for i in range(steps):
+                h = jnp.tanh(w @ h + 0.1)
+                out = out.at[i // 2].set(h)
+            return jnp.concatenate([h[None], out, 2 * b0])
+
+        return f, dense, (w, h0, b0)
+
+    return build
+
+
 def _divergence(n, chunk, dtype):
     x, y = _inputs(dtype, (n + 3, 2), (n + 4, 2))
 
@@ -437,6 +474,8 @@ CASES = {
     "scan_nested": Case(_scan("nested"), forward_mode=True),
     "scan_inverse": Case(_scan_inverse),
     "while_loop": Case(_while_loop),
+    "while_loop_buffers": Case(_while_loop_buffers(zero_steps=False)),
+    "while_loop_buffers_zero_steps": Case(_while_loop_buffers(zero_steps=True)),
     "sinkhorn_divergence": Case(_divergence, min_tolerance=1e-5),
     "sinkhorn_unbalanced": Case(_unbalanced(0.7, 0.5, "sqeuclidean"), min_tolerance=1e-5),
     "sinkhorn_semi_unbalanced_pnorm": Case(
@@ -1043,6 +1082,79 @@ BAD_INPUTS = {
         lambda: mw.while_loop(lambda s: s < 3, lambda s: s + 1, 0.0, max_steps=0),
         ValueError,
         "max_steps",
+    ),
+    "while_loop buffer read": (
+        lambda: mw.while_loop(
+            lambda s: s[0] < 3,
+            lambda s: (s[0] + 1, s[1].at[s[0]].set(s[1][0] + 1.0)),
+            (0, jnp.zeros(3)),
+            max_steps=3,
+            buffers=lambda s: s[1],
+        ),
+        TypeError,
+        "write-only inside the loop: buffer[0] would need its values",
+    ),
+    "while_loop buffer read in cond": (
+        lambda: mw.while_loop(
+            lambda s: s[1].sum() < 3,
+            lambda s: (s[0] + 1, s[1].at[s[0]].set(1.0)),
+            (0, jnp.zeros(3)),
+            max_steps=3,
+            buffers=lambda s: s[1],
+        ),
+        TypeError,
+        "write-only inside the loop",
+    ),
+    "while_loop buffer write out of range": (
+        lambda: mw.while_loop(
+            lambda s: s[0] < 3,
+            lambda s: (s[0] + 1, s[1].at[3].set(1.0)),
+            (0, jnp.zeros(3)),
+            max_steps=3,
+            buffers=lambda s: s[1],
+        ),
+        IndexError,
+        "index 3 is out of range for axis 0 of the buffer [3]",
+    ),
+    "while_loop buffer write shape": (
+        lambda: mw.while_loop(
+            lambda s: s[0] < 3,
+            lambda s: (s[0] + 1, s[1].at[s[0]].set(jnp.ones(2))),
+            (0, jnp.zeros((3, 4))),
+            max_steps=3,
+            buffers=lambda s: s[1],
+        ),
+        ValueError,
+        "does not broadcast to the written part [4]",
+    ),
+    "while_loop buffer replaced": (
+        lambda: mw.while_loop(
+            lambda s: s[0] < 3,
+            lambda s: (s[0] + 1, jnp.zeros(3)),
+            (0, jnp.zeros(3)),
+            max_steps=3,
+            buffers=lambda s: s[1],
+        ),
+        TypeError,
+        "must return each buffer it was given",
+    ),
+    "while_loop buffers not callable": (
+        lambda: mw.while_loop(
+            lambda s: s[0] < 3, lambda s: s, (0, jnp.zeros(3)), max_steps=3, buffers=1
+        ),
+        TypeError,
+        "buffers must be None or a callable",
+    ),
+    "while_loop buffers not of the carry": (
+        lambda: mw.while_loop(
+            lambda s: s[0] < 3,
+            lambda s: s,
+            (0, jnp.zeros(3)),
+            max_steps=3,
+            buffers=lambda s: jnp.zeros(3),
+        ),
+        ValueError,
+        "buffers(carry) must return leaves of the carry",
     ),
     "while_loop cond": (
         lambda: mw.while_loop(lambda s: s, lambda s: s + 1, 0.0, max_steps=3),

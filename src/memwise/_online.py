@@ -29,6 +29,11 @@ a 32x32 matrix-vector step), so the bookkeeping runs where it is needed only: re
 split is searched once per push, not once per step; segment costs are summed without a
 loop (``segment_advances``) and the evictions ranked in one scalar loop.
 
+The loop's write-only buffers (:mod:`memwise._buffers`) are loop state of both rules
+but never enter a slot: the body takes them as its ``x`` and returns them as its ``y``,
+so the taped step differentiates each write, and the backward loop carries each float
+buffer's cotangent (a step reads the cotangents of what it wrote and zeroes them).
+
 The two rules share :mod:`memwise._binomial`'s pieces: the taped step (``_TapedStep``), the
 perturbed-carry fixed point, slot reads and writes, and the forward-mode and
 second-order guards. Gradients do not depend on the placement or the splits being
@@ -62,7 +67,9 @@ from memwise._jax_private import varying_axes
 from memwise._vjp import (
     Static,
     custom_vjp,
+    fill,
     guard_forward_mode,
+    is_differentiable,
     is_zero,
     select,
     unwrap,
@@ -77,7 +84,9 @@ class OnlineLoop:
     """The static parts of an online-checkpointed while loop (compared by identity).
 
     Attributes:
-      body: ``(carry, x, *consts) -> (new_carry, [])`` on lists of leaves (``x`` is []).
+      body: ``(carry, buffers, *consts) -> (new_carry, new_buffers)`` on lists of
+        leaves; ``buffers`` are the loop's write-only arrays (:mod:`memwise._buffers`),
+        outside the checkpointed carry.
       cond: ``(carry, *cond_consts) -> bool scalar``.
       n_checkpoints: c, the carries kept (x_0 included).
       max_steps: a bound on the trip count, or None.
@@ -99,18 +108,22 @@ class OnlineLoop:
         return go if self.max_steps is None else go & (i < self.max_steps)
 
 
-def run(loop: OnlineLoop, consts: list, cond_consts: list, carry: list) -> list:
-    """The final carry of ``loop``; reverse mode follows the online schedule.
+def run(
+    loop: OnlineLoop, consts: list, cond_consts: list, carry: list, buffers: list
+) -> tuple[list, list]:
+    """``(final carry, final buffers)`` of ``loop``; reverse mode follows the online schedule.
 
     ``consts`` are the body's closed-over arrays (they get cotangents), ``cond_consts``
-    the predicate's (pass them through ``lax.stop_gradient``).
+    the predicate's (pass them through ``lax.stop_gradient``). ``buffers`` are never
+    checkpointed: the backward pass threads their cotangents through the reversed
+    steps, each step reading those of the values it wrote (:mod:`memwise._buffers`).
     """
 
     def guard(leaves):
         # Forward mode through the custom_vjp raises the loop's own error, naming the fix.
         return guard_forward_mode(leaves, loop.forward_mode_error)
 
-    return _run(loop, guard(consts), list(cond_consts), guard(carry))
+    return _run(loop, guard(consts), list(cond_consts), guard(carry), guard(buffers))
 
 
 # --------------------------------------------------------------------------------------
@@ -333,45 +346,75 @@ def _place(
 @functools.partial(
     custom_vjp, nondiff_argnums=(0,), forward_mode_error=lambda loop: loop.forward_mode_error
 )
-def _run(loop, consts, cond_consts, carry):
+def _run(loop, consts, cond_consts, carry, written):
     def body(state):
-        i, carry = state
-        return i + 1, loop.step(carry, [], consts)[0]
+        i, carry, written = state
+        return i + 1, *loop.step(carry, written, consts)
 
-    return lax.while_loop(
-        lambda s: loop.keep_going(s[0], s[1], cond_consts), body, (jnp.int32(0), carry)
-    )[1]
+    _, carry, written = lax.while_loop(
+        lambda s: loop.keep_going(s[0], s[1], cond_consts),
+        body,
+        (jnp.int32(0), carry, written),
+    )
+    return carry, written
 
 
-def _run_fwd(loop, consts, cond_consts, carry):
+def _run_fwd(loop, consts, cond_consts, carry, written):
     consts, consts_perturbed = unwrap(consts)
     cond_consts, _ = unwrap(cond_consts)
     carry, carry_perturbed = unwrap(carry)
-    carry_mask = _perturbed_carry(loop, consts, carry, [], consts_perturbed, carry_perturbed, ())
+    written, written_perturbed = unwrap(written)
+    carry_mask = _perturbed_carry(
+        loop, consts, carry, written, consts_perturbed, carry_perturbed, written_perturbed
+    )
     c = loop.n_checkpoints
     buffers = [vary(jnp.zeros((c,) + a.shape, a.dtype), varying_axes(a)) for a in carry]
 
     def body(state):
-        i, carry, buffers, placement = state
+        i, carry, written, buffers, placement = state
         store, slot, placement = _place(i, placement, c)
         buffers = _store(buffers, carry, slot, store)
-        return i + 1, loop.step(carry, [], consts)[0], buffers, placement
+        return i + 1, *loop.step(carry, written, consts), buffers, placement
 
-    trips, carry, buffers, placement = lax.while_loop(
+    trips, carry, written, buffers, placement = lax.while_loop(
         lambda s: loop.keep_going(s[0], s[1], cond_consts),
         body,
-        (jnp.int32(0), carry, buffers, _initial_placement(c)),
+        (jnp.int32(0), carry, written, buffers, _initial_placement(c)),
     )
     stack = (placement["positions"], placement["order"], placement["count"])
-    perturbed = Static((consts_perturbed, len(cond_consts), carry_perturbed, carry_mask))
-    return carry, (consts, buffers, stack, trips, perturbed)
+    perturbed = Static(
+        (consts_perturbed, len(cond_consts), carry_perturbed, carry_mask, written_perturbed)
+    )
+    # The final write-only buffers stand in for the buffers of every replayed step: the
+    # body only writes them, so their values never reach a carry or a cotangent (the
+    # buffers are outputs, so this keeps no array that the forward pass does not).
+    return (carry, written), (consts, written, buffers, stack, trips, perturbed)
 
 
-def _run_bwd(loop, residuals, ct_carry):
-    consts, buffers, (positions, order, count), trips, perturbed = residuals
-    consts_perturbed, n_cond, carry_perturbed, carry_mask = perturbed.value
+def _run_bwd(loop, residuals, output_cotangents):
+    consts, written, buffers, (positions, order, count), trips, perturbed = residuals
+    consts_perturbed, n_cond, carry_perturbed, carry_mask, written_perturbed = perturbed.value
+    ct_carry, ct_written = output_cotangents
     c = loop.n_checkpoints
-    taped = _TapedStep(loop, _entry(buffers), [], consts, carry_mask, (), consts_perturbed)
+    # A float buffer's cotangent runs through the steps (a step zeroes the cotangents of
+    # what it overwrote), whether or not its initial value is perturbed; one nobody
+    # differentiated (a zero cotangent) stays zero and is left out.
+    written_mask = [is_differentiable(w) and not is_zero(ct) for w, ct in zip(written, ct_written)]
+    taped = _TapedStep(
+        loop, _entry(buffers), written, consts, carry_mask, tuple(written_mask), consts_perturbed
+    )
+    # the step's written buffers (its y) are differentiated as far as their cotangents
+    # run: a zero one would cost a buffer of zeros per step
+    taped.y_mask = list(written_mask)
+    ct_written = select(ct_written, written_mask)
+
+    def stand_ins(ct_written):
+        # What a replayed step writes into: a buffer's own cotangent where it has one (live
+        # in this loop anyway; then a nested loop, run again inside an enclosing loop's
+        # backward pass, need not keep a copy of its final buffer), else the final buffer.
+        cts = iter(ct_written)
+        return [next(cts) if d else w for w, d in zip(written, written_mask)]
+
     ct_carry = [
         _entry_zeros(buf) if is_zero(ct) else ct
         for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))
@@ -394,13 +437,14 @@ def _run_bwd(loop, residuals, ct_carry):
         return buffers, positions, top + do.astype(jnp.int32)
 
     def reverse_step(state):
-        r, ct_carry, ct_consts, buffers, positions, top = state
+        r, ct_carry, ct_written, ct_consts, buffers, positions, top = state
+        written_in = stand_ins(ct_written)
         held = positions[top - 1]
         carry = _take(buffers, order[top - 1])
 
         def advance(inner):
             i, carry, target = inner
-            return i + 1, loop.step(carry, [], consts)[0], target
+            return i + 1, loop.step(carry, written_in, consts)[0], target
 
         def sweeping(held, top):
             # a slot for every step left (length <= slots + 1): every split is 1
@@ -413,12 +457,12 @@ def _run_bwd(loop, residuals, ct_carry):
             push_at = split_at(held, r, top)
             target = jnp.minimum(push_at, r)
             _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance, (held, carry, target - 1))
-            carry = loop.step(carry, [], consts)[0]
+            carry = loop.step(carry, written_in, consts)[0]
             return (target, carry, *push(carry, buffers, positions, top, target, push_at <= r))
 
         def sweep_step(inner):
             i, carry, buffers, positions, top = inner
-            carry = loop.step(carry, [], consts)[0]
+            carry = loop.step(carry, written_in, consts)[0]
             return (i + 1, carry, *push(carry, buffers, positions, top, i + 1, top < c))
 
         # Splits until the slots cover the steps left, then one step and one push per
@@ -432,16 +476,16 @@ def _run_bwd(loop, residuals, ct_carry):
         _, carry, buffers, positions, top = lax.while_loop(
             lambda inner: inner[0] < r, sweep_step, inner
         )
-        ct_carry, ct_x, ct_k = taped(carry, [], consts, ct_carry, [])
-        del ct_x
+        ct_y = fill([None] * len(written), written_mask, ct_written)
+        ct_carry, ct_written, ct_k = taped(carry, written_in, consts, ct_carry, ct_y)
         ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
         top = top - (positions[top - 1] == r).astype(jnp.int32)
-        return r - 1, ct_carry, ct_consts, buffers, positions, top
+        return r - 1, ct_carry, ct_written, ct_consts, buffers, positions, top
 
-    _, ct_carry, ct_consts, _, _, _ = lax.while_loop(
+    _, ct_carry, ct_written, ct_consts, _, _, _ = lax.while_loop(
         lambda state: state[0] >= 0,
         reverse_step,
-        (trips - 1, ct_carry, ct_consts, buffers, positions, count),
+        (trips - 1, ct_carry, ct_written, ct_consts, buffers, positions, count),
     )
 
     out = functools.partial(replayed_cotangents, error=loop.second_order_error)
@@ -450,6 +494,10 @@ def _run_bwd(loop, residuals, ct_carry):
         out(taped.const_mask, ct_consts),
         [None] * n_cond,
         out(init_mask, select(ct_carry, select(carry_perturbed, carry_mask))),
+        out(
+            [m and p for m, p in zip(written_mask, written_perturbed)],
+            select(ct_written, select(written_perturbed, written_mask)),
+        ),
     )
 
 

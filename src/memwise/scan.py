@@ -39,7 +39,8 @@ Trade-offs, honestly:
   :mod:`memwise._online`) and reverses each stretch with revolve, so its memory, program
   and recomputation follow the steps that ran, never ``max_steps`` (which may be None).
   It matches the offline optimum below (c+1)(c+2)/2 steps and stays within 5% of it at
-  c >= 4 up to 10,000 steps.
+  c >= 4 up to 10,000 steps. Its ``buffers=`` (arrays the body only writes, e.g. an ODE
+  solution at save times) stay outside the checkpoints (:mod:`memwise._buffers`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memwise import _binomial, _online, knobs
+from memwise import _binomial, _buffers, _online, knobs
 from memwise import schedule as schedule_lib
 from memwise._arguments import check_arrays
 from memwise._jax_private import hoist_constant_casts, varying_axes
@@ -267,7 +268,7 @@ def _strong_carry(
 
 
 def _loop_body(
-    flat: Callable, carry: list, xs: list, read_only: list
+    flat: Callable, carry: list, xs: list, read_only: list, *, item: Callable = first_items
 ) -> tuple[Callable, list, list, list]:
     """The loop as ``_binomial`` runs it: ``(body, consts, loop_carry, xs)``.
 
@@ -282,6 +283,9 @@ def _loop_body(
     applied once, before the loop: the backward loop then accumulates local partial
     cotangents, and each cast's transpose all-reduces a replicated input's cotangent
     once, after the loop (``lax.scan`` all-reduces a replicated parameter's every step).
+
+    ``item(xs)`` is what one step receives of ``xs`` (one row; a while loop's buffers
+    whole).
     """
     moving = [not r for r in read_only]
 
@@ -290,17 +294,17 @@ def _loop_body(
         return [vary(a, varying_axes(c)) for a, c in zip(select(new_carry, moving), loop_carry)], y
 
     loop_carry = select(carry, moving)
-    body, consts = closure_convert(step, loop_carry, first_items(xs))
+    body, consts = closure_convert(step, loop_carry, item(xs))
     axes = varying_over(loop_carry, xs, consts)
     if not axes:
         return body, list(consts), loop_carry, xs
     xs = vary(xs, axes)
     while True:
-        out, _ = jax.eval_shape(step, loop_carry, first_items(xs))
+        out, _ = jax.eval_shape(step, loop_carry, item(xs))
         if all(varying_axes(o) <= varying_axes(c) for o, c in zip(out, loop_carry)):
             break
         loop_carry = [vary(c, varying_axes(o)) for c, o in zip(loop_carry, out)]
-    closed, out = jax.make_jaxpr(step, return_shape=True)(loop_carry, first_items(xs))
+    closed, out = jax.make_jaxpr(step, return_shape=True)(loop_carry, item(xs))
     jaxpr, consts = hoist_constant_casts(closed)
     run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jaxpr, []))
     out_tree = jax.tree.structure(out)
@@ -515,6 +519,7 @@ def while_loop(
     *,
     max_steps: int | None = None,
     checkpoints: int | str | None = None,
+    buffers: Callable[[Any], Any] | None = None,
 ) -> Any:
     """``jax.lax.while_loop`` that is reverse-differentiable with O(checkpoints) memory.
 
@@ -538,6 +543,16 @@ def while_loop(
       checkpoints: carries kept for the backward pass (x_0 included): an int >= 1, or
         with ``max_steps``, ``None``/``"auto"``/``"all"`` as in :func:`scan` for
         ``max_steps`` steps. Unbounded loops need an int.
+      buffers: None, or ``carry -> the carry's write-only buffers`` (a leaf or a pytree
+        of leaves of the carry, e.g. ``lambda s: s.saved``), as Equinox's checkpointed
+        ``while_loop`` takes it: arrays the body writes at traced indices
+        (``buf.at[i].set(value)``, optionally ``pred=``) and never reads. They are not
+        checkpointed: the backward pass reads their cotangents at the indices written,
+        so an ``(n_saves, ...)`` output costs its own size once, not once per
+        checkpoint. The body (and ``cond_fun``) sees a write-only view: a read raises a
+        ``TypeError``; a static index out of range raises an ``IndexError``; a traced one
+        is dropped, as in ``jax.numpy`` (its value gets a zero gradient). Of two writes
+        at one index the later one wins and alone receives a gradient, as in JAX.
 
     Returns:
       The final carry, as ``lax.while_loop``.
@@ -561,8 +576,30 @@ def while_loop(
         >>> round(float(jax.grad(newton)(4.0)), 4)  # d sqrt(a)/da = 1/(2 sqrt(a))
         0.25
     """
+    return checked_while_loop(
+        cond_fun, body_fun, init, max_steps=max_steps, checkpoints=checkpoints, buffers=buffers
+    )
+
+
+def checked_while_loop(
+    cond_fun: Callable[[Any], Any],
+    body_fun: Callable[[Any], Any],
+    init: Any,
+    *,
+    max_steps: int | None,
+    checkpoints: int | str | None,
+    buffers: Callable[[Any], Any] | None,
+    forward_mode_error: str = _WHILE_FORWARD_MODE,
+) -> Any:
+    """:func:`while_loop` with the ``TypeError`` message of forward mode chosen by the
+    caller (an adapter names its own fix, e.g. Diffrax's ``ForwardMode``)."""
     _check_callable(cond_fun, "cond_fun")
     _check_callable(body_fun, "body_fun")
+    is_buffer = _buffers.buffer_mask(buffers, init)
+    leaves, init_def = jax.tree_util.tree_flatten(init)
+    # the buffers of an enclosing loop's body, passed on to this nested loop
+    leaves, outer_tags = _buffers.unwrap_outer(leaves, is_buffer)
+    init = jax.tree_util.tree_unflatten(init_def, leaves)
     check_arrays(init, "init")
     if max_steps is not None:
         if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)):
@@ -583,26 +620,51 @@ def while_loop(
                 "or pass max_steps= to size None/'auto'/'all' from it"
             )
         c = resolve_checkpoints(checkpoints, 1 << 30)
-    init, read_only = _strong_carry(lambda c, _: (body_fun(c), None), init, None, name="body_fun")
-    pred = jax.eval_shape(cond_fun, init)
+    tags = [object() for b in is_buffer if b]
+    state_mask = [not b for b in is_buffer]
+
+    def array_body(carry):
+        # body_fun on the carry of arrays: the buffers go in as write-only views
+        leaves = jax.tree_util.tree_leaves(carry)
+        views = _buffers.wrap(select(leaves, is_buffer), tags)
+        out = body_fun(jax.tree_util.tree_unflatten(init_def, fill(leaves, is_buffer, views)))
+        out_leaves, out_def = jax.tree_util.tree_flatten(out)
+        if out_def != init_def or not any(is_buffer):  # type: ignore[operator]
+            return out  # (a changed structure is reported by _strong_carry)
+        arrays = _buffers.unwrap(select(out_leaves, is_buffer), tags, name="body_fun")
+        return jax.tree_util.tree_unflatten(init_def, fill(out_leaves, is_buffer, arrays))
+
+    init, read_only = _strong_carry(lambda c, _: (array_body(c), None), init, None, name="body_fun")
+    carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
+    written_init = select(carry_leaves, is_buffer)
+    cond_views = _buffers.wrap(written_init, [object() for _ in written_init])
+
+    def cond_of(leaves):
+        return cond_fun(
+            jax.tree_util.tree_unflatten(carry_def, fill(leaves, is_buffer, cond_views))
+        )
+
+    pred = jax.eval_shape(cond_of, carry_leaves)
     if getattr(pred, "shape", None) != () or pred.dtype != jnp.bool_:
         raise TypeError(
             f"cond_fun must return a boolean scalar, got {getattr(pred, 'dtype', pred)}"
             f"{list(getattr(pred, 'shape', []))}"
         )
-    carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
+    state_leaves = select(carry_leaves, state_mask)
+    state_read_only = select(read_only, state_mask)
+    moving = [not r for r in state_read_only]
 
-    moving = [not r for r in read_only]
-
-    def flat_body(leaves, _):
-        out = body_fun(jax.tree_util.tree_unflatten(carry_def, leaves))
-        return jax.tree_util.tree_leaves(out), []
+    def flat_body(state, written):
+        leaves = fill(fill(carry_leaves, state_mask, state), is_buffer, written)
+        out = jax.tree_util.tree_leaves(array_body(jax.tree_util.tree_unflatten(carry_def, leaves)))
+        return select(out, state_mask), select(out, is_buffer)
 
     def flat_cond(loop_leaves):
-        leaves = fill(carry_leaves, moving, loop_leaves)
-        return cond_fun(jax.tree_util.tree_unflatten(carry_def, leaves))
+        return cond_of(fill(carry_leaves, state_mask, fill(state_leaves, moving, loop_leaves)))
 
-    body_conv, body_consts, loop_carry, _ = _loop_body(flat_body, carry_leaves, [], read_only)
+    body_conv, body_consts, loop_carry, written = _loop_body(
+        flat_body, state_leaves, written_init, state_read_only, item=list
+    )
     cond_conv, cond_consts = closure_convert(flat_cond, loop_carry)
     # The predicate is not differentiated: its closed-over arrays need no cotangent.
     cond_consts = [lax.stop_gradient(a) for a in cond_consts]
@@ -611,8 +673,14 @@ def while_loop(
         cond=cond_conv,
         n_checkpoints=c,
         max_steps=max_steps,
-        forward_mode_error=_WHILE_FORWARD_MODE,
+        forward_mode_error=forward_mode_error,
         second_order_error=_WHILE_SECOND_ORDER,
     )
-    out = _online.run(loop, body_consts, cond_consts, loop_carry)
-    return jax.tree_util.tree_unflatten(carry_def, fill(carry_leaves, moving, out))
+    out, written = _online.run(loop, body_consts, cond_consts, loop_carry, written)
+    leaves = fill(carry_leaves, state_mask, fill(state_leaves, moving, out))
+    leaves = fill(leaves, is_buffer, written)
+    leaves = [
+        leaf if tag is None else _buffers.WriteOnlyBuffer(leaf, tag)
+        for leaf, tag in zip(leaves, outer_tags)
+    ]
+    return jax.tree_util.tree_unflatten(carry_def, leaves)
