@@ -19,7 +19,9 @@ PATHS = {
         "tiled_reduce",
     ],
     "memwise.ot": [
+        "PNormP",
         "SinkhornResult",
+        "TransportPlan",
         "sinkhorn",
         "sinkhorn_divergence",
         "DEFAULT_EPSILON_SCALE",
