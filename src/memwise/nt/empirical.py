@@ -141,13 +141,18 @@ def _trace_and_diagonal(kernel: jax.Array, trace: Axes, diagonal: Axes) -> jax.A
 # Shared checks
 
 
-def _no_kwargs(kwargs: dict) -> None:
-    if kwargs:
+def _bind_kwargs(f: Callable, kwargs: dict) -> Callable:
+    """``f`` with neural-tangents' ``apply_fn_kwargs`` bound (the same for x1 and x2)."""
+    if not kwargs:
+        return f
+    per_input = sorted(k for k, v in kwargs.items() if k == "rng" or isinstance(v, tuple))
+    if per_input:
         raise NotImplementedError(
-            f"empirical kernel keyword arguments {sorted(kwargs)} (neural-tangents' rng "
-            "splitting and apply_fn keywords) are not supported by memwise.nt; close over "
-            "them in f instead"
+            f"empirical kernel keyword arguments {per_input} (an rng split between x1 and x2, "
+            "or (x1, x2) pairs) are not supported by memwise.nt; pass keywords shared by both "
+            "input sets, or close over them in f"
         )
+    return lambda params, x: f(params, x, **kwargs)
 
 
 def _leaf_fns(f: Callable, params: Any, x: Any) -> tuple[list[Callable], Any]:
@@ -203,9 +208,9 @@ def empirical_nngp_fn(f: Callable, trace_axes: Axes = (-1,), diagonal_axes: Axes
     """
 
     def nngp_fn(x1: Any, x2: Any, params: Any, **apply_fn_kwargs: Any) -> Any:
-        _no_kwargs(apply_fn_kwargs)
-        out1 = f(params, x1)
-        out2 = out1 if x2 is None else f(params, x2)
+        g = _bind_kwargs(f, apply_fn_kwargs)
+        out1 = g(params, x1)
+        out2 = out1 if x2 is None else g(params, x2)
 
         def contract(a, b):
             ndim = jnp.ndim(a)
@@ -221,6 +226,21 @@ def empirical_nngp_fn(f: Callable, trace_axes: Axes = (-1,), diagonal_axes: Axes
 # NTK
 
 
+def _ntk_vector_products(g: Callable, params: Any, x1: Any, x2: Any) -> jax.Array:
+    """``J(x1) J(x2)^T`` as ``(*out1, *out2)`` by one vjp per output of ``x2`` and a jvp."""
+    out1 = jax.eval_shape(g, params, x1)
+    out2 = jax.eval_shape(g, params, x2)
+    _, vjp = jax.vjp(lambda p: g(p, x2), params)
+    n_out2 = math.prod(out2.shape)
+    basis = jnp.eye(n_out2, dtype=out2.dtype).reshape((n_out2,) + out2.shape)
+
+    def column(e):
+        return jax.jvp(lambda p: g(p, x1), (params,), vjp(e))[1]
+
+    columns = jax.vmap(column)(basis)  # (O2, *out1)
+    return jnp.moveaxis(columns, 0, -1).reshape(out1.shape + out2.shape)
+
+
 def _ntk_of_leaf(
     g: Callable,
     params: Any,
@@ -233,11 +253,14 @@ def _ntk_of_leaf(
     chunk_size: ChunkSize,
 ) -> jax.Array:
     if axes is None:
-        # Outputs may depend on the whole batch: one Jacobian per input set.
-        j1 = jax.jacrev(g)(params, x1)
-        j2 = j1 if x2 is x1 else jax.jacrev(g)(params, x2)
+        # Outputs may depend on the whole batch: each input set is one input.
         ndim = len(jax.eval_shape(g, params, x1).shape)
-        blocks = _contract_jacobians(j1, j2, ndim)
+        if method == "vjp":
+            blocks = _ntk_vector_products(g, params, x1, x2)
+        else:
+            j1 = jax.jacrev(g)(params, x1)
+            j2 = j1 if x2 is x1 else jax.jacrev(g)(params, x2)
+            blocks = _contract_jacobians(j1, j2, ndim)
         return _trace_and_diagonal(blocks, trace_axes, diagonal_axes)
 
     in_axis, out_axis = axes
@@ -323,9 +346,8 @@ def empirical_ntk_fn(
     axes = _vmap_axes(vmap_axes)
 
     def ntk_fn(x1: Any, x2: Any, params: Any, **apply_fn_kwargs: Any) -> Any:
-        _no_kwargs(apply_fn_kwargs)
         x2_ = x1 if x2 is None else x2
-        fns, treedef = _leaf_fns(f, params, x1)
+        fns, treedef = _leaf_fns(_bind_kwargs(f, apply_fn_kwargs), params, x1)
         kernels = [
             _ntk_of_leaf(g, params, x1, x2_, trace_axes, diagonal_axes, axes, method, chunk_size)
             for g in fns
@@ -398,12 +420,12 @@ def empirical_ntk_vp_fn(
         >>> vp(jnp.ones((3, 4))).shape
         (3, 4)
     """
-    _no_kwargs(apply_fn_kwargs)
+    g = _bind_kwargs(f, apply_fn_kwargs)
     x2_ = x1 if x2 is None else x2
 
     def ntk_vp_fn(cotangents: Any) -> Any:
-        _, vjp = jax.vjp(lambda p: f(p, x2_), params)
+        _, vjp = jax.vjp(lambda p: g(p, x2_), params)
         (tangent,) = vjp(cotangents)
-        return jax.jvp(lambda p: f(p, x1), (params,), (tangent,))[1]
+        return jax.jvp(lambda p: g(p, x1), (params,), (tangent,))[1]
 
     return ntk_vp_fn

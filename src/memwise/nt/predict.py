@@ -14,8 +14,8 @@ al. 2020), with its arguments and defaults:
 The matrix versions use :mod:`memwise.ntk.predict`'s propagator (a Cholesky solve for
 infinite time, the eigendecomposition for finite times). Supported: 2-D kernel matrices
 (the default ``trace_axes=(-1,)``: one kernel shared by every output) and targets of shape
-(n, outputs). Kernels with output axes (``trace_axes=()``), ``x_test=None`` and kernel
-keyword arguments raise ``NotImplementedError`` naming them.
+(n, outputs). Kernels with output axes (``trace_axes=()``) and kernel keyword arguments
+raise ``NotImplementedError`` naming them.
 """
 
 from __future__ import annotations
@@ -78,6 +78,25 @@ def _check_matrix(k: Any, name: str, n: int | None = None) -> jax.Array:
     return k
 
 
+def _full_kernel(trace_axes: Any, y: jax.Array, k: Any) -> bool:
+    """``trace_axes=()`` with (n, n, O, O) kernels: the full kernel, flattened."""
+    axes = [trace_axes] if isinstance(trace_axes, int) else list(trace_axes)
+    return not axes and jnp.ndim(k) == 4
+
+
+def _as_matrix(k: Any, name: str, n: int, full: bool) -> jax.Array:
+    """A kernel as the matrix the solves take: (n1, n2, O, O) -> (n1 O, n2 O) when full."""
+    if not full:
+        return _check_matrix(k, name, n)
+    k = jnp.asarray(k)
+    if k.ndim != 4 or k.shape[1] != n:
+        raise ValueError(
+            f"{name} must be (m, {n}, outputs, outputs) with trace_axes=(), got {k.shape}"
+        )
+    m, _, o1, o2 = k.shape
+    return jnp.transpose(k, (0, 2, 1, 3)).reshape(m * o1, n * o2)
+
+
 def _relative_ridge(k: jax.Array, diag_reg: float, absolute: bool) -> Any:
     """neural-tangents' ``diag_reg`` as memwise's ``ridge`` (relative to the mean diagonal)."""
     if not absolute:
@@ -85,10 +104,11 @@ def _relative_ridge(k: jax.Array, diag_reg: float, absolute: bool) -> Any:
     return diag_reg / (jnp.trace(k) / k.shape[0])
 
 
-def _gets(get: Any) -> tuple[tuple[str, ...], bool]:
+def _gets(get: Any, known: tuple[str, ...] = ("nngp", "ntk")) -> tuple[tuple[str, ...], bool]:
     gets = ("nngp", "ntk") if get is None else (get,) if isinstance(get, str) else tuple(get)
-    if not gets or any(g not in ("nngp", "ntk") for g in gets):
-        raise ValueError(f"get must be 'nngp', 'ntk', a tuple of them or None, got {get!r}")
+    gets = tuple(g.lower() if isinstance(g, str) else g for g in gets)  # "NTK" as upstream
+    if not gets or any(g not in known for g in gets):
+        raise ValueError(f"get must be one of {known}, a tuple of them or None, got {get!r}")
     return gets, isinstance(get, str)
 
 
@@ -127,11 +147,17 @@ def gradient_descent_mse(
         (1, 1)
     """
     y = _check_targets(y_train)
-    _check_trace_axes(trace_axes, y)
-    k = _check_matrix(k_train_train, "k_train_train", y.shape[0])
+    full = _full_kernel(trace_axes, y, k_train_train)
+    if not full:
+        _check_trace_axes(trace_axes, y)
+    k = _as_matrix(k_train_train, "k_train_train", y.shape[0], full)
     wide = accumulation_dtype(jnp.result_type(k.dtype, y.dtype))
     ridge = _relative_ridge(k, diag_reg, diag_reg_absolute_scale)
     k = k.astype(wide)
+    n_outputs = 1 if full else y.shape[1]
+    # With the full kernel (trace_axes=()), outputs are rows of the (n * O, n * O) matrix.
+    flat = (lambda a: a.reshape(a.shape[:-2] + (-1, 1))) if full else (lambda a: a)
+    unflat = (lambda a: a.reshape(a.shape[:-2] + (-1, y.shape[1]))) if full else (lambda a: a)
 
     def predict_fn(
         t: Any = None,
@@ -141,29 +167,30 @@ def gradient_descent_mse(
     ) -> Any:
         if fx_test_0 is not None and k_test_train is None:
             raise ValueError("k_test_train is needed to predict the test outputs (fx_test_0)")
-        rhs = y.astype(wide) if fx_train_0 is None else y.astype(wide) - fx_train_0
+        residual = y.astype(wide) if fx_train_0 is None else y.astype(wide) - fx_train_0
+        rhs = flat(residual)
         k_td = (
             None
             if k_test_train is None
-            else _check_matrix(k_test_train, "k_test_train", y.shape[0])
+            else _as_matrix(k_test_train, "k_test_train", y.shape[0], full).astype(wide)
         )
         if t is None:
-            propagate = _Propagator(k, ridge, None, y.shape[1])
+            propagate = _Propagator(k, ridge, None, n_outputs)
             fx_train_t = y.astype(k.dtype)
             if fx_test_0 is None:
                 return fx_train_t
-            fx_test_t = fx_test_0 + k_td.astype(wide) @ propagate(rhs)
+            fx_test_t = fx_test_0 + unflat(k_td @ propagate(rhs))
             return fx_test_t if fx_train_0 is None else (fx_train_t, fx_test_t)
         times = jnp.asarray(t, wide) * learning_rate
-        propagate = _Propagator(k, ridge, 1.0, y.shape[1])
+        propagate = _Propagator(k, ridge, 1.0, n_outputs)
         theta = propagate.evecs @ (propagate.evals[:, None] * propagate.evecs.T)
         gains = jax.vmap(lambda s: propagate(rhs, time_scale=s))(times.reshape(-1))
         out = []
         if fx_train_0 is not None:
-            train = fx_train_0 + jnp.einsum("ij,tjk->tik", theta, gains)
+            train = fx_train_0 + unflat(jnp.einsum("ij,tjk->tik", theta, gains))
             out.append(train.reshape(times.shape + train.shape[1:]))
         if fx_test_0 is not None:
-            test = fx_test_0 + jnp.einsum("ij,tjk->tik", k_td.astype(wide), gains)
+            test = fx_test_0 + unflat(jnp.einsum("ij,tjk->tik", k_td, gains))
             out.append(test.reshape(times.shape + test.shape[1:]))
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -216,35 +243,39 @@ def gp_inference(
         return _Propagator(k.astype(wide), ridge, None, y.shape[1])
 
     def predict_fn(get: Any = None, k_test_train: Any = None, k_test_test: Any = None) -> Any:
-        gets, single = _gets(get)
+        gets, single = _gets(get, ("nngp", "ntk", "ntkgp"))
         out = {}
         for g in gets:
-            solve = propagator(g)
-            k_dd = _attr(k_train_train, g, "k_train_train")
-            wide = solve.evals.dtype if solve.t is not None else solve.factor[0].dtype
+            kernel = "ntk" if g == "ntkgp" else g  # the NTK-GP: the NTK as a GP's kernel
+            solve = propagator(kernel)
+            k_dd = _attr(k_train_train, kernel, "k_train_train")
+            wide = solve.factor[0].dtype
             if k_test_train is None:
                 mean = y.astype(jnp.asarray(k_dd).dtype)
                 out[g] = mean if k_test_test is None else Gaussian(mean, jnp.zeros_like(k_dd))
                 continue
-            k_td = _check_matrix(_attr(k_test_train, g, "k_test_train"), "k_test_train", y.shape[0])
-            k_td = k_td.astype(wide)
+            k_td = _attr(k_test_train, kernel, "k_test_train")
+            k_td = _check_matrix(k_td, "k_test_train", y.shape[0]).astype(wide)
             mean = k_td @ solve(y.astype(wide))
             if k_test_test is None:
                 out[g] = mean
                 continue
-            k_tt = jnp.asarray(_attr(k_test_test, "nngp", "k_test_test")).astype(wide)
-            nngp_td = jnp.asarray(_attr(k_test_train, "nngp", "k_test_train")).astype(wide)
-            if g == "nngp":
-                cov = k_tt - k_td @ solve(nngp_td.T)
+            if g == "ntk" and not (
+                hasattr(k_train_train, "nngp") and hasattr(k_test_train, "nngp")
+            ):
+                raise ValueError(
+                    "the NTK posterior covariance needs both the NTK and the NNGP: pass "
+                    "k_train_train and k_test_train with nngp and ntk fields"
+                )
+            prior = "ntk" if g == "ntkgp" else "nngp"
+            k_tt = jnp.asarray(_attr(k_test_test, prior, "k_test_test")).astype(wide)
+            prior_td = jnp.asarray(_attr(k_test_train, prior, "k_test_train")).astype(wide)
+            if g in ("nngp", "ntkgp"):
+                cov = k_tt - k_td @ solve(prior_td.T)
             else:
-                if not hasattr(k_train_train, "nngp") or not hasattr(k_test_train, "nngp"):
-                    raise ValueError(
-                        "the NTK posterior covariance needs both the NTK and the NNGP: pass "
-                        "k_train_train and k_test_train with nngp and ntk fields"
-                    )
                 term_1 = solve(k_td.T)  # (n, m)
                 nngp_dd = jnp.asarray(k_train_train.nngp).astype(wide)
-                term_2 = k_td @ solve(nngp_td.T)
+                term_2 = k_td @ solve(prior_td.T)
                 cov = term_1.T @ nngp_dd @ term_1 - (term_2 + term_2.T) + k_tt
             out[g] = Gaussian(mean, cov)
         return _named(out, gets, single)
@@ -304,6 +335,39 @@ def gradient_descent_mse_ensemble(
         )
         return Gaussian(*out) if compute_cov else out
 
+    def train_kernel(g: str) -> jax.Array:
+        k = jnp.asarray(kernel_fn(x_train, None, g))
+        return k.astype(accumulation_dtype(jnp.result_type(k.dtype, y.dtype)))
+
+    def on_train(t: Any, g: str, compute_cov: bool) -> Any:
+        # x_test=None: neural-tangents' predictions on the training inputs, from the
+        # (n, n) training kernel's eigendecomposition (it is held anyway).
+        k_dd = train_kernel(g)
+        if t is None:
+            mean = y.astype(k_dd.dtype)
+            return Gaussian(mean, jnp.zeros_like(k_dd)) if compute_cov else mean
+        propagate = _Propagator(k_dd, diag_reg, 1.0, y.shape[1])
+        evals, evecs = jnp.maximum(propagate.evals, 0.0), propagate.evecs
+        times = jnp.asarray(t, k_dd.dtype) * learning_rate
+        size = y.size
+
+        def at(s: Any) -> Any:
+            decay = jnp.exp(-evals * s / size)
+            mean = evecs @ ((1 - decay)[:, None] * (evecs.T @ y.astype(k_dd.dtype)))
+            if not compute_cov:
+                return mean
+            if g == "nngp":
+                cov = (evecs * (evals * decay**2)) @ evecs.T
+            else:
+                flow = (evecs * decay) @ evecs.T
+                cov = flow @ train_kernel("nngp") @ flow
+            return Gaussian(mean, cov)
+
+        if times.ndim == 0:
+            return at(times)
+        values = jax.vmap(at)(times.reshape(-1))
+        return jax.tree.map(lambda a: a.reshape(times.shape + a.shape[1:]), values)
+
     def predict_fn(
         t: Any = None,
         x_test: Any = None,
@@ -316,21 +380,21 @@ def gradient_descent_mse_ensemble(
                 f"kernel_fn keyword arguments {sorted(kernel_fn_test_test_kwargs)} are not "
                 "supported by memwise.nt.predict"
             )
-        if x_test is None:
-            raise NotImplementedError(
-                "predict_fn(x_test=None) (unregularised predictions on the training inputs) is "
-                "not supported by memwise.nt; pass x_test=x_train (regularised by diag_reg)"
-            )
         gets, single = _gets(get)
         out = {}
         for g in gets:
+            if x_test is None:
+                out[g] = on_train(t, g, compute_cov)
+                continue
             if t is None or np.ndim(t) == 0:
                 out[g] = one(t, x_test, g, compute_cov)
                 continue
             times = np.asarray(t)
             flat = [one(float(s), x_test, g, compute_cov) for s in times.reshape(-1)]
             stacked = jax.tree.map(lambda *v: jnp.stack(v), *flat)
-            out[g] = jax.tree.map(lambda a: a.reshape(times.shape + a.shape[1:]), stacked)
+            out[g] = jax.tree.map(
+                lambda a, shape=times.shape: a.reshape(shape + a.shape[1:]), stacked
+            )
         return _named(out, gets, single)
 
     return predict_fn
