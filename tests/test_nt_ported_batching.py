@@ -1,0 +1,148 @@
+"""neural-tangents 0.6.5's tests/batching_test.py, ported to memwise.nt.
+
+``nt.batch(kernel_fn, batch_size)`` against ``kernel_fn`` unbatched (upstream's
+testSerial / testAutomatic, which are the same check here: memwise.nt.batch has one
+implementation, the tile loop), for upstream's empirical NTKs (1, 2, 3 logits) and its
+analytic kernels, on its sizes. Upstream's batch sizes must divide the sets; memwise's
+need not, so batch sizes 3 are added. Not ported: testParallel / testComposition and
+the pmap tests (device parallelism; memwise.nt.batch takes one device), the analytic
+kernels' Dropout (memwise.nt has no Dropout: upstream's ``theoretical`` kernels are run
+with Identity in its place) and kernel_fn(get=None) (the Kernel object: a tuple get here).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import random
+
+import memwise.nt as nt
+from memwise.nt import stax
+
+TRAIN_SIZES = [2, 4, 8]
+TEST_SIZES = [2, 16]
+INPUT_SHAPES = [(16,), (4, 4, 3)]
+NETWORKS = ["FLAT", "INTERMEDIATE_CONV", "POOLING"]
+KERNELS = [
+    "empirical_logits_1",
+    "empirical_logits_2",
+    "empirical_logits_3",
+    "theoretical",
+    "theoretical_pytree",
+]
+
+
+def _build_network(input_shape, network, out_logits):
+    if len(input_shape) == 1:
+        return stax.serial(
+            stax.Dense(2, W_std=2.0, b_std=0.5),
+            stax.Identity(),
+            stax.Dense(out_logits, W_std=2.0, b_std=0.5),
+        )
+    if network == "POOLING":
+        return stax.serial(
+            stax.Conv(2, (2, 2), W_std=2.0, b_std=0.05),
+            stax.GlobalAvgPool(),
+            stax.Identity(),
+            stax.Dense(out_logits, W_std=2.0, b_std=0.5),
+        )
+    if network == "FLAT":
+        return stax.serial(
+            stax.Conv(2, (2, 2), W_std=2.0, b_std=0.05),
+            stax.Flatten(),
+            stax.Identity(),
+            stax.Dense(out_logits, W_std=2.0, b_std=0.5),
+        )
+    return stax.Conv(2, (2, 2), W_std=2.0, b_std=0.05)
+
+
+def _kernel(kernel_type, input_shape, network):
+    key = random.PRNGKey(0)
+    if kernel_type.startswith("empirical"):
+        init_fn, f, _ = _build_network(input_shape, network, int(kernel_type[-1]))
+        _, params = init_fn(key, (-1,) + input_shape)
+        # upstream: jit(empirical_ntk_fn(f, implementation=STRUCTURED_DERIVATIVES)), keys=
+        kernel_fn = jax.jit(
+            nt.empirical_ntk_fn(f, implementation=nt.NtkImplementation.STRUCTURED_DERIVATIVES)
+        )
+        return functools.partial(kernel_fn, params=params, keys=random.split(key)[1])
+    _, _, kernel_fn = _build_network(input_shape, network, 1)
+    get = "ntk" if kernel_type == "theoretical" else ("nngp", "ntk")
+    return jax.jit(lambda x1, x2=None: kernel_fn(x1, x2, get))
+
+
+def _cases():
+    out = []
+    for train, test, shape, network, kernel in __import__("itertools").product(
+        TRAIN_SIZES, TEST_SIZES, INPUT_SHAPES, NETWORKS, KERNELS
+    ):
+        if len(shape) == 1 and network != "FLAT":
+            continue  # upstream: "Not testing pooling on FCN inputs."
+        marks = ()
+        if network == "INTERMEDIATE_CONV" and kernel.startswith("theoretical"):
+            # a kernel of a network ending in pixels: neural-tangents' (n1, n2, H, H, W, W)
+            marks = pytest.mark.xfail(
+                raises=NotImplementedError, strict=True, reason="pixel-by-pixel output kernel"
+            )
+        out.append(
+            pytest.param(
+                train,
+                test,
+                shape,
+                network,
+                kernel,
+                marks=marks,
+                id=f"{train}-{test}-{shape}-{network}-{kernel}",
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("train_size, test_size, input_shape, network, kernel_type", _cases())
+def test_automatic(train_size, test_size, input_shape, network, kernel_type):
+    _, self_split, other_split = random.split(random.PRNGKey(0), 3)
+    data_self = random.normal(self_split, (train_size, *input_shape))
+    data_other = random.normal(other_split, (test_size, *input_shape))
+    kernel_fn = _kernel(kernel_type, input_shape, network)
+    for batch_size in (2, 3, 8):
+        for store_on_device in (True, False):
+            batched = nt.batch(kernel_fn, batch_size=batch_size, store_on_device=store_on_device)
+            for x2 in (None, data_other):
+                expected, got = kernel_fn(data_self, x2), batched(data_self, x2)
+                assert type(expected) is type(got)
+                for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+                    np.testing.assert_allclose(b, a, rtol=5e-5, atol=5e-6)
+
+
+def test_batch_memory_is_one_tile():
+    # Memory bounded by the tile: the compiled temporaries of the batched kernel do not
+    # grow with the number of inputs (upstream's store_on_device was the only switch).
+    _, _, kernel_fn = stax.serial(
+        stax.Conv(8, (3, 3), padding="SAME"), stax.Relu(), stax.Flatten(), stax.Dense(1)
+    )
+    batched = nt.batch(kernel_fn, batch_size=4)
+
+    def temp(n):
+        x = jax.ShapeDtypeStruct((n, 8, 8, 3), jnp.float32)
+        compiled = jax.jit(lambda a: batched(a, None, "ntk")).lower(x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, large = temp(16), temp(64)
+    # The result grows as n^2 (16 x): the temporaries may hold the (n, n) result once, not
+    # the per-pixel intermediates of all pairs (64 * 64 * 64 pixels * 4 bytes = 1 MiB).
+    assert large - small < 4 * (64 * 64 - 16 * 16) * 4 + 256 * 1024, (small, large)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_batch_size_checked(bad):
+    with pytest.raises(ValueError, match="batch_size"):
+        nt.batch(lambda a, b: a, batch_size=bad)
+
+
+def test_device_count_above_one_is_named():
+    with pytest.raises(NotImplementedError, match="device_count"):
+        nt.batch(lambda a, b: a, batch_size=2, device_count=2)
