@@ -431,3 +431,12 @@ def max_learning_rate(
     factor = k.shape[0] if y_train_size is None else y_train_size
     largest = float(np.linalg.eigvalsh(np.asarray(k, np.float64))[-1])
     return float(2 * (1 + momentum) * factor / (largest + eps))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ODEState":
+        raise NotImplementedError(
+            "nt.predict.ODEState (the state of the ODE-based gradient_descent) is not supported "
+            "by memwise.nt; gradient_descent_mse takes fx_train_0 and fx_test_0 directly"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
