@@ -316,8 +316,10 @@ def empirical_ntk_fn(
         {})``): then the kernel is computed tile by tile by :func:`memwise.ntk.empirical`.
         ``None`` forms each input set's whole Jacobian (outputs may mix the batch).
       implementation: :class:`NtkImplementation` or its int (see the module docstring).
-      _j_rules, _s_rules, _fwd: neural-tangents' debugging switches of its structured
-        derivatives; accepted and without effect (the kernel is the same).
+      _j_rules: neural-tangents' debugging switch of its structured derivatives;
+        accepted and without effect (the kernel is the same).
+      _s_rules: as ``_j_rules``.
+      _fwd: as ``_j_rules``.
       chunk_size: memwise's ``(rows, cols)`` inputs per tile (with ``vmap_axes``).
 
     Returns:

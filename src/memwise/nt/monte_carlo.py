@@ -41,13 +41,22 @@ def monte_carlo_kernel_fn(
     """``kernel_fn(x1, x2=None, get=None)``: the empirical kernels averaged over inits.
 
     Args:
-      init_fn, apply_fn: the finite network (e.g. a :mod:`memwise.nt.stax` layer's).
+      init_fn: the finite network's initialisation (e.g. a :mod:`memwise.nt.stax`
+        layer's).
+      apply_fn: the finite network.
       key: the PRNG key the initialisations are drawn from.
       n_samples: the number of initialisations; an iterable of counts makes
         ``kernel_fn`` a generator of the running means at those counts.
-      batch_size, device_count, store_on_device: as :func:`memwise.nt.batch`.
-      trace_axes, diagonal_axes, vmap_axes, implementation: as
-        :func:`memwise.nt.empirical_kernel_fn`.
+      batch_size: as :func:`memwise.nt.batch`.
+      device_count: as :func:`memwise.nt.batch`.
+      store_on_device: as :func:`memwise.nt.batch`.
+      trace_axes: as :func:`memwise.nt.empirical_kernel_fn`.
+      diagonal_axes: as :func:`memwise.nt.empirical_kernel_fn`.
+      vmap_axes: as :func:`memwise.nt.empirical_kernel_fn`.
+      implementation: as :func:`memwise.nt.empirical_kernel_fn`.
+      _j_rules: accepted and without effect, as in :func:`memwise.nt.empirical_ntk_fn`.
+      _s_rules: as ``_j_rules``.
+      _fwd: as ``_j_rules``.
 
     Returns:
       ``kernel_fn(x1, x2=None, get=None)``: the averaged kernel(s) (``get`` as in
