@@ -115,7 +115,7 @@ def _gets(get: Any, known: tuple[str, ...] = ("nngp", "ntk")) -> tuple[tuple[str
 def _named(values: dict, gets: Sequence[str], single: bool) -> Any:
     if single:
         return values[gets[0]]
-    return collections.namedtuple("Gaussians", gets)(*(values[g] for g in gets))  # type: ignore[misc]
+    return collections.namedtuple("Gaussians", gets)(*(values[g] for g in gets))
 
 
 def gradient_descent_mse(
@@ -177,7 +177,7 @@ def gradient_descent_mse(
         if t is None:
             propagate = _Propagator(k, ridge, None, n_outputs)
             fx_train_t = y.astype(k.dtype)
-            if fx_test_0 is None:
+            if fx_test_0 is None or k_td is None:
                 return fx_train_t
             fx_test_t = fx_test_0 + unflat(k_td @ propagate(rhs))
             return fx_test_t if fx_train_0 is None else (fx_train_t, fx_test_t)
@@ -203,7 +203,7 @@ def _attr(k: Any, g: str, name: str) -> jax.Array:
     if isinstance(k, dict) and g in k:
         return k[g]
     if isinstance(k, (jax.Array, np.ndarray)):
-        return k
+        return jnp.asarray(k)
     raise ValueError(f"{name} must be an array or have a {g!r} field, got {type(k).__name__}")
 
 
