@@ -180,6 +180,7 @@ def _compare_kernels(x1, x2, ntk_fns, ntk_fns_vmapped, nngp_fn):
     return ntk_ref, nngp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("logits", [1, 2, 3])
 @pytest.mark.parametrize("train, test, network", cases.EMPIRICAL_SHAPES, ids=lambda v: str(v))
 def test_ntk_against_direct(ref, train, test, network, logits):
