@@ -14,6 +14,7 @@ does (``serial`` params a list, split keys per layer) and their kernels as
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +24,13 @@ from jax import random
 from memwise.ntk import kernels as _k
 
 __all__ = ["FanInSum", "FanOut", "KernelFn", "Layer", "parallel", "serial"]
+
+
+@functools.cache
+def named_tuple(name: str, fields: tuple[str, ...]) -> type:
+    """One namedtuple class per (name, fields): results of two calls have the same type
+    (and the same pytree structure, so jit and tree maps treat them alike)."""
+    return collections.namedtuple(name, fields)
 
 
 class KernelFn:
@@ -98,7 +106,7 @@ class KernelFn:
             )
         if isinstance(get, str):
             return values[0]
-        return collections.namedtuple("Kernel", gets)(*values)
+        return named_tuple("Kernel", gets)(*values)
 
 
 class Layer(NamedTuple):

@@ -27,7 +27,6 @@ expansion point is a pytree leaf, an argument of a compiled program, never a con
 
 from __future__ import annotations
 
-import collections
 import enum
 import math
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from memwise.linearize import linearize, taylor_expand
+from memwise.nt._triple import named_tuple
 from memwise.ntk.empirical import _contract_jacobians, empirical
 from memwise.tiling import ChunkSize
 
@@ -400,7 +400,7 @@ def empirical_kernel_fn(
         values = {g: fns[g](x1, x2, params, **apply_fn_kwargs) for g in gets}
         if isinstance(get, str):
             return values[get]
-        kernel = collections.namedtuple("EmpiricalKernel", gets)  # type: ignore[misc]
+        kernel = named_tuple("EmpiricalKernel", gets)
         return jax.tree_util.tree_map(lambda *v: kernel(*v), *(values[g] for g in gets))
 
     return kernel_fn

@@ -20,7 +20,6 @@ raise ``NotImplementedError`` naming them.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +29,7 @@ import numpy as np
 
 from memwise.engine import accumulation_dtype
 from memwise.nt._triple import KernelFn as _CompatKernelFn
+from memwise.nt._triple import named_tuple
 from memwise.ntk.predict import _Propagator
 from memwise.ntk.predict import predict as _predict
 
@@ -115,7 +115,7 @@ def _gets(get: Any, known: tuple[str, ...] = ("nngp", "ntk")) -> tuple[tuple[str
 def _named(values: dict, gets: Sequence[str], single: bool) -> Any:
     if single:
         return values[gets[0]]
-    return collections.namedtuple("Gaussians", gets)(*(values[g] for g in gets))
+    return named_tuple("Gaussians", gets)(*(values[g] for g in gets))
 
 
 def gradient_descent_mse(
