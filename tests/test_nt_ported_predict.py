@@ -74,6 +74,7 @@ def _grid_id(v):
 # testNTKGDPrediction (loss="mse_analytic", momentum=None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel_type", ["empirical", "theoretical"])
 @pytest.mark.parametrize("sizes", GRID, ids=_grid_id)
 def test_ntk_gd_prediction(sizes, kernel_type):
