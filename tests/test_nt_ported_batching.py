@@ -13,6 +13,7 @@ with Identity in its place) and kernel_fn(get=None) (the Kernel object: a tuple 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -77,28 +78,34 @@ def _kernel(kernel_type, input_shape, network):
 
 def _cases():
     out = []
-    for train, test, shape, network, kernel in __import__("itertools").product(
+    for train, test, shape, network, kernel in itertools.product(
         TRAIN_SIZES, TEST_SIZES, INPUT_SHAPES, NETWORKS, KERNELS
     ):
         if len(shape) == 1 and network != "FLAT":
             continue  # upstream: "Not testing pooling on FCN inputs."
-        marks = ()
+        marks = []
         if network == "INTERMEDIATE_CONV" and kernel.startswith("theoretical"):
             # a kernel of a network ending in pixels: neural-tangents' (n1, n2, H, H, W, W)
-            marks = pytest.mark.xfail(
-                raises=NotImplementedError, strict=True, reason="pixel-by-pixel output kernel"
+            marks.append(
+                pytest.mark.xfail(
+                    raises=NotImplementedError, strict=True, reason="pixel-by-pixel output kernel"
+                )
             )
-        out.append(
-            pytest.param(
-                train,
-                test,
-                shape,
-                network,
-                kernel,
-                marks=marks,
-                id=f"{train}-{test}-{shape}-{network}-{kernel}",
+        if test == 16:
+            marks.append(pytest.mark.slow)
+        for batch_size in (2, 8):
+            out.append(
+                pytest.param(
+                    train,
+                    test,
+                    shape,
+                    network,
+                    kernel,
+                    batch_size,
+                    marks=marks,
+                    id=f"{train}-{test}-{shape}-{network}-{kernel}-{batch_size}",
+                )
             )
-        )
     return out
 
 
