@@ -133,6 +133,7 @@ def test_ntk_gd_prediction(sizes, kernel_type):
 # gradient_descent_mse_ensemble
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", GRID, ids=_grid_id)
 def test_gradient_descent_mse_ensemble_get(sizes):
     train_size, test_size, input_shape, out_logits = sizes
@@ -153,6 +154,7 @@ def test_gradient_descent_mse_ensemble_get(sizes):
         close(out[1], out2[0], 5e-3, 5e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("get", ["ntk", "nngp", ("ntk", "nngp")], ids=str)
 @pytest.mark.parametrize("out_logits", OUTPUT_LOGITS)
 def test_infinite_time_agreement(out_logits, get):
@@ -171,6 +173,7 @@ def test_infinite_time_agreement(out_logits, get):
             close(inf_x, fin_x, 5e-3, 5e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", GRID, ids=_grid_id)
 def test_zero_time_agreement(sizes):
     train_size, test_size, input_shape, out_logits = sizes
@@ -205,6 +208,7 @@ def _always(ker_fun, which):
     return always
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", GRID, ids=_grid_id)
 def test_ntk_ntknngp_agreement(sizes):
     train_size, test_size, input_shape, out_logits = sizes
@@ -233,6 +237,7 @@ def test_ntk_ntknngp_agreement(sizes):
             close(nngp_cov, nngp_ntk_cov, 5e-3, 5e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", GRID, ids=_grid_id)
 def test_pred_cov_pos_def(sizes):
     train_size, test_size, input_shape, out_logits = sizes
@@ -254,6 +259,7 @@ def test_pred_cov_pos_def(sizes):
 # testGpInference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("analytic", [True, False])
 def test_gp_inference(analytic):
     reg = 1e-5
@@ -313,6 +319,7 @@ def test_gp_inference(analytic):
 # testMaxLearningRate (SGD, no momentum: upstream's optimizers.momentum(mass=0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lr_factor", [0.5, 1.0, 3.0])
 @pytest.mark.parametrize("kernel_type", ["empirical", "theoretical"])
 def test_max_learning_rate(kernel_type, lr_factor):
