@@ -260,7 +260,20 @@ def test_pred_cov_pos_def(sizes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("analytic", [True, False])
+@pytest.mark.parametrize(
+    "analytic",
+    [
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                raises=NotImplementedError,
+                strict=True,
+                reason="kernel_fn(get=None): the Kernel object",
+            ),
+        ),
+        False,
+    ],
+)
 def test_gp_inference(analytic):
     reg = 1e-5
     key = random.PRNGKey(1)
