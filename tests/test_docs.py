@@ -42,6 +42,7 @@ GUIDES = [
     "docs/guides/language-model-loss.md",
     "docs/guides/optimal-transport.md",
     "docs/guides/linearized-ntk-kip.md",
+    "docs/guides/from-neural-tangents.md",
     "docs/guides/fitting-a-budget.md",
     "docs/guides/many-devices.md",
 ]

@@ -14,6 +14,7 @@ does (``serial`` params a list, split keys per layer) and their kernels as
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +24,13 @@ from jax import random
 from memwise.ntk import kernels as _k
 
 __all__ = ["FanInSum", "FanOut", "KernelFn", "Layer", "parallel", "serial"]
+
+
+@functools.cache
+def named_tuple(name: str, fields: tuple[str, ...]) -> type:
+    """One namedtuple class per (name, fields): results of two calls have the same type
+    (and the same pytree structure, so jit and tree maps treat them alike)."""
+    return collections.namedtuple(name, fields)
 
 
 class KernelFn:
@@ -72,10 +80,33 @@ class KernelFn:
                     f"get={g!r} (a field of neural-tangents' Kernel object) is not supported "
                     "by memwise.nt; pass 'nngp' and/or 'ntk'"
                 )
-        values = self.kernel(x1, x2, get=gets)
+        for name, x in (("x1", x1), ("x2", x2)):
+            if isinstance(x, (tuple, list, dict)):
+                raise NotImplementedError(
+                    f"kernel_fn({name}=a {type(x).__name__} of inputs): several inputs (a "
+                    "network starting with stax.parallel) are not supported by memwise.nt; "
+                    "pass one array per input set"
+                )
+        try:
+            values = self.kernel(x1, x2, get=gets)
+        except ValueError as e:
+            if "branches; join them" not in str(e):
+                raise
+            raise NotImplementedError(
+                "kernel_fn of a network ending in several branches (neural-tangents returns "
+                "a list of kernels) is not supported by memwise.nt; compute each branch's "
+                "network on its own, or join them with stax.FanInSum()"
+            ) from e
+        if values[0].ndim > 2:
+            raise NotImplementedError(
+                f"kernel_fn of a network whose output keeps its pixel axes (kernel shape "
+                f"{values[0].shape}): neural-tangents returns the pixel-by-pixel covariance "
+                "(n1, n2, H, H, W, W), which memwise.nt does not build; end the network with "
+                "stax.Flatten() or stax.GlobalAvgPool()"
+            )
         if isinstance(get, str):
             return values[0]
-        return collections.namedtuple("Kernel", gets)(*values)
+        return named_tuple("Kernel", gets)(*values)
 
 
 class Layer(NamedTuple):

@@ -433,6 +433,17 @@ def LayerNorm(  # noqa: N802
 
 _NOT_IMPLEMENTED = (
     "Aggregate",
+    "AggregateImplementation",
+    "AttentionMechanism",
+    "Bool",
+    "Diagonal",
+    "MaskedArray",
+    "Padding",
+    "PositionalEmbedding",
+    "Slice",
+    "layer",
+    "requires",
+    "supports_masking",
     "BatchNorm",
     "Dropout",
     "DotGeneral",

@@ -1,0 +1,86 @@
+"""memwise.nt beyond stax: what neural-tangents has and memwise.nt does not is named."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import memwise.nt as nt
+from memwise.nt import predict, stax
+
+_, F, _ = stax.serial(stax.Dense(4), stax.Relu(), stax.Dense(2))
+PARAMS = stax.serial(stax.Dense(4), stax.Relu(), stax.Dense(2)).init_fn(
+    __import__("jax").random.PRNGKey(0), (-1, 3)
+)[1]
+X = jnp.ones((2, 3))
+
+BAD = {
+    "nt.Kernel": (lambda: nt.Kernel, NotImplementedError, "nt.Kernel"),
+    "nt.experimental": (lambda: nt.experimental, NotImplementedError, "experimental"),
+    "ODEState": (lambda: predict.ODEState, NotImplementedError, "ODEState"),
+    "Dropout": (lambda: stax.Dropout(0.5), NotImplementedError, "stax.Dropout"),
+    "implementation": (
+        lambda: nt.empirical_ntk_fn(F, implementation=7),
+        ValueError,
+        "implementation",
+    ),
+    "vmap_axes": (
+        lambda: nt.empirical_ntk_fn(F, vmap_axes=((0, 1), 0, {})),
+        NotImplementedError,
+        "vmap_axes",
+    ),
+    "rng": (lambda: nt.empirical_ntk_fn(F)(X, None, PARAMS, rng=1), NotImplementedError, "rng"),
+    "trace_axes": (
+        lambda: nt.empirical_ntk_fn(F, trace_axes=(5,))(X, None, PARAMS),
+        ValueError,
+        "trace_axes",
+    ),
+    "pixel output": (
+        lambda: stax.Conv(4, (3, 3)).kernel_fn(jnp.ones((2, 5, 5, 1)), None, "ntk"),
+        NotImplementedError,
+        "pixel",
+    ),
+    "several inputs": (
+        lambda: stax.Dense(1).kernel_fn((X, X), None, "ntk"),
+        NotImplementedError,
+        "several inputs",
+    ),
+    "ensemble absolute": (
+        lambda: predict.gradient_descent_mse_ensemble(
+            stax.Dense(1).kernel_fn, X, jnp.ones((2, 1)), diag_reg_absolute_scale=True
+        ),
+        NotImplementedError,
+        "diag_reg_absolute_scale",
+    ),
+    "get": (lambda: predict.gp_inference(jnp.eye(2), jnp.ones((2, 1)))("nntk"), ValueError, "get"),
+    "y_train": (
+        lambda: predict.gradient_descent_mse(jnp.eye(2), jnp.ones(2)),
+        ValueError,
+        "y_train",
+    ),
+    "monte carlo n_samples": (
+        lambda: nt.monte_carlo_kernel_fn(None, F, None, 0),
+        ValueError,
+        "n_samples",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_and_unsupported_names(name):
+    call, error, words = BAD[name]
+    with pytest.raises(error) as info:
+        call()
+    assert words in str(info.value), str(info.value)
+
+
+def test_empirical_kernel_keywords_reach_f():
+    # neural-tangents passes apply_fn keywords through (the same for x1 and x2).
+    def f(p, x, scale=1.0):
+        return scale * (x @ p)
+
+    p = jnp.ones((3, 2))
+    one = nt.empirical_ntk_fn(f, vmap_axes=0)(X, None, p)
+    two = nt.empirical_ntk_fn(f, vmap_axes=0)(X, None, p, scale=2.0)
+    np.testing.assert_allclose(two, 4 * one, rtol=1e-6)
