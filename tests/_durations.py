@@ -17,8 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def main(source: str = "build/test-results.xml", target: str = "tests/DURATIONS.md") -> None:
-    cases = ElementTree.parse(ROOT / source).getroot().iter("testcase")
+def main(source: str = "build/test-results-*.xml", target: str = "tests/DURATIONS.md") -> None:
+    """Per-file totals and the slowest tests of every JUnit file matching ``source``
+    (``make test`` writes one per run)."""
+    files = sorted(ROOT.glob(source))
+    if not files:
+        raise SystemExit(f"no {source}: run make test first")
+    cases = [c for f in files for c in ElementTree.parse(f).getroot().iter("testcase")]
     times = [(c.get("classname", ""), c.get("name", ""), float(c.get("time", 0))) for c in cases]
     per_file: collections.Counter[str] = collections.Counter()
     counts: collections.Counter[str] = collections.Counter()
