@@ -69,7 +69,7 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
     (``SaveAt(ts=...)``, ``SaveAt(steps=True)``) and the dense output are write-only
     buffers of the loop, never part of a checkpoint.
 
-    Args:
+    Attributes:
       checkpoints: carries kept for the backward pass: an int >= 1, or ``None``
         (default): with ``diffeqsolve(max_steps=...)`` the count
         ``RecursiveCheckpointAdjoint`` takes then (about ``sqrt(2 max_steps)``, the
