@@ -376,33 +376,35 @@ def test_each_reduction_merges_two_column_blocks_as_one_pass_over_both(reduce):
 @pytest.mark.slow
 def test_each_reduction_combines_over_devices_as_over_all_columns():
     # combine_over_devices (pairwise_reduce's and linear_cross_entropy's columns split
-    # over devices): every device reduces its own columns, the table merges them.
+    # over devices): every device reduces its own columns (densely here: the merge rule
+    # is under test), the table merges them into the result over all columns.
     out = run_on_devices(
         """
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
-        from memwise.engine import REDUCTIONS, tiled_reduce
-        from memwise.tiling import tiling
+        from memwise.engine import REDUCTIONS
         mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
         k = jax.random.split(jax.random.PRNGKey(0), 3)
         x, y = jax.random.normal(k[0], (6, 2)), jax.random.normal(k[1], (12, 2))
         v = jax.random.normal(k[2], (12, 3))
 
-        def tile(r, c, _p, _k, _ri, ci):
-            s = -jnp.sum((r[:, None] - c["y"][None]) ** 2, -1)
-            return (s, c["v"]) if c["soft"] else s
-
-        def result(red, y, v):
-            t = lambda r, c, p, kk, ri, ci: tile(r, {**c, "soft": red == "softmax"}, p, kk, ri, ci)
-            return tiled_reduce(t, x, {"y": y, "v": v}, reduce=red,
-                                tiles=tiling(6, y.shape[0], (4, 2)))
+        def result(red, x, y, v):
+            s = -jnp.sum((x[:, None] - y[None]) ** 2, -1)
+            if red == "sum":
+                return jnp.sum(s, 1)
+            if red == "logsumexp":
+                return jax.nn.logsumexp(s, 1)
+            if red == "max":
+                return jnp.max(s, 1), jnp.argmax(s, 1).astype(jnp.int32)
+            lse = jax.nn.logsumexp(s, 1)
+            return jnp.exp(s - lse[:, None]) @ v, lse
 
         for red in sorted(REDUCTIONS):
-            def local(yl, vl, red=red):
-                return REDUCTIONS[red].combine_over_devices(result(red, yl, vl), "d", 3)
-            got = jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P(),
-                                check_vma=False)(y, v)
-            want = result(red, y, v)
+            def local(x, yl, vl, red=red):
+                return REDUCTIONS[red].combine_over_devices(result(red, x, yl, vl), "d", 3)
+            got = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d")),
+                                out_specs=P(), check_vma=False)(x, y, v)
+            want = result(red, x, y, v)
             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=red)
         print("OK")
