@@ -358,6 +358,14 @@ def test_unbounded_solve():
         jax.grad(loss)(y0, MEMWISE())
 
 
+@pytest.mark.xfail(
+    bool(getattr(jax.config, "jax_custom_vjp3", False)),
+    reason="under jax_custom_vjp3, Diffrax's solver step fails in forward mode before the "
+    "adjoint runs (Equinox's checkpointed_while_loop hashes an unhashable EnumerationItem); "
+    "RecursiveCheckpointAdjoint fails the same way",
+    raises=ValueError,
+    strict=True,
+)
 def test_forward_mode_names_forward_mode_adjoint():
     y0, args = _y0_args()
     with pytest.raises(TypeError, match="adjoint=diffrax.ForwardMode()"):
