@@ -2,6 +2,7 @@
 
 from memwise import knobs, measure, ntk, ot, schedule
 from memwise._reversible import DriftLog
+from memwise._while import while_loop
 from memwise.accumulate import accumulate_grad
 from memwise.attention import attention
 from memwise.chunked import chunked_map, chunked_sum
@@ -10,7 +11,7 @@ from memwise.fit import MemoryBudgetError, fit, region
 from memwise.linearize import Linearized, TaylorExpanded, linearize, taylor_expand
 from memwise.measure import MemoryReport, Residual, memory_report
 from memwise.pairwise import pairwise_reduce
-from memwise.scan import scan, while_loop
+from memwise.scan import scan
 from memwise.sdpa import dot_product_attention, flax_attention_fn
 
 __version__ = "0.3.0.dev0"

@@ -40,7 +40,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 import jax
 
 from memwise._buffers import WriteOnlyBuffer
-from memwise.scan import checked_while_loop
+from memwise._while import checked_while_loop
 
 __all__ = ["CheckpointAdjoint"]
 
