@@ -22,8 +22,9 @@ not JAX's generic one):
   the inputs perturb are differentiated (the fixed point ``lax.scan`` computes), so a
   leaf the gradient does not depend on may go through operations without a reverse rule.
 
-Loops of unknown length (``while_loop``) run on :mod:`memwise._online`, which reuses this
-module's taped step, perturbed-carry fixed point and slot reads and writes.
+Loops of unknown length (``while_loop``) run on :mod:`memwise._online`; both reverse a
+step with :mod:`memwise._taped` (the taped step, the perturbed-carry fixed point, slot
+reads and writes).
 """
 
 from __future__ import annotations
@@ -37,17 +38,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Var
 
 from memwise import schedule as schedule_lib
-from memwise._jax_private import forbid_reverse_mode, varying_axes
+from memwise._jax_private import varying_axes
+from memwise._taped import (
+    TapedStep,
+    entry,
+    entry_zeros,
+    perturbed_carry,
+    replayed_cotangents,
+    store,
+    take,
+)
 from memwise._vjp import (
     Static,
-    cotangents,
     custom_vjp,
-    fill,
     guard_forward_mode,
-    is_differentiable,
     is_zero,
     select,
     unwrap,
@@ -55,15 +61,6 @@ from memwise._vjp import (
 from memwise.sharding import typed_zeros, vary
 
 __all__ = ["Loop", "run"]
-
-
-def replayed_cotangents(mask: Sequence[bool], cts: Sequence[Any], *, error: str) -> list:
-    """A replaying backward rule's cotangent list (``None`` where ``mask`` is off).
-
-    The backward pass replays in a while_loop, which has no reverse rule: reverse mode
-    of these cotangents (grad of grad) raises the loop's own ``error`` instead.
-    """
-    return cotangents(mask, [forbid_reverse_mode(ct, error) for ct in cts])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,8 +125,8 @@ def _run_fwd(loop, consts, carry, xs):
     consts, consts_perturbed = unwrap(consts)
     carry, carry_perturbed = unwrap(carry)
     xs, xs_perturbed = unwrap(xs)
-    carry_mask = _perturbed_carry(
-        loop, consts, carry, _entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
+    carry_mask = perturbed_carry(
+        loop, consts, carry, entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
     )
     buffers = [
         vary(jnp.zeros((loop.schedule.n_slots,) + a.shape, a.dtype), varying_axes(a)) for a in carry
@@ -144,11 +141,11 @@ def _run_bwd(loop, residuals, output_cotangents):
     consts_perturbed, carry_perturbed, carry_mask, xs_perturbed = perturbed.value
     ct_carry, ct_ys = output_cotangents
     n = loop.n_steps
-    taped = _TapedStep(
-        loop, _entry(buffers), _entry(xs), consts, carry_mask, xs_perturbed, consts_perturbed
+    taped = TapedStep(
+        loop, entry(buffers), entry(xs), consts, carry_mask, xs_perturbed, consts_perturbed
     )
     ct_carry = [
-        _entry_zeros(buf) if is_zero(ct) else ct
+        entry_zeros(buf) if is_zero(ct) else ct
         for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))
     ]
     ct_ys = [None if is_zero(ct) else ct for ct in ct_ys]
@@ -157,7 +154,7 @@ def _run_bwd(loop, residuals, output_cotangents):
     arrays = _schedule_arrays(loop.schedule)
 
     def advance(i, carry):
-        return loop.step(carry, _take(xs, loop.time_index(i)), consts)[0]
+        return loop.step(carry, take(xs, loop.time_index(i)), consts)[0]
 
     def reverse_step(k, state):
         ct_carry, ct_consts, ct_xs, buffers = state
@@ -167,8 +164,8 @@ def _run_bwd(loop, residuals, output_cotangents):
 
         def differentiate(accumulated):
             ct_carry, ct_consts, ct_xs = accumulated
-            ct_y = [None if ct is None else _take([ct], t)[0] for ct in ct_ys]
-            ct_c, ct_x, ct_k = taped(carry, _take(xs, t), consts, ct_carry, ct_y)
+            ct_y = [None if ct is None else take([ct], t)[0] for ct in ct_ys]
+            ct_c, ct_x, ct_k = taped(carry, take(xs, t), consts, ct_carry, ct_y)
             ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
             ct_xs = [lax.dynamic_update_index_in_dim(a, b, t, 0) for a, b in zip(ct_xs, ct_x)]
             return ct_c, ct_consts, ct_xs
@@ -213,7 +210,7 @@ def _sweep(
             buffers, count = stored
             slot = jnp.minimum(count, n_forward - 1)
             do = (count < n_forward) & (forward[slot] == i)
-            stored = _store(buffers, carry, slot, do), count + do.astype(jnp.int32)
+            stored = store(buffers, carry, slot, do), count + do.astype(jnp.int32)
         carry, y = loop.step(carry, x, consts)
         return carry, stored, y
 
@@ -242,7 +239,7 @@ def _sweep(
 def _replay(arrays, k, r, buffers, advance):
     """Restore the carry of reversed step k and advance it to step r, storing on the way."""
     position = arrays["restore_position"][k]
-    carry = _take(buffers, arrays["restore_slot"][k])
+    carry = take(buffers, arrays["restore_slot"][k])
     first = arrays["store_offsets"][k]
     end = arrays["store_offsets"][k + 1]
     store_position = arrays["store_position"]
@@ -257,163 +254,15 @@ def _replay(arrays, k, r, buffers, advance):
         carry = advance(i, carry)
         slot_index = jnp.minimum(pointer, last)
         do = (pointer < end) & (store_position[slot_index] == i + 1)
-        buffers = _store(buffers, carry, store_slot[slot_index], do)
+        buffers = store(buffers, carry, store_slot[slot_index], do)
         return i + 1, carry, buffers, pointer + do.astype(jnp.int32)
 
     _, carry, buffers, _ = lax.while_loop(cond, body, (position, carry, buffers, first))
     return carry, buffers
 
 
-class _TapedStep:
-    """vjp of one step with respect to the leaves that need a cotangent.
-
-    The perturbed carry leaves do (``carry_mask``, from :func:`_perturbed_carry`: they
-    carry the gradient between steps); xs and closed-over leaves when inexact *and*
-    perturbed (``custom_vjp`` with symbolic zeros says which), so ``grad`` with respect
-    to parameters alone never builds the (n, ...) cotangent of xs, and a carry leaf no
-    input perturbs is never differentiated (it may go through a ``lax.while_loop``).
-    """
-
-    def __init__(
-        self,
-        loop: Loop,
-        carry: list,
-        x: list,
-        consts: list,
-        carry_mask: list,
-        x_perturbed: tuple,
-        consts_perturbed: tuple,
-    ):
-        self.step = loop.step
-        self.carry_mask = list(carry_mask)
-        self.x_mask = [is_differentiable(a) and p for a, p in zip(x, x_perturbed)]
-        self.const_mask = [is_differentiable(a) and p for a, p in zip(consts, consts_perturbed)]
-        _, self.y_like = jax.eval_shape(self.step, carry, x, consts)
-        self.y_mask = [is_differentiable(a) for a in self.y_like]
-
-    def __call__(self, carry, x, consts, ct_carry, ct_y):
-        """Cotangents of (carry, x, consts), each restricted to its mask.
-
-        ``ct_carry`` holds the carry mask's leaves; ``ct_y`` one entry per y leaf, None
-        for a zero cotangent.
-        """
-
-        def diff_step(carry_d, x_d, consts_d):
-            new_carry, y = self.step(
-                fill(carry, self.carry_mask, carry_d),
-                fill(x, self.x_mask, x_d),
-                fill(consts, self.const_mask, consts_d),
-            )
-            return select(new_carry, self.carry_mask), select(y, self.y_mask)
-
-        (_, y_out), vjp = jax.vjp(
-            diff_step,
-            select(carry, self.carry_mask),
-            select(x, self.x_mask),
-            select(consts, self.const_mask),
-        )
-        # zeros typed like the output (varying inside shard_map as the output is)
-        ct_y = [
-            typed_zeros([y])[0] if ct is None else ct
-            for ct, y in zip(select(ct_y, self.y_mask), y_out)
-        ]
-        return vjp((ct_carry, ct_y))
-
-
-def _perturbed_carry(
-    loop: Loop,
-    consts: list,
-    carry: list,
-    x: list,
-    consts_perturbed: tuple,
-    carry_perturbed: tuple,
-    xs_perturbed: tuple,
-) -> list:
-    """Which carry leaves have a nonzero tangent, as ``lax.scan`` decides it.
-
-    A fixed point: a leaf is perturbed if its initial value is, or if the body makes it
-    depend on a perturbed carry leaf, xs leaf or closed-over array. The dependence is
-    JAX's own: the body's ``jvp`` with only the perturbed inputs as tangents, traced to a
-    jaxpr; an output tangent that no input tangent reaches is a symbolic zero there.
-    """
-    perturbed = [bool(p) and is_differentiable(a) for a, p in zip(carry, carry_perturbed)]
-    others = list(x) + list(consts)
-    others_perturbed = [
-        bool(p) and is_differentiable(a)
-        for a, p in zip(others, tuple(xs_perturbed) + tuple(consts_perturbed))
-    ]
-    n_carry, n_x = len(carry), len(x)
-
-    def new_carry(values):
-        return loop.step(
-            values[:n_carry], values[n_carry : n_carry + n_x], values[n_carry + n_x :]
-        )[0]
-
-    while True:
-        reached = _nonzero_tangents(new_carry, list(carry) + others, perturbed + others_perturbed)
-        grown = [p or (r and is_differentiable(a)) for p, r, a in zip(perturbed, reached, carry)]
-        if grown == perturbed:
-            return perturbed
-        perturbed = grown
-
-
-def _nonzero_tangents(fn: Callable, values: list, active: list) -> list:
-    """Which outputs of ``fn(values)`` (a list) the ``active`` values' tangents reach.
-
-    JAX's own answer: in the jaxpr of the ``jvp`` with tangents for the active values
-    only, an output tangent that no input tangent reaches is a (materialised) symbolic
-    zero.
-    """
-    if not any(active):
-        return [False] * len(jax.eval_shape(fn, values))
-
-    def tangents_out(primals, tangents):
-        def of_active(*chosen):
-            return fn(fill(primals, active, chosen))
-
-        return jax.jvp(of_active, tuple(select(primals, active)), tuple(tangents))[1]
-
-    try:
-        jaxpr = jax.make_jaxpr(tangents_out)(values, select(values, active)).jaxpr
-        reached = set(jaxpr.invars[len(values) :])
-    except (TypeError, NotImplementedError):
-        # Under jax_custom_vjp3 the jvp of a custom VJP inside fn (an inner memwise loop)
-        # fails while it is traced. Then data dependence answers instead: a superset of
-        # the tangents' reach (a leaf marked perturbed that is not only costs work).
-        jaxpr = jax.make_jaxpr(fn)(values).jaxpr
-        reached = {v for v, a in zip(jaxpr.invars, active) if a}
-    for eqn in jaxpr.eqns:
-        if any(isinstance(v, Var) and v in reached for v in eqn.invars):
-            reached.update(eqn.outvars)
-    return [isinstance(v, Var) and v in reached for v in jaxpr.outvars]
-
-
 # --------------------------------------------------------------------------------------
 # slots and schedule arrays
-
-
-def _entry(stacked: list) -> list:
-    """Shapes and dtypes of one entry of stacked arrays (a buffer's carry, one step's x)."""
-    return jax.eval_shape(lambda arrays: [a[0] for a in arrays], stacked)
-
-
-def _entry_zeros(stacked: Any) -> Any:
-    """Zeros shaped and typed (varying mesh axes included) like one entry of ``stacked``."""
-    return vary(jnp.zeros(stacked.shape[1:], stacked.dtype), varying_axes(stacked))
-
-
-def _take(tree: list, index: Any) -> list:
-    return [lax.dynamic_index_in_dim(a, index, 0, keepdims=False) for a in tree]
-
-
-def _store(buffers: list, values: list, slot: Any, do: Any) -> list:
-    # Read-select-write touches one slot per step instead of the whole buffer, and keeps
-    # the update in place inside XLA loops.
-    out = []
-    for buf, val in zip(buffers, values):
-        old = lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
-        out.append(lax.dynamic_update_index_in_dim(buf, jnp.where(do, val, old), slot, 0))
-    return out
 
 
 def _int_array(values: Sequence[int]) -> jax.Array:

@@ -34,9 +34,9 @@ but never enter a slot: the body takes them as its ``x`` and returns them as its
 so the taped step differentiates each write, and the backward loop carries each float
 buffer's cotangent (a step reads the cotangents of what it wrote and zeroes them).
 
-The two rules share :mod:`memwise._binomial`'s pieces: the taped step (``_TapedStep``), the
-perturbed-carry fixed point, slot reads and writes, and the forward-mode and
-second-order guards. Gradients do not depend on the placement or the splits being
+The two rules reverse a step with :mod:`memwise._taped`, as ``scan``'s executor does: the
+taped step (``TapedStep``), the perturbed-carry fixed point, slot reads and writes, and
+the second-order guard. Gradients do not depend on the placement or the splits being
 optimal (any stored positions and any split in range reverse correctly), so the costs
 are compared in float32, which is exact for every count a loop below ~10^6 steps meets
 and merely less than optimal beyond.
@@ -54,16 +54,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memwise._binomial import (
-    _entry,
-    _entry_zeros,
-    _perturbed_carry,
-    _store,
-    _take,
-    _TapedStep,
-    replayed_cotangents,
-)
 from memwise._jax_private import varying_axes
+from memwise._taped import (
+    TapedStep,
+    entry,
+    entry_zeros,
+    perturbed_carry,
+    replayed_cotangents,
+    store,
+    take,
+)
 from memwise._vjp import (
     Static,
     custom_vjp,
@@ -303,7 +303,7 @@ def _place(
     else:
         evict_now = jnp.bool_(False)
         evict = jnp.int32(0)
-    store = free | evict_now
+    keep = free | evict_now
     removed = jnp.where(free, count, evict)
     slot = order[jnp.minimum(removed, c - 1)]
 
@@ -336,7 +336,7 @@ def _place(
         }
 
     placement = lax.cond(evict_now | (free & (count == c - 1)), rearrange, append, placement)
-    return store, slot, placement
+    return keep, slot, placement
 
 
 # --------------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def _run_fwd(loop, consts, cond_consts, carry, written):
     cond_consts, _ = unwrap(cond_consts)
     carry, carry_perturbed = unwrap(carry)
     written, written_perturbed = unwrap(written)
-    carry_mask = _perturbed_carry(
+    carry_mask = perturbed_carry(
         loop, consts, carry, written, consts_perturbed, carry_perturbed, written_perturbed
     )
     c = loop.n_checkpoints
@@ -372,8 +372,8 @@ def _run_fwd(loop, consts, cond_consts, carry, written):
 
     def body(state):
         i, carry, written, buffers, placement = state
-        store, slot, placement = _place(i, placement, c)
-        buffers = _store(buffers, carry, slot, store)
+        keep, slot, placement = _place(i, placement, c)
+        buffers = store(buffers, carry, slot, keep)
         return i + 1, *loop.step(carry, written, consts), buffers, placement
 
     trips, carry, written, buffers, placement = lax.while_loop(
@@ -400,8 +400,8 @@ def _run_bwd(loop, residuals, output_cotangents):
     # what it overwrote), whether or not its initial value is perturbed; one nobody
     # differentiated (a zero cotangent) stays zero and is left out.
     written_mask = [is_differentiable(w) and not is_zero(ct) for w, ct in zip(written, ct_written)]
-    taped = _TapedStep(
-        loop, _entry(buffers), written, consts, carry_mask, tuple(written_mask), consts_perturbed
+    taped = TapedStep(
+        loop, entry(buffers), written, consts, carry_mask, tuple(written_mask), consts_perturbed
     )
     # the step's written buffers (its y) are differentiated as far as their cotangents
     # run: a zero one would cost a buffer of zeros per step
@@ -416,7 +416,7 @@ def _run_bwd(loop, residuals, output_cotangents):
         return [next(cts) if d else w for w, d in zip(written, written_mask)]
 
     ct_carry = [
-        _entry_zeros(buf) if is_zero(ct) else ct
+        entry_zeros(buf) if is_zero(ct) else ct
         for ct, buf in zip(select(ct_carry, carry_mask), select(buffers, carry_mask))
     ]
     ct_consts = typed_zeros(select(consts, taped.const_mask))
@@ -432,7 +432,7 @@ def _run_bwd(loop, residuals, output_cotangents):
 
     def push(carry, buffers, positions, top, at, do):
         slot = jnp.minimum(top, c - 1)
-        buffers = _store(buffers, carry, order[slot], do)
+        buffers = store(buffers, carry, order[slot], do)
         positions = jnp.where(do, positions.at[slot].set(at), positions)
         return buffers, positions, top + do.astype(jnp.int32)
 
@@ -440,7 +440,7 @@ def _run_bwd(loop, residuals, output_cotangents):
         r, ct_carry, ct_written, ct_consts, buffers, positions, top = state
         written_in = stand_ins(ct_written)
         held = positions[top - 1]
-        carry = _take(buffers, order[top - 1])
+        carry = take(buffers, order[top - 1])
 
         def advance(inner):
             i, carry, target = inner

@@ -20,7 +20,7 @@ carry can grow from step to step ("drift"). Two controls:
 
 This module holds the executor (one ``custom_vjp``, declared once below with the
 :class:`ReversibleLoop` as its static argument, on the toolkit of :mod:`memwise._vjp`
-and the taped step of :mod:`memwise._binomial`) and the checks of ``inverse=``;
+and the taped step of :mod:`memwise._taped`) and the checks of ``inverse=``;
 :func:`memwise.scan.scan` is the public face and calls :func:`scan` here.
 """
 
@@ -37,15 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memwise._binomial import (
-    _entry,
-    _perturbed_carry,
-    _store,
-    _take,
-    _TapedStep,
-    replayed_cotangents,
-)
 from memwise._jax_private import varying_axes
+from memwise._taped import TapedStep, entry, perturbed_carry, replayed_cotangents, store, take
 from memwise._vjp import (
     Static,
     closure_convert,
@@ -341,8 +334,8 @@ def _run_fwd(loop, consts, inverse_consts, carry, xs):
     inverse_consts, _ = unwrap(inverse_consts)
     init, carry_perturbed = unwrap(carry)
     xs, xs_perturbed = unwrap(xs)
-    carry_mask = _perturbed_carry(
-        loop, consts, init, _entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
+    carry_mask = perturbed_carry(
+        loop, consts, init, entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
     )
     final, ys, kept = _sweep(loop, consts, init, xs, record=True)
     perturbed = Static((consts_perturbed, carry_perturbed, carry_mask, xs_perturbed))
@@ -354,7 +347,7 @@ def _run_bwd(loop, residuals, output_cotangents):
     consts_perturbed, carry_perturbed, carry_mask, xs_perturbed = perturbed.value
     ct_carry, ct_ys = output_cotangents
     n, spacing = loop.n_steps, loop.spacing
-    taped = _TapedStep(loop, final, _entry(xs), consts, carry_mask, xs_perturbed, consts_perturbed)
+    taped = TapedStep(loop, final, entry(xs), consts, carry_mask, xs_perturbed, consts_perturbed)
     ct_carry = [
         typed_zeros([c])[0] if is_zero(ct) else ct
         for ct, c in zip(select(ct_carry, carry_mask), select(final, carry_mask))
@@ -369,20 +362,20 @@ def _run_bwd(loop, residuals, output_cotangents):
         next_carry, ct_carry, ct_consts, ct_xs, drift = state
         i = n - 1 - j
         t = loop.time_index(i)
-        x = _take(xs, t)
+        x = take(xs, t)
         carry = loop.inverse(next_carry, x, *inverse_consts)
         # The carry before step i is kept when i is a multiple of the spacing: restart
         # from it, so that the drift never grows over more than `spacing` steps.
         at_kept = i % spacing == 0
         if loop.n_slots:
             slot = jnp.maximum(i // spacing - 1, 0)
-            stored = [jnp.where(i == 0, a, b) for a, b in zip(init, _take(kept, slot))]
+            stored = [jnp.where(i == 0, a, b) for a, b in zip(init, take(kept, slot))]
         else:
             stored = list(init)
         if loop.drift is not None:
             drift = _compare(drift, carry, stored, at_kept, i // spacing)
         carry = [jnp.where(at_kept, s, c) for s, c in zip(stored, carry)]
-        ct_y = [None if ct is None else _take([ct], t)[0] for ct in ct_ys]
+        ct_y = [None if ct is None else take([ct], t)[0] for ct in ct_ys]
         ct_c, ct_x, ct_k = taped(carry, x, consts, ct_carry, ct_y)
         ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
         ct_xs = [lax.dynamic_update_index_in_dim(a, b, t, 0) for a, b in zip(ct_xs, ct_x)]
@@ -452,7 +445,7 @@ def _sweep(
         i, carry, kept = state
         if record:
             slot = jnp.maximum(i // loop.spacing - 1, 0)
-            kept = _store(kept, carry, slot, (i > 0) & (i % loop.spacing == 0))
+            kept = store(kept, carry, slot, (i > 0) & (i % loop.spacing == 0))
         carry, y = loop.step(carry, x, consts)
         return (i + 1, carry, kept), y
 
