@@ -185,8 +185,9 @@ def attention(
         Transformers*, 2023): every device then holds 1/D of q, k and v; each block is
         reduced while the next is in flight, and in the backward the gradients of k and
         v travel with their block back to its owner. ``None`` (the default): a ring when
-        Lk divides evenly and there is no ``mask``/``bias`` (which are not supported
-        with a ring yet). ``False``: k and v whole on every device, their gradients
+        Lk divides evenly. ``mask`` and ``bias`` are split like the queries and read at
+        the columns of the block each step holds (their rows on each device, every
+        column). ``False``: k and v whole on every device, their gradients
         all-reduced once. ``True``: a ring, or a ``ValueError``.
 
     Example::
@@ -258,12 +259,7 @@ def attention(
     row_axes = spec[-2]
     ringed = None
     if row_axes is not None:
-        if ring and (mask is not None or bias is not None):
-            raise ValueError(
-                "ring=True does not support mask or bias yet: pass ring=False "
-                "(k and v whole on every device) or fold the mask into causal"
-            )
-        if mask is None and bias is None and use_ring(ring, k, lk, mesh, row_axes, "k"):
+        if use_ring(ring, k, lk, mesh, row_axes, "k"):
             ringed = Ring(row_axes, devices(mesh, row_axes))
     elif ring:
         raise ValueError("ring=True needs the queries split over devices (shard_dim=-2)")

@@ -132,7 +132,7 @@ def tiled_reduce(
     local rows, one block of columns (two while one is in flight) and one tile. The
     results are over every device's columns (argmax: global indices); ``tiles`` are
     resolved for one block, and ``tile_fn``/``live`` see global column ids. ``pairs``
-    are not supported with a ring.
+    hold this device's rows and every column: each step reads its block's columns.
 
     Forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) through the engine
     raises ``TypeError(forward_mode_error)``: pass a message naming the public function
@@ -162,16 +162,18 @@ def tiled_reduce(
     if tiles.shape != shape:
         raise ValueError(f"tiles were resolved for {tiles.shape}, but rows x cols is {shape}")
     pair_batch = []
+    # with a ring, a pair holds every device's columns (its rows are this device's)
+    pair_shape = (shape[0], shape[1] * (1 if ring is None else ring.size))
     for p in jax.tree.leaves(pairs):
         ps = np.shape(p)
         if (
             len(ps) < nb + 2
             or any(s not in (1, b) for s, b in zip(ps, batch))
-            or ps[nb] not in (1, shape[0])
-            or ps[nb + 1] not in (1, shape[1])
+            or ps[nb] not in (1, pair_shape[0])
+            or ps[nb + 1] not in (1, pair_shape[1])
         ):
             raise ValueError(
-                f"pairs must have leading dims batch + (n, m) = {batch + shape}, each "
+                f"pairs must have leading dims batch + (n, m) = {batch + pair_shape}, each "
                 f"either that size or 1 (broadcast); got {ps}"
             )
         pair_batch.append(ps[:nb])
@@ -204,10 +206,6 @@ def tiled_reduce(
             return kernel.apply(call, *leaves)
     if ring is None:
         return _tiled_core(spec, *leaves)
-    if leaves[2]:
-        raise ValueError(
-            "pairs (masks, biases) are not supported with a ring; replicate the columns instead"
-        )
     if col_batch:
         raise ValueError(
             "columns that broadcast over batch dims are not supported with a ring; "

@@ -30,7 +30,9 @@ __all__ = ["add_block", "backward"]
 def backward(spec, values, residual, flags, ct, running=None):
     """The tiled backward pass: the cotangents of ``values`` (``None`` where a flag is
     off). With ``running`` (a ring's accumulators, see :func:`_ring_core_bwd`), this
-    pass adds into them instead and returns them, padded, in the accumulation dtype."""
+    pass adds into them instead and returns them, padded, in the accumulation dtype
+    (pairs: ``None`` gives this pass's own, returned padded, squeezed as
+    :meth:`~memwise.engine.tiles.TileSpec.squeeze_pairs` squeezes them)."""
     rows, cols, pairs, consts = values
     R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
     reduction = spec.reduction
@@ -87,6 +89,10 @@ def backward(spec, values, residual, flags, ct, running=None):
         d_consts0 = accumulators(select(consts, const_f))
     else:
         d_rows0, d_cols0, d_pairs0, d_consts0 = running
+        if d_pairs0 is None:  # a ring's pair cotangents: this block's, fresh
+            d_pairs0 = [
+                pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
+            ]
     # One tile of every problem in the batch at once.
     tile_in_axes = lambda level: (0, spec.col_axes(level), spec.pair_axes(level), None)  # noqa: E731
 

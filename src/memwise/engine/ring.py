@@ -7,7 +7,9 @@ local rows, and the blocks' statistics merge with the reduction's
 Abbeel, arXiv:2310.01889). In the backward each block's cotangent travels with it, so
 after ``size`` steps every block is home with the cotangent summed over every device's
 rows. No all-gather: the memory per device is the local rows, one block of columns (two
-while one is in flight) and one tile.
+while one is in flight) and one tile. Pairs (masks, biases) are split like the rows and
+whole along the columns: each step reads the columns of the block it holds, and a pair's
+cotangent is written there, so pairs cost what they hold (1/size of the whole).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from memwise._dtypes import accumulation_dtype
-from memwise._vjp import Static, cotangents, custom_vjp, select, unwrap
-from memwise.engine.backward import backward
+from memwise._vjp import Static, cotangents, custom_vjp, is_zero, select, unwrap
+from memwise.engine.backward import add_block, backward
 from memwise.engine.forward import statistics
 from memwise.engine.tiles import Leaves, TileSpec, accumulators
+from memwise.sharding import psum_replicated, vary, varying_over
 
 __all__ = ["Ring", "ring_core", "ring_spec"]
 
@@ -76,15 +79,27 @@ def _block_offset(ring: Ring, m_local: int, step: int | jax.Array) -> jax.Array:
     return (((me - step) % ring.size) * m_local).astype(jnp.int32)
 
 
+def _pair_columns(pairs: Leaves, nb: int, offset: jax.Array, m_local: int) -> list:
+    """The columns ``[offset, offset + m_local)`` of each pair (one that broadcasts over
+    the columns, size 1 there, whole)."""
+    return [
+        p if p.shape[nb + 1] == 1 else lax.dynamic_slice_in_dim(p, offset, m_local, axis=nb + 1)
+        for p in pairs
+    ]
+
+
 def _ring_statistics(
     spec: TileSpec, ring: Ring, rows: Leaves, cols: Leaves, pairs: Leaves, consts: Leaves
 ) -> tuple[Any, Any]:
     """``(tile type, statistics over every device's columns)``."""
     m_local = cols[0].shape[len(spec.batch)]
 
+    nb = len(spec.batch)
+
     def block(blk, step):
         offset = _block_offset(ring, m_local, step)
-        first, stats = statistics(spec, rows, blk, pairs, [*consts, offset])
+        pair_blk = _pair_columns(pairs, nb, offset, m_local)
+        first, stats = statistics(spec, rows, blk, pair_blk, [*consts, offset])
         return first, spec.reduction.globalize(stats, offset)
 
     in_flight = _rotate(cols, ring)  # the next block travels while this one is reduced
@@ -133,28 +148,53 @@ def _ring_core_bwd(spec, ring, res, ct):
         shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1 :]
         return jnp.zeros(shape, accumulation_dtype(a.dtype))
 
+    # A pair's cotangent, squeezed as the backward pass squeezes it, whole along the
+    # columns: each block's share is written at the block's columns.
+    squeezed = spec.squeeze_pairs(select(pairs, pair_f))
+    lead = select([sum(s != 1 for s in pb) for pb in spec.pair_batch], pair_f)
+    axes = varying_over(values, [c for c in jax.tree.leaves(ct) if not is_zero(c)])
+    d_pairs0 = [vary(jnp.zeros(p.shape, accumulation_dtype(p.dtype)), axes) for p in squeezed]
+
+    def pair_share(g, p, k):
+        # the block's pair cotangent without the backward pass's padding
+        limits = list(g.shape)
+        limits[k] = min(g.shape[k], p.shape[k])
+        limits[k + 1] = min(g.shape[k + 1], m_local)
+        return lax.slice(g, (0,) * g.ndim, tuple(limits))
+
     def step(carry, i):
-        blk, d_blk, d_rows, d_consts = carry
+        blk, d_blk, d_rows, d_pairs, d_consts = carry
         in_flight = _rotate(blk, ring)
         offset = _block_offset(ring, m_local, i)
         res_b = spec.reduction.localize(residual, offset)
-        d_rows, d_blk, _, d_consts = backward(
+        d_rows, d_blk, d_pair_blk, d_consts = backward(
             spec,
-            (rows, blk, pairs, [*consts, offset]),
+            (rows, blk, _pair_columns(pairs, nb, offset, m_local), [*consts, offset]),
             res_b,
             block_flags,
             ct,
-            running=(d_rows, d_blk, [], d_consts),
+            running=(d_rows, d_blk, None, d_consts),
         )
-        return (in_flight, _rotate(d_blk, ring), d_rows, d_consts), None  # d_blk follows
+        d_pairs = [
+            add_block(acc, pair_share(g, p, k), (0, offset), k)
+            for acc, g, p, k in zip(d_pairs, d_pair_blk, squeezed, lead)
+        ]
+        # d_blk follows its block
+        return (in_flight, _rotate(d_blk, ring), d_rows, d_pairs, d_consts), None
 
     init = (
         list(cols),
         [padded(a, C) for a in select(cols, col_f)],
         [padded(a, R) for a in select(rows, row_f)],
+        d_pairs0,
         accumulators(select(consts, const_f)),
     )
-    (_, d_blk, d_rows, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
+    (_, d_blk, d_rows, d_pairs, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
+    primal_pairs = select(pairs, pair_f)
+    d_pairs = [
+        d.astype(p.dtype).reshape(p.shape)
+        for d, p in zip(psum_replicated(d_pairs, primal_pairs), primal_pairs)
+    ]
 
     def finish(cts, group, f, chunks=None):
         if chunks is not None:
@@ -164,7 +204,7 @@ def _ring_core_bwd(spec, ring, res, ct):
     return (
         finish(d_rows, rows, row_f, R),
         finish(d_blk, cols, col_f, C),
-        cotangents(pair_f, []),
+        cotangents(pair_f, d_pairs),
         finish(d_consts, consts, const_f),
     )
 
