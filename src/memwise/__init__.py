@@ -4,7 +4,7 @@ from memwise import knobs, measure, ntk, ot, schedule
 from memwise._reversible import DriftLog
 from memwise._while import while_loop
 from memwise.accumulate import accumulate_grad
-from memwise.attention import attention
+from memwise.attention import attention, stripe, unstripe
 from memwise.chunked import chunked_map, chunked_sum
 from memwise.cross_entropy import linear_cross_entropy
 from memwise.fit import MemoryBudgetError, fit, region
@@ -41,6 +41,8 @@ __all__ = [
     "region",
     "scan",
     "schedule",
+    "stripe",
     "taylor_expand",
+    "unstripe",
     "while_loop",
 ]

@@ -98,6 +98,13 @@ def _clamped(table: jax.Array, ids: jax.Array) -> jax.Array:
     return table[..., jnp.clip(ids, 0, table.shape[-1] - 1)]
 
 
+def unstriped_position(index: jax.Array, stripes: int, length: int) -> jax.Array:
+    """The position before :func:`memwise.stripe` of index ``index`` of a striped axis:
+    index ``d * (length // stripes) + i`` holds position ``i * stripes + d``."""
+    per_stripe = length // stripes
+    return (index % per_stripe) * stripes + index // per_stripe
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,
@@ -117,6 +124,7 @@ def attend(
     dropout: tuple[jax.Array, jax.Array] | None = None,
     row_offset: jax.Array | None = None,
     ring: Ring | None = None,
+    stripes: tuple[int, int, int] | None = None,
     caller: str = "memwise.attention",
 ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of attention in tiles: ``out`` in the values' dtype, the per-row
@@ -130,7 +138,10 @@ def attend(
     ids as ``(B, T)`` and ``(B, S)`` tables (any common leading ``B``) from which a tile
     is found invisible; ``live_lengths``: the largest query and key length over the
     batch (or None). ``dropout``: ``(seed (2,) uint32, row hashes batch + (T,))`` from
-    :func:`dropout_rows`. ``row_offset``: the global position of the first query.
+    :func:`dropout_rows`. ``row_offset``: the global index of the first query.
+    ``stripes``: ``(s, Lq, Lk)`` when q and k are in :func:`memwise.stripe`'s order of
+    ``s`` stripes (global lengths ``Lq``, ``Lk``): causal masks and windows compare the
+    positions before striping.
     Gradients: q, k, v, bias and a traced scale. ``caller`` names the public function in
     the error forward mode raises.
     """
@@ -163,7 +174,11 @@ def attend(
             consts[name] = length
 
     def positions(row_ids, consts):
-        return row_ids + consts["offset"] if "offset" in consts else row_ids
+        index = row_ids + consts["offset"] if "offset" in consts else row_ids
+        return index if stripes is None else unstriped_position(index, stripes[0], stripes[1])
+
+    def key_positions(col_ids):
+        return col_ids if stripes is None else unstriped_position(col_ids, stripes[0], stripes[2])
 
     def tile_fn(r, c, p, consts, row_ids, col_ids):
         # Scores in at least float32 from bfloat16/float16 inputs (float32 accumulation,
@@ -180,7 +195,7 @@ def attend(
         def both(extra):
             return extra if keep is None else keep & extra
 
-        pos, cid = positions(row_ids, consts)[:, None], col_ids[None, :]
+        pos, cid = positions(row_ids, consts)[:, None], key_positions(col_ids)[None, :]
         if vis.causal:
             keep = both(cid <= pos)
         if vis.window is not None:
@@ -201,10 +216,14 @@ def attend(
         return s, c["v"], weights
 
     def live(row_ids, col_ids, consts):
-        # Whether any pair of the tile can be visible, from index ranges (a tile is a
-        # contiguous block of positions) and, for segments, every batch row's ids.
-        pos = positions(row_ids, consts)
-        first_q, last_q, first_k, last_k = pos[0], pos[-1], col_ids[0], col_ids[-1]
+        # Whether any pair of the tile can be visible, from position ranges (a tile is a
+        # contiguous block of indices; striped, of positions within each stripe) and,
+        # for segments, every batch row's ids.
+        pos, kpos = positions(row_ids, consts), key_positions(col_ids)
+        if stripes is None:
+            first_q, last_q, first_k, last_k = pos[0], pos[-1], kpos[0], kpos[-1]
+        else:
+            first_q, last_q, first_k, last_k = pos.min(), pos.max(), kpos.min(), kpos.max()
         ok = jnp.asarray(True)
         if vis.causal:
             ok &= first_k <= last_q
@@ -214,7 +233,7 @@ def attend(
         if "live_q_length" in consts:
             ok &= row_ids[0] < consts["live_q_length"]
         if "live_kv_length" in consts:
-            ok &= first_k < consts["live_kv_length"]
+            ok &= col_ids[0] < consts["live_kv_length"]
         if "live_segments" in consts:
             q_seg, kv_seg = consts["live_segments"]
             same = _clamped(q_seg, row_ids)[:, :, None] == _clamped(kv_seg, col_ids)[:, None, :]

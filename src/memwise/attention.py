@@ -22,6 +22,10 @@ Many devices: queries (or batch/head dims) split over a mesh axis run as one
 ``shard_map`` through :mod:`memwise.sharding` (the same path as
 ``pairwise_reduce``); attention needs no communication in the forward pass, and the
 backward all-reduces the gradients of k and v once when the queries are split.
+On a ring (k and v split like the queries and passed around), a causal mask leaves the
+first device idle for most steps; in the striped order of :func:`stripe` (Brandon et
+al., *Striped Attention*, arXiv:2311.09431) every device holds every D-th token and does
+the same visible work at every step.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from memwise.sharding import (
 )
 from memwise.tiling import ChunkSize, tiling
 
-__all__ = ["attention"]
+__all__ = ["attention", "stripe", "unstripe"]
 
 
 def as_array(value: Any, name: str) -> jax.Array:
@@ -136,6 +140,7 @@ def attention(
     axis_name: str | tuple[str, ...] | None = None,
     shard_dim: int = -2,
     ring: bool | None = None,
+    stripes: int | None = None,
 ) -> jax.Array:
     """Softmax attention ``softmax(q k^T * scale + bias) v`` in tiles, forward and backward.
 
@@ -189,6 +194,12 @@ def attention(
         the columns of the block each step holds (their rows on each device, every
         column). ``False``: k and v whole on every device, their gradients
         all-reduced once. ``True``: a ring, or a ``ValueError``.
+      stripes: ``None``, or the ``s`` of :func:`stripe` when q, k, v (and ``mask``,
+        ``bias``, both axes) are in its striped order: ``causal`` then compares the
+        positions before striping, so the result is the unstriped one, striped. With
+        ``s`` the number of devices of a causal ring, every device does the same number
+        of visible tiles at every ring step (contiguous, device ``i`` does ``i + 1``
+        blocks' worth while the others wait). Needs ``Lq == Lk``, divisible by ``s``.
 
     Example::
 
@@ -221,6 +232,7 @@ def attention(
         raise TypeError(f"q, k, v must be float arrays, got {q.dtype}, {k.dtype}, {v.dtype}")
     dtype = jnp.result_type(q, k, v)
     scale = _check_scale(scale, d)
+    striped = _check_stripes(stripes, lq, lk)
     if mask is not None:
         mask = as_array(mask, "mask")
         if mask.dtype != jnp.bool_:
@@ -254,7 +266,7 @@ def attention(
                 "ring=True needs the queries split over devices: pass mesh= "
                 "(and axis_name=), shard q, or call under jax.set_mesh"
             )
-        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, None)
+        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, None, None, striped)
     mesh, spec = sharding
     row_axes = spec[-2]
     ringed = None
@@ -273,7 +285,9 @@ def attention(
         if row_axes is not None:
             # Causal masking compares global positions: this device's first query.
             offset = lax.axis_index(row_axes).astype(jnp.int32) * q.shape[-2]
-        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, offset, ringed)
+        return _attention_local(
+            q, k, v, mask, bias, scale, causal, chunk_size, offset, ringed, striped
+        )
 
     kv_spec = P(*spec[:-2], row_axes if ringed else None, None)
     in_specs = (
@@ -285,6 +299,100 @@ def attention(
         P(),
     )
     return sharded_call(local, mesh, in_specs, P(*spec), q, k, v, mask, bias, scale)
+
+
+def _check_stripes(stripes: Any, lq: int, lk: int) -> tuple[int, int, int] | None:
+    """``(s, Lq, Lk)`` for :func:`attend`, or None; a clear error for a bad ``stripes``."""
+    if stripes is None:
+        return None
+    if isinstance(stripes, bool) or not isinstance(stripes, (int, np.integer)) or stripes < 1:
+        raise TypeError(
+            f"stripes must be None or an int >= 1 (as given to mw.stripe), got {stripes!r}"
+        )
+    if lq != lk or lq % stripes:
+        raise ValueError(
+            f"stripes={stripes} needs q and k of one length divisible by it (the striped "
+            f"order of mw.stripe(x, {stripes})); got Lq={lq}, Lk={lk}: pad the sequence to a "
+            f"multiple of {stripes}"
+        )
+    return int(stripes), lq, lk
+
+
+def _stripe_axis(x: Any, stripes: Any, axis: Any, name: str) -> tuple[jax.Array, int, int]:
+    x = as_array(x, "x")
+    if isinstance(stripes, bool) or not isinstance(stripes, (int, np.integer)) or stripes < 1:
+        raise TypeError(
+            f"{name}: stripes must be an int >= 1 (e.g. the device count), got {stripes!r}"
+        )
+    if (
+        isinstance(axis, bool)
+        or not isinstance(axis, (int, np.integer))
+        or not -x.ndim <= axis < x.ndim
+    ):
+        raise ValueError(f"{name}: axis={axis!r} is not an axis of x with shape {x.shape}")
+    axis = int(axis) % x.ndim
+    if x.shape[axis] % stripes:
+        raise ValueError(
+            f"{name}: axis {axis} of x has length {x.shape[axis]}, not divisible by "
+            f"stripes={stripes}; pad the sequence to a multiple of {stripes}"
+        )
+    return x, int(stripes), axis
+
+
+def stripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
+    """``x`` with its sequence axis in striped order: stripe ``d`` holds positions
+    ``d, d + s, d + 2s, ...`` and the stripes follow each other.
+
+    Split contiguously over ``s`` devices (a ring of :func:`attention`), device ``d``
+    then holds every ``s``-th token, so a causal mask gives every device the same work
+    at every ring step (Brandon et al., *Striped Attention*, arXiv:2311.09431). Stripe
+    the inputs once (q, k, v; a mask or bias along both sequence axes), run
+    ``attention(..., stripes=s)`` as often as needed, and :func:`unstripe` the output.
+    Position-wise layers in between do not care about the order.
+
+    Args:
+      x: an array whose axis ``axis`` (default ``-2``, attention's sequence axis) has a
+        length divisible by ``stripes``.
+      stripes: the number of stripes, the ring's device count.
+      axis: the sequence axis.
+
+    Returns:
+      ``x`` permuted along ``axis``.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> mw.stripe(jnp.arange(6.0)[:, None], 2)[:, 0]
+        Array([0., 2., 4., 1., 3., 5.], dtype=float32)
+    """
+    x, s, axis = _stripe_axis(x, stripes, axis, "stripe")
+    n = x.shape[axis] // s
+    y = x.reshape(x.shape[:axis] + (n, s) + x.shape[axis + 1 :])
+    return jnp.swapaxes(y, axis, axis + 1).reshape(x.shape)
+
+
+def unstripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
+    """The inverse of :func:`stripe`: the sequence axis back in position order.
+
+    Args:
+      x: an array in :func:`stripe`'s order along ``axis``.
+      stripes: the ``stripes`` it was striped with.
+      axis: the sequence axis.
+
+    Returns:
+      ``x`` permuted back along ``axis``.
+
+    Example::
+
+        >>> import jax.numpy as jnp, memwise as mw
+        >>> x = jnp.arange(12.0).reshape(6, 2)
+        >>> bool((mw.unstripe(mw.stripe(x, 3), 3) == x).all())
+        True
+    """
+    x, s, axis = _stripe_axis(x, stripes, axis, "unstripe")
+    n = x.shape[axis] // s
+    y = x.reshape(x.shape[:axis] + (s, n) + x.shape[axis + 1 :])
+    return jnp.swapaxes(y, axis, axis + 1).reshape(x.shape)
 
 
 def _check_scale(scale: Any, d: int) -> jax.Array:
@@ -307,10 +415,12 @@ def _check_scale(scale: Any, d: int) -> jax.Array:
     return scale if jnp.issubdtype(scale.dtype, jnp.floating) else scale.astype(float)
 
 
-def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset, ring=None):
+def _attention_local(
+    q, k, v, mask, bias, scale, causal, chunk_size, row_offset, ring=None, stripes=None
+):
     """Attention on one device (or per device inside shard_map); ``row_offset`` is the
-    global position of the first query (None: 0); with a ``ring``, k and v are this
-    device's block."""
+    global index of the first query (None: 0); with a ``ring``, k and v are this
+    device's block; ``stripes``: ``(s, Lq, Lk)`` of a striped order (or None)."""
     out, _ = attend(
         q,
         k,
@@ -322,5 +432,6 @@ def _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, row_offset,
         bias=bias,
         row_offset=row_offset,
         ring=ring,
+        stripes=stripes,
     )
     return out.astype(jnp.result_type(q, k, v))
