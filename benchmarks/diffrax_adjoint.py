@@ -115,14 +115,7 @@ def main(quick: bool = False) -> None:
             table = _table(t1, tol, quick)
             harness.print_table(table)
             tables.append(table)
-    summary = __doc__.split("\n\n")[0]
-    notes = (
-        f"{summary}\n\nOther work was running on this {os.cpu_count()}-core machine while it "
-        f"was timed (load average {load_before:.1f} when the run started, "
-        f"{os.getloadavg()[0]:.1f} when it ended): each time is the median of "
-        f"{1 if quick else REPEATS} interleaved rounds, and only ratios within one table "
-        "mean anything."
-    )
+    notes = harness.timing_notes(__doc__, load_before, 1 if quick else REPEATS)
     harness.save("diffrax_adjoint", tables, notes=notes, quick=quick)
 
 

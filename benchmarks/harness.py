@@ -191,6 +191,19 @@ def machine() -> dict:
     }
 
 
+def timing_notes(doc: str | None, load_before: float, rounds: int) -> str:
+    """A benchmark's notes: its docstring's summary, and how loaded the machine was while
+    its interleaved rounds were timed (``load_before``: ``os.getloadavg()[0]`` at the
+    start)."""
+    summary = (doc or "").split("\n\n")[0]
+    return (
+        f"{summary}\n\nOther work was running on this {os.cpu_count()}-core machine while "
+        f"it was timed (load average {load_before:.1f} when the run started, "
+        f"{os.getloadavg()[0]:.1f} when it ended): each time is the median of "
+        f"{rounds} interleaved rounds, and only ratios within one table mean anything."
+    )
+
+
 def save(name: str, tables: Sequence[dict], notes: str = "", quick: bool = False) -> Path:
     """Writes ``results/NAME.json`` with the tables, the machine and library versions."""
     RESULTS.mkdir(parents=True, exist_ok=True)

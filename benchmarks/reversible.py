@@ -168,14 +168,7 @@ def main(quick: bool = False) -> None:
             table = _table(dtype, lengths, quick, temps)
             harness.print_table(table)
             tables.append(table)
-    summary = __doc__.split("\n\n")[0]
-    notes = (
-        f"{summary}\n\nOther work was running on this {os.cpu_count()}-core machine while "
-        f"it was timed (load average {load_before:.1f} when the run started, "
-        f"{os.getloadavg()[0]:.1f} when it ended): each time is the median of "
-        f"{1 if quick else 5} interleaved rounds, and only ratios within one table mean "
-        "anything."
-    )
+    notes = harness.timing_notes(__doc__, load_before, 1 if quick else 5)
     harness.save("reversible", tables, notes=notes, quick=quick)
 
 

@@ -282,15 +282,7 @@ def main(quick: bool = False) -> None:
         table = _synthetic_table(c, lengths, quick)
         harness.print_table(table)
         tables.append(table)
-    summary = __doc__.split("\n\n")[0]
-    notes = (
-        f"{summary}\n\nOther work was running on this "
-        f"{os.cpu_count()}-core machine while it was timed (other test suites and "
-        f"benchmarks; load average {load_before:.1f} when the run started, "
-        f"{os.getloadavg()[0]:.1f} when it ended): each time is the median of "
-        f"{1 if quick else REPEATS} interleaved rounds, and only ratios within one "
-        "table mean anything."
-    )
+    notes = harness.timing_notes(__doc__, load_before, 1 if quick else REPEATS)
     harness.save("while_loop", tables, notes=notes, quick=quick)
 
 
