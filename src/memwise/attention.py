@@ -301,29 +301,35 @@ def attention(
     return sharded_call(local, mesh, in_specs, P(*spec), q, k, v, mask, bias, scale)
 
 
+def _stripe_count(stripes: Any, prefix: str) -> int:
+    if isinstance(stripes, bool) or not isinstance(stripes, (int, np.integer)):
+        raise TypeError(
+            f"{prefix}stripes must be an int >= 1 (as given to mw.stripe), got {stripes!r}"
+        )
+    if stripes < 1:
+        raise ValueError(
+            f"{prefix}stripes must be an int >= 1 (as given to mw.stripe), got {stripes}"
+        )
+    return int(stripes)
+
+
 def _check_stripes(stripes: Any, lq: int, lk: int) -> tuple[int, int, int] | None:
     """``(s, Lq, Lk)`` for :func:`attend`, or None; a clear error for a bad ``stripes``."""
     if stripes is None:
         return None
-    if isinstance(stripes, bool) or not isinstance(stripes, (int, np.integer)) or stripes < 1:
-        raise TypeError(
-            f"stripes must be None or an int >= 1 (as given to mw.stripe), got {stripes!r}"
-        )
+    stripes = _stripe_count(stripes, "")
     if lq != lk or lq % stripes:
         raise ValueError(
             f"stripes={stripes} needs q and k of one length divisible by it (the striped "
             f"order of mw.stripe(x, {stripes})); got Lq={lq}, Lk={lk}: pad the sequence to a "
             f"multiple of {stripes}"
         )
-    return int(stripes), lq, lk
+    return stripes, lq, lk
 
 
 def _stripe_axis(x: Any, stripes: Any, axis: Any, name: str) -> tuple[jax.Array, int, int]:
     x = as_array(x, "x")
-    if isinstance(stripes, bool) or not isinstance(stripes, (int, np.integer)) or stripes < 1:
-        raise TypeError(
-            f"{name}: stripes must be an int >= 1 (e.g. the device count), got {stripes!r}"
-        )
+    stripes = _stripe_count(stripes, f"{name}: ")
     if (
         isinstance(axis, bool)
         or not isinstance(axis, (int, np.integer))
@@ -331,12 +337,12 @@ def _stripe_axis(x: Any, stripes: Any, axis: Any, name: str) -> tuple[jax.Array,
     ):
         raise ValueError(f"{name}: axis={axis!r} is not an axis of x with shape {x.shape}")
     axis = int(axis) % x.ndim
-    if x.shape[axis] % stripes:
+    if x.shape[axis] % stripes and x.shape[axis] != 1:
         raise ValueError(
             f"{name}: axis {axis} of x has length {x.shape[axis]}, not divisible by "
             f"stripes={stripes}; pad the sequence to a multiple of {stripes}"
         )
-    return x, int(stripes), axis
+    return x, stripes, axis
 
 
 def stripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
@@ -352,7 +358,8 @@ def stripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
 
     Args:
       x: an array whose axis ``axis`` (default ``-2``, attention's sequence axis) has a
-        length divisible by ``stripes``.
+        length divisible by ``stripes``, or 1 (a mask or bias that broadcasts over it
+        is returned as it is).
       stripes: the number of stripes, the ring's device count.
       axis: the sequence axis.
 
@@ -366,6 +373,8 @@ def stripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
         Array([0., 2., 4., 1., 3., 5.], dtype=float32)
     """
     x, s, axis = _stripe_axis(x, stripes, axis, "stripe")
+    if x.shape[axis] == 1:
+        return x
     n = x.shape[axis] // s
     y = x.reshape(x.shape[:axis] + (n, s) + x.shape[axis + 1 :])
     return jnp.swapaxes(y, axis, axis + 1).reshape(x.shape)
@@ -390,6 +399,8 @@ def unstripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
         True
     """
     x, s, axis = _stripe_axis(x, stripes, axis, "unstripe")
+    if x.shape[axis] == 1:
+        return x
     n = x.shape[axis] // s
     y = x.reshape(x.shape[:axis] + (s, n) + x.shape[axis + 1 :])
     return jnp.swapaxes(y, axis, axis + 1).reshape(x.shape)

@@ -37,6 +37,14 @@ def safe_max(m: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
+def closed_lse(m: jax.Array, denom: jax.Array) -> jax.Array:
+    """``log sum exp`` from the running max and the shifted sum: ``-inf`` where no score
+    was finite, with a zero derivative there (``log 0``'s is ``0 / 0``: a ring block that
+    a row does not see made forward-over-reverse NaN through the merge)."""
+    seen = denom > 0
+    return jnp.where(seen, safe_max(m) + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+
+
 def expand(a: jax.Array, ndim: int) -> jax.Array:
     """Append singleton axes so a per-row ``(R,)`` array broadcasts against ``ndim`` dims."""
     return a.reshape(a.shape + (1,) * (ndim - a.ndim))
@@ -171,7 +179,7 @@ class LogSumExp(Reduction):
 
     def close(self, state):
         m, denom = state
-        return safe_max(m) + jnp.log(denom)
+        return closed_lse(m, denom)
 
     def combine(self, a, b):
         return jnp.logaddexp(a, b)
@@ -306,7 +314,7 @@ class Softmax(Reduction):
 
     def close(self, state):
         m, denom, acc = state
-        lse = safe_max(m) + jnp.log(denom)
+        lse = closed_lse(m, denom)
         return acc / expand(jnp.where(denom > 0, denom, 1.0), acc.ndim), lse
 
     def combine(self, a, b):
