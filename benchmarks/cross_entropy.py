@@ -9,6 +9,8 @@ in V for a fixed tile; at 2,048 tokens, d = 512, V = 32,000 forward + backward a
 
 from __future__ import annotations
 
+import os
+
 import harness
 import jax
 import jax.numpy as jnp
@@ -129,6 +131,7 @@ def time_table(quick: bool) -> dict:
 
 
 def main(quick: bool = False) -> None:
+    load_before = os.getloadavg()[0]
     tables = [memory_table(), time_table(quick)]
     for table in tables:
         harness.print_table(table)
@@ -140,8 +143,9 @@ def main(quick: bool = False) -> None:
             "table is compiled only (memory_analysis); its temp excludes the outputs (the "
             "loss, dx and dW). Both layouts of w are read in place (each tile slices its "
             "words from w, the tile gradient is added into dW in place). Times are medians "
-            "of interleaved runs on a shared, "
-            "loaded 2-core machine: ratios within the run only."
+            f"of interleaved runs on this {os.cpu_count()}-core machine (load average "
+            f"{load_before:.1f} when the run started, {os.getloadavg()[0]:.1f} when it "
+            "ended): ratios within the run only."
         ),
         quick=quick,
     )
