@@ -143,9 +143,8 @@ def main(quick: bool = False) -> None:
             "table is compiled only (memory_analysis); its temp excludes the outputs (the "
             "loss, dx and dW). Both layouts of w are read in place (each tile slices its "
             "words from w, the tile gradient is added into dW in place). Times are medians "
-            f"of interleaved runs on this {os.cpu_count()}-core machine (load average "
-            f"{load_before:.1f} when the run started, {os.getloadavg()[0]:.1f} when it "
-            "ended): ratios within the run only."
+            f"of interleaved runs on this {os.cpu_count()}-core machine "
+            f"({harness.load_span(load_before)}): ratios within the run only."
         ),
         quick=quick,
     )

@@ -198,9 +198,17 @@ def timing_notes(doc: str | None, load_before: float, rounds: int) -> str:
     summary = (doc or "").split("\n\n")[0]
     return (
         f"{summary}\n\nOther work was running on this {os.cpu_count()}-core machine while "
-        f"it was timed (load average {load_before:.1f} when the run started, "
-        f"{os.getloadavg()[0]:.1f} when it ended): each time is the median of "
+        f"it was timed ({load_span(load_before)}): each time is the median of "
         f"{rounds} interleaved rounds, and only ratios within one table mean anything."
+    )
+
+
+def load_span(load_before: float) -> str:
+    """How loaded the machine was over a run: ``load_before`` (``os.getloadavg()[0]`` at
+    its start) and the load average now."""
+    return (
+        f"load average {load_before:.1f} when the run started, "
+        f"{os.getloadavg()[0]:.1f} when it ended"
     )
 
 

@@ -217,13 +217,10 @@ def attend(
 
     def live(row_ids, col_ids, consts):
         # Whether any pair of the tile can be visible, from position ranges (a tile is a
-        # contiguous block of indices; striped, of positions within each stripe) and,
-        # for segments, every batch row's ids.
+        # contiguous block of indices, whose positions are contiguous within each
+        # stripe) and, for segments, every batch row's ids.
         pos, kpos = positions(row_ids, consts), key_positions(col_ids)
-        if stripes is None:
-            first_q, last_q, first_k, last_k = pos[0], pos[-1], kpos[0], kpos[-1]
-        else:
-            first_q, last_q, first_k, last_k = pos.min(), pos.max(), kpos.min(), kpos.max()
+        first_q, last_q, first_k, last_k = pos.min(), pos.max(), kpos.min(), kpos.max()
         ok = jnp.asarray(True)
         if vis.causal:
             ok &= first_k <= last_q

@@ -327,7 +327,9 @@ def _check_stripes(stripes: Any, lq: int, lk: int) -> tuple[int, int, int] | Non
     return stripes, lq, lk
 
 
-def _stripe_axis(x: Any, stripes: Any, axis: Any, name: str) -> tuple[jax.Array, int, int]:
+def _regroup(x: Any, stripes: Any, axis: Any, name: str, *, inverse: bool) -> jax.Array:
+    """``x`` with axis ``axis`` read as ``(n, s)`` groups written as ``(s, n)`` (striping;
+    the reverse with ``inverse``), after the checks that name ``name``."""
     x = as_array(x, "x")
     stripes = _stripe_count(stripes, f"{name}: ")
     if (
@@ -337,12 +339,17 @@ def _stripe_axis(x: Any, stripes: Any, axis: Any, name: str) -> tuple[jax.Array,
     ):
         raise ValueError(f"{name}: axis={axis!r} is not an axis of x with shape {x.shape}")
     axis = int(axis) % x.ndim
-    if x.shape[axis] % stripes and x.shape[axis] != 1:
+    length = x.shape[axis]
+    if length == 1:  # a mask or bias that broadcasts over the axis
+        return x
+    if length % stripes:
         raise ValueError(
-            f"{name}: axis {axis} of x has length {x.shape[axis]}, not divisible by "
+            f"{name}: axis {axis} of x has length {length}, not divisible by "
             f"stripes={stripes}; pad the sequence to a multiple of {stripes}"
         )
-    return x, stripes, axis
+    groups = (stripes, length // stripes) if inverse else (length // stripes, stripes)
+    y = x.reshape(x.shape[:axis] + groups + x.shape[axis + 1 :])
+    return jnp.swapaxes(y, axis, axis + 1).reshape(x.shape)
 
 
 def stripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
@@ -372,12 +379,7 @@ def stripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
         >>> mw.stripe(jnp.arange(6.0)[:, None], 2)[:, 0]
         Array([0., 2., 4., 1., 3., 5.], dtype=float32)
     """
-    x, s, axis = _stripe_axis(x, stripes, axis, "stripe")
-    if x.shape[axis] == 1:
-        return x
-    n = x.shape[axis] // s
-    y = x.reshape(x.shape[:axis] + (n, s) + x.shape[axis + 1 :])
-    return jnp.swapaxes(y, axis, axis + 1).reshape(x.shape)
+    return _regroup(x, stripes, axis, "stripe", inverse=False)
 
 
 def unstripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
@@ -398,12 +400,7 @@ def unstripe(x: jax.Array, stripes: int, axis: int = -2) -> jax.Array:
         >>> bool((mw.unstripe(mw.stripe(x, 3), 3) == x).all())
         True
     """
-    x, s, axis = _stripe_axis(x, stripes, axis, "unstripe")
-    if x.shape[axis] == 1:
-        return x
-    n = x.shape[axis] // s
-    y = x.reshape(x.shape[:axis] + (s, n) + x.shape[axis + 1 :])
-    return jnp.swapaxes(y, axis, axis + 1).reshape(x.shape)
+    return _regroup(x, stripes, axis, "unstripe", inverse=True)
 
 
 def _check_scale(scale: Any, d: int) -> jax.Array:

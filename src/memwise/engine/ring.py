@@ -92,9 +92,8 @@ def _ring_statistics(
     spec: TileSpec, ring: Ring, rows: Leaves, cols: Leaves, pairs: Leaves, consts: Leaves
 ) -> tuple[Any, Any]:
     """``(tile type, statistics over every device's columns)``."""
-    m_local = cols[0].shape[len(spec.batch)]
-
     nb = len(spec.batch)
+    m_local = cols[0].shape[nb]
 
     def block(blk, step):
         offset = _block_offset(ring, m_local, step)
