@@ -41,6 +41,49 @@ def test_reductions_and_gradients_match_dense_on_any_backward_tile(reduce, backw
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backward", [None, (2, 3), (7, 4)])
+def test_logsumexp_pick_is_the_log_sum_exp_and_the_picked_score(backward):
+    # A cross-entropy's two numbers: the log-sum-exp of each row's scores and its score
+    # at one column (-inf, and no gradient, where that column is not among them), on
+    # ragged tiles, values, gradients and forward-over-reverse.
+    x = jax.random.normal(jax.random.PRNGKey(0), (13, 2))
+    y = jax.random.normal(jax.random.PRNGKey(1), (11, 2))
+    k = jnp.array([0, 10, 5, 11, 3, 3, -1, 7, 8, 2, 1, 10, 4], jnp.int32)
+    tiles = tiling(13, 11, (4, 5), backward=backward)
+    weights = jnp.array([0.7, -1.3])
+
+    def loss(x, y, scale):
+        out = tiled_reduce(
+            _pick_tile,
+            {"x": x, "k": k},
+            y,
+            reduce="logsumexp_pick",
+            tiles=tiles,
+            consts={"scale": scale},
+        )
+        finite = jnp.isfinite(out[:, 1])
+        out = jnp.stack([out[:, 0], jnp.where(finite, out[:, 1], 0.0)], -1)
+        return jnp.sum(out * weights), finite
+
+    def dense(x, y, scale):
+        s = _dense_scores(x, y, scale)
+        own = (k >= 0) & (k < 11)
+        pick = jnp.take_along_axis(s, jnp.clip(k, 0, 10)[:, None], 1)[:, 0]
+        out = jnp.stack([jax.nn.logsumexp(s, 1), jnp.where(own, pick, 0.0)], -1)
+        return jnp.sum(out * weights), own
+
+    (got, finite), (want, own) = loss(x, y, 0.7), dense(x, y, 0.7)
+    np.testing.assert_array_equal(finite, own)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(
+        jax.grad(lambda *args: loss(*args)[0], (0, 1, 2))(x, y, 0.7),
+        jax.grad(lambda *args: dense(*args)[0], (0, 1, 2))(x, y, 0.7),
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    hess = jax.hessian(lambda s: loss(x, y, s)[0])(0.7)
+    np.testing.assert_allclose(hess, jax.hessian(lambda s: dense(x, y, s)[0])(0.7), rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_softmax_reduction_is_attention_with_skipped_tiles():
     q = jax.random.normal(jax.random.PRNGKey(2), (10, 4))
@@ -349,10 +392,22 @@ def _softmax_tile(r, c, _p, _k, _ri, _ci):
     return -jnp.sum((r[:, None] - c["y"][None]) ** 2, -1), c["v"]
 
 
-def _engine_result(reduce, x, y, v):
+def _pick_tile(r, c, _p, consts, ri, ci):
+    return _scores(r["x"], c, None, consts, ri, ci), r["k"]
+
+
+# The column each row of a 7-row problem picks (6: none of 0..5 in the first block).
+_PICKS = jnp.array([0, 3, 9, 4, 6, 6, 1], jnp.int32)
+
+
+def _engine_result(reduce, x, y, v, offset=0):
     if reduce == "softmax":
         tiles = tiling(x.shape[0], y.shape[0], (3, 2))
         return tiled_reduce(_softmax_tile, x, {"y": y, "v": v}, reduce=reduce, tiles=tiles)
+    if reduce == "logsumexp_pick":
+        tiles = tiling(x.shape[0], y.shape[0], (3, 2))
+        rows = {"x": x, "k": _PICKS - offset}
+        return tiled_reduce(_pick_tile, rows, y, reduce=reduce, tiles=tiles, consts={"scale": 0.5})
     tiles = tiling(x.shape[0], y.shape[0], (3, 2))
     return tiled_reduce(_scores, x, y, reduce=reduce, tiles=tiles, consts={"scale": 0.5})
 
@@ -367,7 +422,7 @@ def test_each_reduction_merges_two_column_blocks_as_one_pass_over_both(reduce):
     whole = _engine_result(reduce, x, y, v)
     red = REDUCTIONS[reduce]
     a = _engine_result(reduce, x, y[:4], v[:4])
-    b = red.globalize(_engine_result(reduce, x, y[4:], v[4:]), jnp.int32(4))
+    b = red.globalize(_engine_result(reduce, x, y[4:], v[4:], offset=4), jnp.int32(4))
     merged = red.combine(a, b)
     for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(whole)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -396,6 +451,11 @@ def test_each_reduction_combines_over_devices_as_over_all_columns():
                 return jax.nn.logsumexp(s, 1)
             if red == "max":
                 return jnp.max(s, 1), jnp.argmax(s, 1).astype(jnp.int32)
+            if red == "logsumexp_pick":  # row i picks global column 2 i; -inf off its owner
+                at = 2 * jnp.arange(6) - jax.lax.axis_index("d") * 3 if y.shape[0] == 3 else 2 * jnp.arange(6)
+                own = (at >= 0) & (at < y.shape[0])
+                pick = jnp.take_along_axis(s, jnp.clip(at, 0, y.shape[0] - 1)[:, None], 1)[:, 0]
+                return jnp.stack([jax.nn.logsumexp(s, 1), jnp.where(own, pick, -jnp.inf)], -1)
             lse = jax.nn.logsumexp(s, 1)
             return jnp.exp(s - lse[:, None]) @ v, lse
 

@@ -2,7 +2,8 @@
 
 ``tiled_reduce`` reduces the scores of every ``(row, column)`` pair over the columns,
 one ``rows x cols`` tile at a time, and never holds more than a tile of scores in
-either pass. The reductions are ``"sum"``, ``"logsumexp"``, ``"max"`` (with argmax) and
+either pass. The reductions are ``"sum"``, ``"logsumexp"``, ``"logsumexp_pick"`` (with
+the score at one column per row: a cross-entropy's label), ``"max"`` (with argmax) and
 ``"softmax"`` (the softmax-weighted sum of values behind attention).
 
 The results it relies on:

@@ -97,7 +97,9 @@ def tiled_reduce(
     over traced arrays; pass them in ``consts``). Results: ``"sum"``/``"logsumexp"``:
     ``(n,) + trailing``; ``"max"``: ``(values, argmax)`` (NaN propagates, and wins the
     argmax, as in ``jnp.max``/``jnp.argmax``); ``"softmax"``: ``(out (n, ...), lse
-    (n,))``. Reductions accumulate in at least float32 and return the scores' dtype
+    (n,))``; ``"logsumexp_pick"``: ``tile_fn`` returns ``(scores (R, C), k (R,) int)``
+    and the result is ``(n, 2)``, the log-sum-exp and the score at column ``k_i``
+    (``-inf`` where no column is ``k_i``). Reductions accumulate in at least float32 and return the scores' dtype
     (``out``: the values' dtype).
 
     ``batch`` (optional) is a shape of independent problems: every leaf of ``rows`` and

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from memwise._dtypes import accumulation_dtype, sum_dtype
@@ -209,6 +210,58 @@ class LogSumExp(Reduction):
         return jnp.full((n,) + shape, -jnp.inf, dtype)
 
 
+class LogSumExpAndPick(LogSumExp):
+    """``(log sum_j exp(s_ij), s_ik_i)`` as ``(n, 2)``: the log-sum-exp of the scores and
+    the score at one column ``k_i`` per row (a cross-entropy's label), ``-inf`` where
+    ``k_i`` is not among the columns (another device's vocabulary).
+
+    The tile's output is ``(scores (R, C), k (R,) int)``. The pick is one gather per row
+    and tile, where a second score channel (``s`` at ``k``, ``-inf`` elsewhere) would
+    double the exponentials of both passes (measured: the cross-entropy's gradient 1.5x
+    faster at 2,048 x 512 x 32,000). The picked score is a log-sum-exp over one column,
+    so partial results merge and combine over devices as :class:`LogSumExp`'s, both
+    channels in one collective; the float32 log-sum-exp is the residual.
+    """
+
+    name = "logsumexp_pick"
+
+    def init(self, first):
+        m, denom = super().init(first[0])
+        return m, denom, jnp.full(m.shape, -jnp.inf, m.dtype)
+
+    def update(self, state, out, c_valid, c_ids):
+        m, denom, picked = state
+        s, k = out
+        m, denom = super().update((m, denom), s, c_valid, c_ids)
+        # Column ids are contiguous within a tile (Chunking.chunk_ids): k's slot is k - c0.
+        at = k - c_ids[0]
+        inside = (at >= 0) & (at < c_ids.shape[0])
+        at = jnp.clip(at, 0, c_ids.shape[0] - 1)
+        value = jnp.take_along_axis(s, at[:, None], axis=1)[:, 0].astype(picked.dtype)
+        return m, denom, jnp.where(inside & c_valid[at], value, picked)
+
+    def close(self, state):
+        m, denom, picked = state
+        return jnp.stack([closed_lse(m, denom), picked], axis=-1)
+
+    def finish(self, first, stats):
+        return stats.astype(first[0].dtype), stats[:, 0]
+
+    def score_cotangent(self, out, row_data, r_valid, c_valid, c_ids):
+        s, k = out
+        ct_row, lse = row_data
+        valid = c_valid[None, :] & r_valid[:, None]
+        live = valid & jnp.isfinite(lse)[:, None]
+        ct_row = ct_row.astype(lse.dtype)
+        p = jnp.exp(s.astype(lse.dtype) - safe_max(lse)[:, None])
+        hit = valid & (c_ids[None, :] == k[:, None])
+        ds = jnp.where(live, ct_row[:, :1] * p, 0) + jnp.where(hit, ct_row[:, 1:], 0)
+        return ds.astype(s.dtype), np.zeros(k.shape, jax.dtypes.float0)
+
+    def empty(self, n, shape, dtype):
+        return None
+
+
 class Max(Reduction):
     """``(max_j s_ij, argmax_j s_ij)`` with ``jnp.max``/``jnp.argmax`` semantics: the
     first index wins ties, and the first NaN wins and propagates. Exact in any dtype;
@@ -369,4 +422,6 @@ class Softmax(Reduction):
         return None
 
 
-REDUCTIONS: dict[str, Reduction] = {r.name: r for r in (Sum(), LogSumExp(), Max(), Softmax())}
+REDUCTIONS: dict[str, Reduction] = {
+    r.name: r for r in (Sum(), LogSumExp(), LogSumExpAndPick(), Max(), Softmax())
+}
