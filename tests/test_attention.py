@@ -415,6 +415,9 @@ def test_float_mask_is_rejected():
         mw.attention(q, q, q, mask=jnp.ones((5, 5), jnp.int32))
     with pytest.raises(TypeError, match="mask="):
         mw.attention(q, q, q, bias=jnp.ones((5, 5), bool))
+    # a complex bias was cast to its real part with only JAX's warning
+    with pytest.raises(TypeError, match=r"bias must be a real array.*complex64.*jnp.real"):
+        mw.attention(q, q, q, bias=jnp.ones((5, 5), jnp.complex64))
     # the additive mask works as a bias
     np.testing.assert_allclose(
         mw.attention(q, q, q, bias=additive, chunk_size=2),

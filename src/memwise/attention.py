@@ -248,7 +248,12 @@ def attention(
                 "bias must be a float array added to the scores, got a boolean "
                 "array; pass boolean masks as mask="
             )
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
+        if jnp.issubdtype(bias.dtype, jnp.complexfloating):
+            raise TypeError(
+                f"bias must be a real array added to the scores, got dtype {bias.dtype}; "
+                "pass its real part (jnp.real(bias)) if that is what is meant"
+            )
+        if not jnp.issubdtype(bias.dtype, jnp.floating):  # integers add exactly
             bias = bias.astype(dtype)
         bias = _full_rank(bias, "bias", batch, lq, lk)
     if lq == 0 or lk == 0 or 0 in batch:
