@@ -336,6 +336,28 @@ def _steps_loss(y0, args, adjoint):
     return jnp.sum(jnp.where(jnp.isfinite(sol.ys), sol.ys, 0.0) ** 2)
 
 
+@pytest.mark.slow
+def test_saved_steps_cost_no_more_memory_than_recursive_checkpoint_adjoint():
+    # SaveAt(steps=True) under jnp.sum: the cotangent of the (max_steps, ...) buffer is a
+    # broadcast. Zeroing what each step wrote (exact for repeated writes) made it a real
+    # buffer, one more of that size than Equinox's loop, which only reads it; Diffrax
+    # writes each index once, so memwise's Diffrax loops only read it too.
+    y0, args = _y0_args()
+
+    def temp(adjoint, max_steps):
+        def loss(y0, args):
+            sol = _solve(y0, args, adjoint, saveat=diffrax.SaveAt(steps=True), max_steps=max_steps)
+            return jnp.sum(sol.ys)
+
+        compiled = jax.jit(jax.grad(loss, (0, 1))).lower(y0, args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    for max_steps in (1_024, 4_096):
+        ours = temp(MEMWISE(checkpoints=8), max_steps)
+        theirs = temp(diffrax.RecursiveCheckpointAdjoint(checkpoints=8), max_steps)
+        assert ours <= theirs, (max_steps, ours, theirs)
+
+
 def _event_loss(y0, args, adjoint):
     event = diffrax.Event(lambda t, y, args, **kw: y[0] - 0.5, root_finder=optx.Newton(1e-8, 1e-8))
     sol = _solve(y0, args, adjoint, event=event)

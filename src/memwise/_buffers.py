@@ -11,7 +11,10 @@ through the reversed steps (each step reads the cotangents of the values it wrot
 zeroes them, so of two writes at one index only the later one receives a gradient, as
 in plain JAX), and the buffer's remaining cotangent is that of its initial value. A
 replayed step still writes into *some* array of the buffer's shape; the loop hands it
-the final buffer and discards the result, which XLA removes.
+the final buffer and discards the result, which XLA removes. A caller that writes each
+index at most once (Diffrax; ``OnlineLoop.writes_once``) needs no zeroing: the
+cotangents are then only read, and one that is a broadcast (of ``jnp.sum``) is never
+materialized.
 
 This holds only if the body never reads a buffer (a read in a replayed step would see
 the wrong values). The body therefore sees a :class:`WriteOnlyBuffer`, which offers

@@ -90,6 +90,11 @@ class OnlineLoop:
       cond: ``(carry, *cond_consts) -> bool scalar``.
       n_checkpoints: c, the carries kept (x_0 included).
       max_steps: a bound on the trip count, or None.
+      writes_once: the body writes each index of its buffers at most once (Diffrax's
+        save indices and accepted steps; Equinox's loop assumes it of every buffer).
+        The backward then reads the buffers' cotangents and never updates them (no
+        step's write overwrote another's), so they stay out of the loop state and a
+        broadcast cotangent (of ``jnp.sum``) is never materialized.
       forward_mode_error, second_order_error: the loop's ``TypeError`` messages.
     """
 
@@ -97,6 +102,7 @@ class OnlineLoop:
     cond: Callable
     n_checkpoints: int
     max_steps: int | None = None
+    writes_once: bool = False
     forward_mode_error: str = "this loop does not support forward-mode differentiation"
     second_order_error: str = "this loop cannot be differentiated twice in reverse mode"
 
@@ -400,13 +406,25 @@ def _run_bwd(loop, residuals, output_cotangents):
     # what it overwrote), whether or not its initial value is perturbed; one nobody
     # differentiated (a zero cotangent) stays zero and is left out.
     written_mask = [is_differentiable(w) and not is_zero(ct) for w, ct in zip(written, ct_written)]
+    # Written at most once per index, with no cotangent wanted for the initial buffers:
+    # the buffers' cotangents are only read (see OnlineLoop.writes_once).
+    read_only = loop.writes_once and not any(
+        m and p for m, p in zip(written_mask, written_perturbed)
+    )
     taped = TapedStep(
-        loop, entry(buffers), written, consts, carry_mask, tuple(written_mask), consts_perturbed
+        loop,
+        entry(buffers),
+        written,
+        consts,
+        carry_mask,
+        tuple(False if read_only else m for m in written_mask),
+        consts_perturbed,
     )
     # the step's written buffers (its y) are differentiated as far as their cotangents
     # run: a zero one would cost a buffer of zeros per step
     taped.y_mask = list(written_mask)
     ct_written = select(ct_written, written_mask)
+    fixed_ct, ct_written = (ct_written, []) if read_only else (None, ct_written)
 
     def stand_ins(ct_written):
         # What a replayed step writes into: a buffer's own cotangent where it has one (live
@@ -438,7 +456,8 @@ def _run_bwd(loop, residuals, output_cotangents):
 
     def reverse_step(state):
         r, ct_carry, ct_written, ct_consts, buffers, positions, top = state
-        written_in = stand_ins(ct_written)
+        ct_buffers = fixed_ct if read_only else ct_written
+        written_in = stand_ins(ct_buffers)
         held = positions[top - 1]
         carry = take(buffers, order[top - 1])
 
@@ -476,8 +495,9 @@ def _run_bwd(loop, residuals, output_cotangents):
         _, carry, buffers, positions, top = lax.while_loop(
             lambda inner: inner[0] < r, sweep_step, inner
         )
-        ct_y = fill([None] * len(written), written_mask, ct_written)
-        ct_carry, ct_written, ct_k = taped(carry, written_in, consts, ct_carry, ct_y)
+        ct_y = fill([None] * len(written), written_mask, ct_buffers)
+        ct_carry, ct_new, ct_k = taped(carry, written_in, consts, ct_carry, ct_y)
+        ct_written = ct_written if read_only else ct_new
         ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
         top = top - (positions[top - 1] == r).astype(jnp.int32)
         return r - 1, ct_carry, ct_written, ct_consts, buffers, positions, top
@@ -488,6 +508,8 @@ def _run_bwd(loop, residuals, output_cotangents):
         (trips - 1, ct_carry, ct_written, ct_consts, buffers, positions, count),
     )
 
+    if read_only:
+        ct_written = fixed_ct  # no initial buffer is perturbed: none is selected below
     out = functools.partial(replayed_cotangents, error=loop.second_order_error)
     init_mask = [m and p for m, p in zip(carry_mask, carry_perturbed)]
     return (

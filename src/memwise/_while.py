@@ -119,9 +119,12 @@ def checked_while_loop(
     checkpoints: int | str | None,
     buffers: Callable[[Any], Any] | None,
     forward_mode_error: str = _WHILE_FORWARD_MODE,
+    writes_once: bool = False,
 ) -> Any:
     """:func:`while_loop` with the ``TypeError`` message of forward mode chosen by the
-    caller (an adapter names its own fix, e.g. Diffrax's ``ForwardMode``)."""
+    caller (an adapter names its own fix, e.g. Diffrax's ``ForwardMode``), and
+    ``writes_once`` for a caller that writes each index of its buffers at most once
+    (:class:`memwise._online.OnlineLoop`)."""
     _check_callable(cond_fun, "cond_fun")
     _check_callable(body_fun, "body_fun")
     is_buffer = _buffers.buffer_mask(buffers, init)
@@ -202,6 +205,7 @@ def checked_while_loop(
         cond=cond_conv,
         n_checkpoints=c,
         max_steps=max_steps,
+        writes_once=writes_once,
         forward_mode_error=forward_mode_error,
         second_order_error=_WHILE_SECOND_ORDER,
     )

@@ -228,6 +228,9 @@ def _memwise_loop(
         checkpoints=checkpoints,
         buffers=buffers,
         forward_mode_error=_FORWARD_MODE,
+        # Diffrax writes each index of its buffers once (a save time's, an accepted
+        # step's), the contract of Equinox's buffers: their cotangents are only read.
+        writes_once=True,
     )
     return _to_equinox(out)
 
