@@ -424,7 +424,8 @@ def _run_bwd(loop, residuals, output_cotangents):
     # run: a zero one would cost a buffer of zeros per step
     taped.y_mask = list(written_mask)
     ct_written = select(ct_written, written_mask)
-    fixed_ct, ct_written = (ct_written, []) if read_only else (None, ct_written)
+    fixed_ct: list = ct_written if read_only else []
+    ct_written = [] if read_only else ct_written
 
     def stand_ins(ct_written):
         # What a replayed step writes into: a buffer's own cotangent where it has one (live
