@@ -245,7 +245,7 @@ class LogSumExpAndPick(LogSumExp):
         return jnp.stack([closed_lse(m, denom), picked], axis=-1)
 
     def finish(self, first, stats):
-        return stats.astype(first[0].dtype), stats[:, 0]
+        return stats.astype(first[0].dtype), stats[..., 0]  # (batch dims lead)
 
     def score_cotangent(self, out, row_data, r_valid, c_valid, c_ids):
         s, k = out
