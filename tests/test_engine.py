@@ -113,6 +113,64 @@ def test_logsumexp_pick_over_a_batch_of_problems():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_nan_score_propagates_through_logsumexp_like_jnp():
+    # A NaN score closed to -inf (the "no finite score" case), where jax.nn.logsumexp
+    # gives NaN: a cross-entropy with a NaN bias entry came out -inf, not NaN.
+    s = jnp.array([[0.0, jnp.nan, 1.0], [0.0, 2.0, 1.0]])
+
+    def tile(r, c, _p, _k, _ri, _ci):
+        return s[r][:, c]
+
+    rows, cols = jnp.arange(2), jnp.arange(3)
+    for reduce in ("logsumexp", "logsumexp_pick"):
+        fn = tile if reduce == "logsumexp" else (lambda r, *a: (tile(r, *a), jnp.zeros_like(r)))
+        out = tiled_reduce(fn, rows, cols, reduce=reduce, tiles=tiling(2, 3, (1, 2)))
+        lse = out if reduce == "logsumexp" else out[:, 0]
+        np.testing.assert_array_equal(np.isnan(lse), [True, False])
+        np.testing.assert_allclose(lse[1], jax.nn.logsumexp(s[1]), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_logsumexp_pick_on_a_ring_of_4_devices():
+    # The ring's tile_fn sees global column ids and returns global picks; the reduction
+    # sees each block's own ids (picks came out -inf or from the wrong column).
+    out = run_on_devices(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import PartitionSpec as P
+        from memwise.engine import Ring, tiled_reduce
+        from memwise.tiling import tiling
+        mesh = jax.make_mesh((4,), ("v",), axis_types=(jax.sharding.AxisType.Auto,))
+        a = jax.random.normal(jax.random.PRNGKey(0), (4, 3))
+        b = jax.random.normal(jax.random.PRNGKey(1), (16, 3))
+        k = jnp.array([0, 5, 10, 15], jnp.int32)
+
+        def tile(rb, cb, _p, _c, _ri, _ci):
+            return rb["a"] @ cb.T, rb["k"]
+
+        def ring(a, b):
+            def body(a, bl):
+                return tiled_reduce(tile, {"a": a, "k": k}, bl, reduce="logsumexp_pick",
+                                    tiles=tiling(4, 4, (2, 2)), ring=Ring("v", 4))
+            return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("v")), out_specs=P(),
+                                 check_vma=False)(a, b)
+
+        def dense(a, b):
+            s = a @ b.T
+            return jnp.stack([jax.nn.logsumexp(s, -1), s[jnp.arange(4), k]], -1)
+
+        np.testing.assert_allclose(jax.jit(ring)(a, b), dense(a, b), rtol=1e-5, atol=1e-6)
+        w = jnp.array([0.4, -1.2])
+        for got, want in zip(jax.jit(jax.grad(lambda a, b: jnp.sum(ring(a, b) * w), (0, 1)))(a, b),
+                             jax.grad(lambda a, b: jnp.sum(dense(a, b) * w), (0, 1))(a, b)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        print("OK")
+        """,
+        n_devices=4,
+    )
+    assert "OK" in out
+
+
 @pytest.mark.slow
 def test_softmax_reduction_is_attention_with_skipped_tiles():
     q = jax.random.normal(jax.random.PRNGKey(2), (10, 4))

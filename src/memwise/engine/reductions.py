@@ -42,7 +42,7 @@ def closed_lse(m: jax.Array, denom: jax.Array) -> jax.Array:
     """``log sum exp`` from the running max and the shifted sum: ``-inf`` where no score
     was finite, with a zero derivative there (``log 0``'s is ``0 / 0``: a ring block that
     a row does not see made forward-over-reverse NaN through the merge)."""
-    seen = denom > 0
+    seen = (denom > 0) | jnp.isnan(denom)  # a NaN score propagates, as in jnp
     return jnp.where(seen, safe_max(m) + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
 
 
@@ -87,6 +87,11 @@ class Reduction:
     def localize(self, residual: Any, offset: jax.Array) -> Any:
         """The residual as seen from the column block starting at ``offset``."""
         return residual
+
+    def localize_tile(self, out: Any, offset: jax.Array) -> Any:
+        """A tile's output as seen from the column block starting at ``offset``: a
+        ring's ``tile_fn`` sees global column ids, the loops and this table the block's."""
+        return out
 
     def finish(self, first: Any, stats: Any) -> tuple[Any, Any]:
         """``(result, residual)``: the result in the scores' dtype; where the dtypes
@@ -243,6 +248,10 @@ class LogSumExpAndPick(LogSumExp):
     def close(self, state):
         m, denom, picked = state
         return jnp.stack([closed_lse(m, denom), picked], axis=-1)
+
+    def localize_tile(self, out, offset):
+        s, k = out
+        return s, k - offset  # the pick's column in this block's ids
 
     def finish(self, first, stats):
         return stats.astype(first[0].dtype), stats[..., 0]  # (batch dims lead)

@@ -50,7 +50,8 @@ def ring_spec(spec: TileSpec) -> TileSpec:
 
     def shifted(rows, cols, pairs, consts, row_ids, col_ids):
         user, offset = consts
-        return tile_fn(rows, cols, pairs, user, row_ids, col_ids + offset)
+        out = tile_fn(rows, cols, pairs, user, row_ids, col_ids + offset)
+        return spec.reduction.localize_tile(out, offset)
 
     def shifted_live(row_ids, col_ids, consts):
         assert live is not None  # installed only when spec has live
