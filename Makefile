@@ -31,15 +31,18 @@ $(VENV)/.installed-dev: $(BIN)/python pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/memwise demo
 
-# The whole suite and every docstring example, in three runs with fresh worker processes
-# each: XLA:CPU has crashed after about 840 compilations in one process.
+# The whole suite and every docstring example, in four runs with fresh worker processes
+# each: XLA:CPU has crashed after about 840 compilations in one process (Diffrax's
+# adjoint tests, about a hundred compilations of their own, crashed a worker of the first).
 PORTED := $(wildcard tests/test_nt_ported_*.py)
+OWN_PROCESS := tests/test_matrix.py tests/test_diffrax_adjoint.py $(PORTED)
 test: $(VENV)/.installed-test
 	rm -f build/test-results*.xml
 	$(PYTEST) --doctest-modules --junitxml=build/test-results-1.xml src/memwise tests \
-		--ignore=tests/test_matrix.py $(addprefix --ignore=,$(PORTED))
+		$(addprefix --ignore=,$(OWN_PROCESS))
 	$(PYTEST) --junitxml=build/test-results-2.xml tests/test_matrix.py
 	$(PYTEST) --junitxml=build/test-results-3.xml $(PORTED)
+	$(PYTEST) --junitxml=build/test-results-4.xml tests/test_diffrax_adjoint.py
 
 # tests/DURATIONS.md from the last `make test` (per-file totals, the slowest tests).
 durations:
