@@ -10,13 +10,14 @@ The loss of token ``i`` needs two numbers per token: the log-sum-exp of its scor
 the vocabulary and the score of its label. Both come from one ``"logsumexp_pick"``
 reduction of :func:`memwise.engine.tiled_reduce` (the one tile engine) over tiles of
 tokens x vocabulary words: the online log-sum-exp of the scores, and the label's score
-picked from the tile that holds it (one gather per token and tile). The backward is the engine's: each tile's probabilities re-formed from the saved
-log-sum-exp (the FlashAttention backward, Dao et al., NeurIPS 2022; for this loss,
-Wijmans et al., *Cut Your Losses in Large-Vocabulary Language Models*, arXiv:2411.09009),
-and the tile's ``jax.vjp`` gives ``dx`` and ``dW`` as one matrix product each. Label
-smoothing needs the mean score, in closed form ``x . mean(W) + mean(b)`` (one more
-tiled sum when the scores are soft-capped); PaLM's z-loss (Chowdhery et al., 2022) is
-``z * lse^2`` of the kept log-sum-exp.
+picked from the tile that holds it (one gather per token and tile). The backward is the
+engine's: each tile's probabilities re-formed from the saved log-sum-exp (the
+FlashAttention backward, Dao et al., NeurIPS 2022; for this loss, Wijmans et al., *Cut
+Your Losses in Large-Vocabulary Language Models*, arXiv:2411.09009), and the tile's
+``jax.vjp`` gives ``dx`` and ``dW`` as one matrix product each. Label smoothing needs
+the mean score, in closed form ``x . mean(W) + mean(b)`` (one more tiled sum when the
+scores are soft-capped); PaLM's z-loss (Chowdhery et al., 2022) is ``z * lse^2`` of the
+kept log-sum-exp.
 
 Memory, both passes: ``x``, ``W``, their gradients and one tile of scores; no buffer
 grows with tokens x vocabulary. An argmax (accuracy without logits) is one more tiled

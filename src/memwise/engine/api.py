@@ -99,8 +99,8 @@ def tiled_reduce(
     argmax, as in ``jnp.max``/``jnp.argmax``); ``"softmax"``: ``(out (n, ...), lse
     (n,))``; ``"logsumexp_pick"``: ``tile_fn`` returns ``(scores (R, C), k (R,) int)``
     and the result is ``(n, 2)``, the log-sum-exp and the score at column ``k_i``
-    (``-inf`` where no column is ``k_i``). Reductions accumulate in at least float32 and return the scores' dtype
-    (``out``: the values' dtype).
+    (``-inf`` where no column is ``k_i``). Reductions accumulate in at least float32 and
+    return the scores' dtype (``out``: the values' dtype).
 
     ``batch`` (optional) is a shape of independent problems: every leaf of ``rows`` and
     ``cols`` then has leading dims ``batch``, every leaf of ``pairs`` as many leading
