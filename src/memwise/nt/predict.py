@@ -20,6 +20,7 @@ raise ``NotImplementedError`` naming them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ import numpy as np
 from memwise.engine import accumulation_dtype
 from memwise.nt._triple import KernelFn as _CompatKernelFn
 from memwise.nt._triple import named_tuple
-from memwise.ntk.predict import _Propagator
+from memwise.ntk.predict import _check_time, _Propagator
 from memwise.ntk.predict import predict as _predict
 
 __all__ = [
@@ -328,6 +329,9 @@ def gradient_descent_mse_ensemble(
     # The stax kernel's memwise KernelFn: evaluated in two steps, each input's variances once.
     kernel = kernel_fn.kernel if isinstance(kernel_fn, _CompatKernelFn) else kernel_fn
 
+    # Compiled once per predictor, output kind and input shape: a call with another
+    # time reuses it (eagerly, each call traced and compiled every tiled loop again).
+    @functools.partial(jax.jit, static_argnames=("g", "compute_cov"))
     def one(t: Any, x_test: Any, g: str, compute_cov: bool) -> Any:
         t = None if t is None else t * learning_rate
         out = _predict(
@@ -339,6 +343,7 @@ def gradient_descent_mse_ensemble(
         k = jnp.asarray(kernel_fn(x_train, None, g))
         return k.astype(accumulation_dtype(jnp.result_type(k.dtype, y.dtype)))
 
+    @functools.partial(jax.jit, static_argnames=("g", "compute_cov"))
     def on_train(t: Any, g: str, compute_cov: bool) -> Any:
         # x_test=None: neural-tangents' predictions on the training inputs, from the
         # (n, n) training kernel's eigendecomposition (it is held anyway).
@@ -387,14 +392,17 @@ def gradient_descent_mse_ensemble(
                 out[g] = on_train(t, g, compute_cov)
                 continue
             if t is None or np.ndim(t) == 0:
+                _check_time(t)
                 out[g] = one(t, x_test, g, compute_cov)
                 continue
-            times = np.asarray(t)
-            flat = [one(float(s), x_test, g, compute_cov) for s in times.reshape(-1)]
-            stacked = jax.tree.map(lambda *v: jnp.stack(v), *flat)
-            out[g] = jax.tree.map(
-                lambda a, shape=times.shape: a.reshape(shape + a.shape[1:]), stacked
-            )
+            # One prediction per time, vmapped: the kernels and the eigendecomposition
+            # do not depend on t and are computed once.
+            times = jnp.asarray(t)
+            if not isinstance(t, jax.core.Tracer):
+                for s in np.asarray(t).reshape(-1):
+                    _check_time(s.item())
+            flat = jax.vmap(lambda s, g=g: one(s, x_test, g, compute_cov))(times.reshape(-1))
+            out[g] = jax.tree.map(lambda a, shape=times.shape: a.reshape(shape + a.shape[1:]), flat)
         return _named(out, gets, single)
 
     return predict_fn
