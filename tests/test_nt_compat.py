@@ -53,6 +53,13 @@ BAD = {
         NotImplementedError,
         "diag_reg_absolute_scale",
     ),
+    "negative time in an array": (
+        lambda: predict.gradient_descent_mse_ensemble(stax.Dense(1).kernel_fn, X, jnp.ones((2, 1)))(
+            t=jnp.array([1.0, -1.0]), x_test=X, get="ntk"
+        ),
+        ValueError,
+        "t must be >= 0",
+    ),
     "get": (lambda: predict.gp_inference(jnp.eye(2), jnp.ones((2, 1)))("nntk"), ValueError, "get"),
     "y_train": (
         lambda: predict.gradient_descent_mse(jnp.eye(2), jnp.ones(2)),
