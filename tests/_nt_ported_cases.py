@@ -298,3 +298,62 @@ def axes_cases() -> list[tuple[tuple, tuple]]:
 
 def axes_key(d, t) -> str:
     return "d" + "_".join(str(a) for a in d) + "t" + "_".join(str(a) for a in t)
+
+
+# branching_test.py: FanInTest.test_fan_in_fc / test_fan_in_conv with FanInConcat on the
+# channel axis and an affine layer after it ("dense_after_branch_in"), the only
+# concatenation whose kernel neural-tangents computes before a nonlinearity.
+
+
+def fan_in_cases() -> list[dict]:
+    return [
+        {"model": "fc", "n_branches": n, "axis": axis, "readout": "none"}
+        for n in (2, 3)
+        for axis in (1, -1)
+    ] + [
+        {"model": "conv", "n_branches": 2, "axis": axis, "readout": readout}
+        for axis in (3, -1)
+        for readout in ("pool", "flatten")
+    ]
+
+
+def _phi(stax, i):
+    return (stax.Relu(), stax.Erf(), stax.Abs())[i % 3]
+
+
+def build_fan_in(stax, *, model, n_branches, axis, readout, width=1024):
+    """Upstream's network: widths grow by a quarter per branch depth, so the
+    concatenation weighs branches of 1,024, 1,024 and 1,280 channels."""
+    if model == "fc":
+        first = stax.Dense(width, 1.25, 0.1)
+
+        def affine(i, w):
+            return stax.Dense(w, 1.0 + 2 * i, 0.5 + i)
+    else:
+        first = stax.Conv(width, (3, 3), padding="SAME", W_std=1.25, b_std=0.1)
+
+        def affine(i, w):
+            return stax.Conv(w, (i + 1, 4 - i), padding="SAME", W_std=1.25 + i, b_std=0.1 + i)
+
+    branches = []
+    for b in range(n_branches):
+        layers = [_phi(stax, b)]
+        for i in range(b):
+            layers += [affine(i, int(width * (1 + 0.25 * i))), _phi(stax, i)]
+        branches.append(stax.serial(*layers))
+    out = [stax.FanInConcat(axis), first, stax.Relu()]
+    if readout != "none":
+        out.append(stax.GlobalAvgPool() if readout == "pool" else stax.Flatten())
+    net = stax.serial(first, stax.FanOut(n_branches), stax.parallel(*branches), *out)
+    return stax.serial(net, stax.Dense(1, 1.25, 0.5))
+
+
+def fan_in_inputs(model):
+    from jax import numpy as jnp
+    from jax import random
+
+    key = random.PRNGKey(1)
+    shape = (4, 3) if model == "fc" else (2, 5, 6, 3)
+    x1 = random.normal(key, shape)
+    x2 = random.normal(key, ((8,) + shape[1:]) if model == "fc" else (3,) + shape[1:])
+    return (jnp.cos(x1) if model == "fc" else x1), x2

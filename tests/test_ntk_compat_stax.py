@@ -257,7 +257,7 @@ def test_parameter_layout_is_neural_tangents():
 
 
 BAD_INPUTS = {
-    "FanInConcat": (lambda: stax.FanInConcat(), NotImplementedError, "stax.FanInConcat"),
+    "FanInProd": (lambda: stax.FanInProd(), NotImplementedError, "stax.FanInProd"),
     "SumPool": (lambda: stax.SumPool((2, 2)), NotImplementedError, "stax.SumPool"),
     "standard": (
         lambda: stax.Dense(8, parameterization="standard"),

@@ -66,6 +66,13 @@ for case in cases.nonlinear_cases():
     x1, x2 = cases.inputs(1, shape)
     kernels("nonlinear/" + cases.case_id(case), net[2], x1, x2)
 
+# branching_test: FanInConcat on the channel axis
+for case in cases.fan_in_cases():
+    net = cases.build_fan_in(stax, **case)
+    x1, x2 = cases.fan_in_inputs(case["model"])
+    kernels("fan_in/" + cases.case_id(case), net[2], x1, x2)
+    out[f"fan_in/{cases.case_id(case)}/x1"], out[f"fan_in/{cases.case_id(case)}/x2"] = x1, x2
+
 # empirical_test: testNTKAgainstDirect, testAxes (JACOBIAN_CONTRACTION, vmap_axes=None)
 for train, test, network in cases.EMPIRICAL_SHAPES:
     for logits in (1, 2, 3):

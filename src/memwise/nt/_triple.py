@@ -14,16 +14,19 @@ does (``serial`` params a list, split keys per layer) and their kernels as
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import random
 
 from memwise.ntk import kernels as _k
+from memwise.ntk.branching import _ConcatChannels
 
-__all__ = ["FanInSum", "FanOut", "KernelFn", "Layer", "parallel", "serial"]
+__all__ = ["FanInConcat", "FanInSum", "FanOut", "KernelFn", "Layer", "parallel", "serial"]
 
 
 @functools.cache
@@ -119,6 +122,29 @@ class Layer(NamedTuple):
 
 def _layer(init_fn: Callable, apply_fn: Callable, kernel: _k.Layer) -> Layer:
     return Layer(init_fn, apply_fn, KernelFn(_k.serial(kernel)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Channels(_k.Layer):
+    """``layer`` (a Dense or Conv kernel) with the finite layer's channel count after it,
+    which neural-tangents' ``FanInConcat`` weighs the branches by."""
+
+    layer: _k.Layer
+    width: int
+
+    def __repr__(self) -> str:
+        return repr(self.layer)
+
+    def _leaves(self):
+        yield from self.layer._leaves()
+
+    def _walk(self, walk, flow):
+        return self.layer._walk(walk, flow)._replace(width=self.width)
+
+
+def sized(init_fn: Callable, apply_fn: Callable, kernel: _k.Layer, width: int) -> Layer:
+    """A layer whose output has ``width`` channels (Dense, Conv)."""
+    return _layer(init_fn, apply_fn, _Channels(kernel, width))
 
 
 def _unsupported(layer: str, option: str, value: Any, use: str) -> NotImplementedError:
@@ -251,3 +277,38 @@ def FanInSum() -> Layer:  # noqa: N802
         return sum(inputs[1:], inputs[0])
 
     return _layer(init_fn, apply_fn, _k.FanInSum())
+
+
+def FanInConcat(axis: int = -1) -> Layer:  # noqa: N802
+    """The branches concatenated along ``axis``, as ``stax.FanInConcat``.
+
+    The kernel is neural-tangents': along the channel axis, the branches' kernels
+    averaged with weights their channel counts (equal weights when the counts are
+    equal). The result is not Gaussian, so an affine layer (``Dense``, ``Conv``) must
+    come before the next nonlinearity (a ``ValueError`` otherwise, as in
+    neural-tangents). The finite network concatenates along any axis; the kernel of a
+    concatenation along the batch or pixel axes raises ``NotImplementedError``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from memwise.nt import stax
+        >>> _, _, kernel_fn = stax.serial(
+        ...     stax.FanOut(2), stax.parallel(stax.Dense(64), stax.Dense(192, W_std=2.0)),
+        ...     stax.FanInConcat())
+        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])  # (64 * 1 + 192 * 4) / 256
+        3.25
+    """
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"stax.FanInConcat axis must be an int, got {axis!r}")
+
+    def init_fn(rng, input_shape):
+        ax = axis % len(input_shape[0])
+        size = sum(shape[ax] for shape in input_shape)
+        first = tuple(input_shape[0])
+        return first[:ax] + (size,) + first[ax + 1 :], ()
+
+    def apply_fn(params, inputs, **kwargs):
+        return jnp.concatenate(inputs, axis)
+
+    return _layer(init_fn, apply_fn, _ConcatChannels(axis))

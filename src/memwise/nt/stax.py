@@ -18,9 +18,9 @@ The kernels follow the recursion of Lee et al. 2018, Arora et al. 2019 and Novak
 2019/2020 (see :mod:`memwise.ntk.kernels`); the finite networks converge to them as the
 widths grow (Jacot et al. 2018), which the tests check by Monte Carlo. Defaults that
 differ from memwise's own layers: ``Conv`` pads ``"VALID"`` (``memwise.ntk.kernels.Conv``:
-``"SAME"``). Layers and options of neural-tangents that are not here (``FanInConcat``,
-``parameterization="standard"``, ``"CIRCULAR"`` padding, ...) raise ``NotImplementedError``
-naming them.
+``"SAME"``). Layers and options of neural-tangents that are not here (``FanInProd``,
+``parameterization="standard"``, ``"CIRCULAR"`` padding, ``FanInConcat`` along a batch or
+pixel axis, ...) raise ``NotImplementedError`` naming them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax, random
 from jax.scipy.special import erf
 
+from memwise.nt._triple import FanInConcat as FanInConcat
 from memwise.nt._triple import FanInSum as FanInSum
 from memwise.nt._triple import FanOut as FanOut
 from memwise.nt._triple import (
@@ -46,6 +47,7 @@ from memwise.nt._triple import (
     _layer,
     _shape_only,
     _unsupported,
+    sized,
 )
 from memwise.nt._triple import parallel as parallel
 from memwise.nt._triple import serial as serial
@@ -59,6 +61,7 @@ __all__ = [
     "Cos",
     "Dense",
     "Erf",
+    "FanInConcat",
     "FanInSum",
     "FanOut",
     "Flatten",
@@ -122,7 +125,7 @@ def Dense(  # noqa: N802 (neural-tangents' layer names)
         outputs = kernel.W_std / math.sqrt(inputs.shape[-1]) * (inputs @ w)
         return outputs if b is None else outputs + kernel.b_std * b
 
-    return _layer(init_fn, apply_fn, kernel)
+    return sized(init_fn, apply_fn, kernel, out_dim)
 
 
 def _dimension_numbers(n_spatial: int) -> lax.ConvDimensionNumbers:
@@ -208,7 +211,7 @@ def Conv(  # noqa: N802
         outputs = kernel.W_std / math.sqrt(fan_in) * conv(inputs, w.astype(inputs.dtype))
         return outputs if b is None else outputs + kernel.b_std * b
 
-    return _layer(init_fn, apply_fn, kernel)
+    return sized(init_fn, apply_fn, kernel, out_chan)
 
 
 def AvgPool(  # noqa: N802
@@ -450,7 +453,6 @@ _NOT_IMPLEMENTED = (
     "ElementwiseNumerical",
     "Exp",
     "ExpNormalized",
-    "FanInConcat",
     "FanInProd",
     "Gabor",
     "Gaussian",

@@ -285,6 +285,14 @@ class Layer:
     """
 
     needs_variances = False
+    # A nonlinearity: its closed form needs a Gaussian input, the same in every channel.
+    needs_gaussian = False
+    # A random affine map (Dense, Conv): its output is Gaussian whatever its input.
+    affine = False
+
+    def out_width(self, width: int | None) -> int | None:
+        """The finite network's channel count after the layer (None: not known)."""
+        return width
 
     @property
     def pools(self) -> bool:

@@ -26,11 +26,20 @@ from memwise.ntk._covariance import (
 
 
 class _Flow(NamedTuple):
-    """The covariances between the layers: nngp, ntk (None / 0.0 as in _State), layout."""
+    """The covariances between the layers: nngp, ntk (None / 0.0 as in _State), layout.
+
+    ``width``: the finite network's channel count there, where known (the input's, and
+    what neural-tangents' layers of :mod:`memwise.nt` set), for a concatenation's
+    weights. ``gaussian``: False after channels of different covariance are
+    concatenated, until an affine layer mixes them (a nonlinearity needs Gaussian
+    inputs of one covariance per channel).
+    """
 
     nngp: jax.Array
     ntk: Any
     layout: _Layout
+    width: int | None = None
+    gaussian: bool = True
 
 
 def _to_diagonal(flow: _Flow) -> _Flow:
@@ -39,7 +48,9 @@ def _to_diagonal(flow: _Flow) -> _Flow:
     if not layout.full or layout.spatial_ndim == 0:
         return flow
     diagonal = lambda a: _pixel_diagonal(a, layout)  # noqa: E731
-    return _Flow(diagonal(flow.nngp), _map_ntk(flow.ntk, diagonal), layout.diagonal())
+    return flow._replace(
+        nngp=diagonal(flow.nngp), ntk=_map_ntk(flow.ntk, diagonal), layout=layout.diagonal()
+    )
 
 
 class _Walk:
@@ -64,6 +75,12 @@ class _Walk:
                 f"{layer!r} takes one input but gets {len(flow)} branches; join them first "
                 f"with FanInSum(), or give each its own layer with parallel(...)"
             )
+        if layer.needs_gaussian and not flow.gaussian:
+            raise ValueError(
+                f"{layer!r} after a concatenation of channels (FanInConcat): its input is "
+                "not Gaussian (its channels have different covariances); put an affine "
+                "layer (Dense, Conv) between them, as neural-tangents requires"
+            )
         var1 = var2 = None
         if layer.needs_variances:
             if self.collect:
@@ -76,6 +93,12 @@ class _Walk:
                 var1, var2 = _broadcast_variances(diag1, diag2, flow.layout)
         out_layout = layer.out_layout(flow.layout)
         nngp, ntk = layer.apply(_State(flow.nngp, flow.ntk, var1, var2), flow.layout)
-        flow = _Flow(nngp, ntk, out_layout)
+        flow = _Flow(
+            nngp,
+            ntk,
+            out_layout,
+            layer.out_width(flow.width),
+            layer.affine or flow.gaussian,
+        )
         index, self.n_steps = self.n_steps, self.n_steps + 1
         return _to_diagonal(flow) if index == self.last_pool else flow

@@ -139,8 +139,71 @@ class FanInSum(Layer):
                 f"FanInSum() branches must have the same pixel shape, got kernels of shapes "
                 f"{sorted(shapes)}; use the same strides and padding in every branch"
             )
+        if not all(branch.gaussian for branch in flow):
+            raise NotImplementedError(
+                "FanInSum() of a concatenation of channels (FanInConcat) is not supported "
+                "(neural-tangents' FanInSum needs Gaussian inputs either); put an affine "
+                "layer (Dense, Conv) after the concatenation"
+            )
         nngp, ntk = flow[0].nngp, flow[0].ntk
         for branch in flow[1:]:
             nngp = nngp + branch.nngp
             ntk = _add_ntk(ntk, branch.ntk)
-        return _Flow(nngp, ntk, flow[0].layout)
+        widths = {branch.width for branch in flow}
+        return _Flow(nngp, ntk, flow[0].layout, widths.pop() if len(widths) == 1 else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConcatChannels(Layer):
+    """Concatenate the branches' channels: their kernels averaged, weighted by the finite
+    network's channel counts (equal weights when the counts are equal), as
+    neural-tangents' ``stax.FanInConcat`` on the channel axis.
+
+    The counts come from each branch's last layer of :mod:`memwise.nt.stax` (memwise's
+    own layers have no width), so this layer is reached through
+    ``memwise.nt.stax.FanInConcat``. The result is not Gaussian (its channels differ):
+    an affine layer must come before the next nonlinearity. ``axis`` is the
+    concatenation axis of the activations; only the channel (last) axis is supported.
+    """
+
+    axis: int = -1
+
+    def _leaves(self):
+        return iter(())
+
+    def _walk(self, walk, flow):
+        if not isinstance(flow, list):
+            raise ValueError(
+                "FanInConcat() joins branches but gets one input; put FanOut(n) and "
+                "parallel(...) before it"
+            )
+        ndim = flow[0].layout.spatial_ndim + 2  # batch, pixels, channels
+        if not -ndim <= self.axis < ndim or self.axis % ndim != ndim - 1:
+            raise NotImplementedError(
+                f"FanInConcat(axis={self.axis}) on inputs of {ndim} axes: memwise.nt "
+                "concatenates along the channel (last) axis only; neural-tangents' "
+                "concatenation along the batch or pixel axes is not supported"
+            )
+        if any(not branch.layout.full for branch in flow):
+            flow = [_to_diagonal(branch) for branch in flow]
+        shapes = {branch.nngp.shape for branch in flow}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"FanInConcat() branches must have the same pixel shape, got kernels of "
+                f"shapes {sorted(shapes)}; use the same strides and padding in every branch"
+            )
+        widths = [branch.width for branch in flow]
+        if None in widths:
+            raise NotImplementedError(
+                f"FanInConcat() of branches of channel counts {widths}: memwise.nt knows "
+                "a branch's count from its last Dense or Conv (or the input's), not after "
+                "Flatten; concatenate before flattening"
+            )
+        weights = [1] * len(flow) if len(set(widths)) == 1 else widths
+        total = sum(weights)
+        nngp = sum(w * branch.nngp for w, branch in zip(weights, flow)) / total
+        ntk: Any = flow[0].ntk
+        if ntk is not None:
+            terms = [(w, b.ntk) for w, b in zip(weights, flow) if not _is_zero_ntk(b.ntk)]
+            ntk = sum(w * a for w, a in terms) / total if terms else 0.0
+        return _Flow(nngp, ntk, flow[0].layout, sum(widths), gaussian=False)

@@ -89,6 +89,7 @@ class ABRelu(Layer):
     a: float
     b: float
     needs_variances = True
+    needs_gaussian = True
 
     def __post_init__(self):
         _set_reals(self, "ABRelu", a=None, b=None)
@@ -206,6 +207,7 @@ class Erf(Layer):
     b: float = 1.0
     c: float = 0.0
     needs_variances = True
+    needs_gaussian = True
 
     def __post_init__(self):
         _set_reals(self, "Erf", a=None, b=None, c=None)
@@ -256,6 +258,7 @@ class Gelu(Layer):
     """
 
     needs_variances = True
+    needs_gaussian = True
 
     def apply(self, state, layout):
         cov = state.nngp
@@ -297,6 +300,7 @@ class Sin(Layer):
     b: float = 1.0
     c: float = 0.0
     needs_variances = True
+    needs_gaussian = True
 
     def __post_init__(self):
         _set_reals(self, "Sin", a=None, b=None, c=None)

@@ -204,7 +204,7 @@ class KernelFn(Layer):
         x = self._check_input(x, "x")
         layout = self._input_layout(x, 1)
         cov = self._input_covariance(x, None, layout)
-        _, walk = self._run(_Flow(cov, None, layout), None)
+        _, walk = self._run(_Flow(cov, None, layout, x.shape[-1]), None)
         return Prepared(x, tuple(walk.variances))
 
     def cross(
@@ -222,7 +222,7 @@ class KernelFn(Layer):
         nngp = self._input_covariance(x1, x2, layout)
         ntk: Any = 0.0 if "ntk" in gets else None  # 0.0: the symbolic zero of _is_zero_ntk
         variances = list(zip(p1.variances, p2.variances))
-        flow, _ = self._run(_Flow(nngp, ntk, layout), variances)
+        flow, _ = self._run(_Flow(nngp, ntk, layout, x1.shape[-1]), variances)
         nngp, ntk = flow.nngp, flow.ntk
         if _is_zero_ntk(ntk):  # no linear layer: the NTK is zero
             ntk = jnp.zeros_like(nngp)

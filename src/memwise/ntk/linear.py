@@ -61,9 +61,13 @@ class Dense(Layer):
 
     W_std: float = 1.0
     b_std: float | None = None
+    affine = True
 
     def __post_init__(self):
         _set_stds(self, "Dense")
+
+    def out_width(self, width):
+        return None  # set by memwise.nt's layers, which know the finite width
 
     def apply(self, state, layout):
         nngp = self.W_std**2 * state.nngp
@@ -205,6 +209,7 @@ class Conv(Layer):
     padding: str = "SAME"
     W_std: float = 1.0
     b_std: float | None = None
+    affine = True
 
     def __post_init__(self):
         window, strides = _window(
@@ -217,6 +222,9 @@ class Conv(Layer):
     def out_layout(self, layout):
         _check_pixel_axes("Conv", self.filter_shape, layout)
         return layout
+
+    def out_width(self, width):
+        return None  # set by memwise.nt's layers, which know the finite width
 
     def apply(self, state, layout):
         strides = self.strides
@@ -316,6 +324,9 @@ class Flatten(Layer):
 
     def out_layout(self, layout):
         return _Layout(layout.batch_ndim, 0, False)
+
+    def out_width(self, width):
+        return None  # channels times pixels
 
     def apply(self, state, layout):
         def flatten(a):
