@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,3 +92,32 @@ def test_empirical_kernel_keywords_reach_f():
     one = nt.empirical_ntk_fn(f, vmap_axes=0)(X, None, p)
     two = nt.empirical_ntk_fn(f, vmap_axes=0)(X, None, p, scale=2.0)
     np.testing.assert_allclose(two, 4 * one, rtol=1e-6)
+
+
+def test_a_batched_kernel_gradient_is_flat_in_the_targets():
+    # The KIP question's program: nt.batch's tiles are tiled in the backward pass too, so
+    # 10x the targets add only the (targets, support) kernel and its cotangent.
+    from memwise.measure import compiled_memory
+
+    _, _, kernel_fn = stax.serial(
+        stax.Conv(8, (3, 3), padding="SAME"), stax.Relu(), stax.Flatten(), stax.Dense(1)
+    )
+    kernel_fn = nt.batch(kernel_fn, batch_size=10)
+
+    def loss_fn(x_support, x_target):
+        k_ts = kernel_fn(x_target, x_support, "ntk")
+        return jnp.sum(
+            k_ts @ jnp.linalg.solve(kernel_fn(x_support, None, "ntk"), x_support[:, 0, 0])
+        )
+
+    def temp(n):
+        shapes = (
+            jax.ShapeDtypeStruct((10, 8, 8, 2), jnp.float32),
+            jax.ShapeDtypeStruct((n, 8, 8, 2), jnp.float32),
+        )
+        return compiled_memory(loss_fn, *shapes, grad=True).temp_bytes
+
+    small, large = temp(200), temp(2_000)
+    assert large - small <= 4 * 1_800 * 10 * 4, (small, large)
+    # The dense gradient holds every pair's per-pixel covariances: far more.
+    assert small < 4 * 200 * 10 * 64 * 4 * 2
