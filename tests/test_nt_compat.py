@@ -61,6 +61,20 @@ BAD = {
         ValueError,
         "t must be >= 0",
     ),
+    "negative time on the training inputs": (
+        lambda: predict.gradient_descent_mse_ensemble(stax.Dense(1).kernel_fn, X, jnp.ones((2, 1)))(
+            t=np.array([1.0, -50.0]), get="ntk"
+        ),
+        ValueError,
+        "t must be >= 0",
+    ),
+    "string times": (
+        lambda: predict.gradient_descent_mse_ensemble(stax.Dense(1).kernel_fn, X, jnp.ones((2, 1)))(
+            t=np.array(["a", "b"]), x_test=X, get="ntk"
+        ),
+        TypeError,
+        "t must be None",
+    ),
     "get": (lambda: predict.gp_inference(jnp.eye(2), jnp.ones((2, 1)))("nntk"), ValueError, "get"),
     "y_train": (
         lambda: predict.gradient_descent_mse(jnp.eye(2), jnp.ones(2)),

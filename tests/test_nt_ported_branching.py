@@ -101,6 +101,8 @@ def _two_branches(*after):
             "FanInSum",
         ),
         (_two_branches(stax.FanInConcat(0)), NotImplementedError, "along the channel"),
+        (_two_branches(stax.FanInConcat(), stax.LayerNorm()), NotImplementedError, "LayerNorm"),
+        (_two_branches(stax.FanInConcat(5)), ValueError, "out of range"),
         (
             stax.serial(
                 stax.Conv(4, (2, 2)),
@@ -112,12 +114,22 @@ def _two_branches(*after):
             "same pixel shape",
         ),
     ],
-    ids=["relu", "erf", "sum", "batch axis", "pixel shapes"],
+    ids=["relu", "erf", "sum", "batch axis", "layernorm", "out of range", "pixel shapes"],
 )
 def test_what_neural_tangents_refuses_is_refused(net, error, words):
     x = jnp.ones((2, 4, 4, 3)) if "Conv" in repr(net.kernel_fn) else jnp.ones((2, 3))
     with pytest.raises(error, match=words):
         net.kernel_fn(x, None, "ntk")
+
+
+def test_layernorm_after_an_affine_layer_and_a_numpy_axis_are_accepted():
+    # A Dense after the concatenation makes it Gaussian again (as upstream); numpy ints
+    # are axes, as in neural-tangents.
+    x = random.normal(random.PRNGKey(2), (3, 4))
+    after = (stax.Dense(16), stax.LayerNorm(), stax.Relu())
+    _, _, concat = _two_branches(stax.FanInConcat(np.int64(-1)), *after)
+    _, _, same = _two_branches(stax.FanInConcat(-1), *after)
+    np.testing.assert_array_equal(concat(x, None, "ntk"), same(x, None, "ntk"))
 
 
 def test_fan_in_prod_is_not_implemented():

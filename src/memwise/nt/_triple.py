@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -299,8 +300,9 @@ def FanInConcat(axis: int = -1) -> Layer:  # noqa: N802
         >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])  # (64 * 1 + 192 * 4) / 256
         3.25
     """
-    if not isinstance(axis, int) or isinstance(axis, bool):
+    if isinstance(axis, bool) or not hasattr(axis, "__index__"):
         raise TypeError(f"stax.FanInConcat axis must be an int, got {axis!r}")
+    axis = operator.index(axis)
 
     def init_fn(rng, input_shape):
         ax = axis % len(input_shape[0])

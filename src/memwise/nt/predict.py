@@ -284,6 +284,19 @@ def gp_inference(
     return predict_fn
 
 
+def _check_times(t: Any) -> None:
+    """``t``: None, a time >= 0 or an array of them (a traced ``t`` is not checked)."""
+    if t is None or isinstance(t, jax.core.Tracer):
+        return
+    value = np.asarray(t)
+    if not (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)):
+        raise TypeError(
+            f"t must be None (infinite time), a training time >= 0 or an array of them, got {t!r}"
+        )
+    for s in value.reshape(-1):
+        _check_time(s.item())
+
+
 def gradient_descent_mse_ensemble(
     kernel_fn: Callable,
     x_train: jax.Array,
@@ -386,21 +399,18 @@ def gradient_descent_mse_ensemble(
                 "supported by memwise.nt.predict"
             )
         gets, single = _gets(get)
+        _check_times(t)
         out = {}
         for g in gets:
             if x_test is None:
                 out[g] = on_train(t, g, compute_cov)
                 continue
             if t is None or np.ndim(t) == 0:
-                _check_time(t)
                 out[g] = one(t, x_test, g, compute_cov)
                 continue
             # One prediction per time, vmapped: the kernels and the eigendecomposition
             # do not depend on t and are computed once.
             times = jnp.asarray(t)
-            if not isinstance(t, jax.core.Tracer):
-                for s in np.asarray(t).reshape(-1):
-                    _check_time(s.item())
             flat = jax.vmap(lambda s, g=g: one(s, x_test, g, compute_cov))(times.reshape(-1))
             out[g] = jax.tree.map(lambda a, shape=times.shape: a.reshape(shape + a.shape[1:]), flat)
         return _named(out, gets, single)

@@ -285,8 +285,10 @@ class Layer:
     """
 
     needs_variances = False
-    # A nonlinearity: its closed form needs a Gaussian input, the same in every channel.
+    # A nonlinearity: its closed form needs a Gaussian input, the same in every channel
+    # (what it raises otherwise: neural-tangents' error for the layer).
     needs_gaussian = False
+    gaussian_error: type[Exception] = ValueError
     # A random affine map (Dense, Conv): its output is Gaussian whatever its input.
     affine = False
 

@@ -76,7 +76,7 @@ class _Walk:
                 f"with FanInSum(), or give each its own layer with parallel(...)"
             )
         if layer.needs_gaussian and not flow.gaussian:
-            raise ValueError(
+            raise layer.gaussian_error(
                 f"{layer!r} after a concatenation of channels (FanInConcat): its input is "
                 "not Gaussian (its channels have different covariances); put an affine "
                 "layer (Dense, Conv) between them, as neural-tangents requires"

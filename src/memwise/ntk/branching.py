@@ -178,7 +178,11 @@ class _ConcatChannels(Layer):
                 "parallel(...) before it"
             )
         ndim = flow[0].layout.spatial_ndim + 2  # batch, pixels, channels
-        if not -ndim <= self.axis < ndim or self.axis % ndim != ndim - 1:
+        if not -ndim <= self.axis < ndim:
+            raise ValueError(
+                f"FanInConcat(axis={self.axis}) is out of range for inputs of {ndim} axes"
+            )
+        if self.axis % ndim != ndim - 1:
             raise NotImplementedError(
                 f"FanInConcat(axis={self.axis}) on inputs of {ndim} axes: memwise.nt "
                 "concatenates along the channel (last) axis only; neural-tangents' "

@@ -333,6 +333,9 @@ class LayerNorm(Layer):
 
     eps: float = 1e-12
     needs_variances = True
+    # neural-tangents' LayerNorm refuses a concatenation's non-Gaussian channels.
+    needs_gaussian = True
+    gaussian_error = NotImplementedError
 
     def __post_init__(self):
         _set_reals(self, "LayerNorm", eps=0.0)
