@@ -301,29 +301,35 @@ def axes_key(d, t) -> str:
 
 
 # branching_test.py: FanInTest.test_fan_in_fc / test_fan_in_conv with FanInConcat on the
-# channel axis and an affine layer after it ("dense_after_branch_in"), the only
-# concatenation whose kernel neural-tangents computes before a nonlinearity.
+# channel axis and an affine layer after it ("dense_after_branch_in", the only
+# concatenation whose kernel neural-tangents computes before a nonlinearity), and with
+# FanInSum after branches that end in an affine layer ("dense_before_branch_in").
 
 
 def fan_in_cases() -> list[dict]:
-    return [
-        {"model": "fc", "n_branches": n, "axis": axis, "readout": "none"}
+    concat = [
+        {"mode": "concat", "model": "fc", "n_branches": n, "axis": axis, "readout": "none"}
         for n in (2, 3)
         for axis in (1, -1)
     ] + [
-        {"model": "conv", "n_branches": 2, "axis": axis, "readout": readout}
+        {"mode": "concat", "model": "conv", "n_branches": 2, "axis": axis, "readout": readout}
         for axis in (3, -1)
         for readout in ("pool", "flatten")
     ]
+    summed = [{"mode": "sum", "model": "fc", "n_branches": 3, "axis": None, "readout": "none"}] + [
+        {"mode": "sum", "model": "conv", "n_branches": 2, "axis": None, "readout": readout}
+        for readout in ("pool", "flatten")
+    ]
+    return concat + summed
 
 
 def _phi(stax, i):
     return (stax.Relu(), stax.Erf(), stax.Abs())[i % 3]
 
 
-def build_fan_in(stax, *, model, n_branches, axis, readout, width=1024):
-    """Upstream's network: widths grow by a quarter per branch depth, so the
-    concatenation weighs branches of 1,024, 1,024 and 1,280 channels."""
+def build_fan_in(stax, *, mode, model, n_branches, axis, readout, width=1024):
+    """Upstream's network: widths grow by a quarter per branch depth on the channel
+    axis, so the concatenation weighs branches of 1,024, 1,024 and 1,280 channels."""
     if model == "fc":
         first = stax.Dense(width, 1.25, 0.1)
 
@@ -339,9 +345,15 @@ def build_fan_in(stax, *, model, n_branches, axis, readout, width=1024):
     for b in range(n_branches):
         layers = [_phi(stax, b)]
         for i in range(b):
-            layers += [affine(i, int(width * (1 + 0.25 * i))), _phi(stax, i)]
+            multiplier = 1 + 0.25 * i if mode == "concat" else 1
+            layers += [affine(i, int(width * multiplier)), _phi(stax, i)]
+        if mode == "sum":
+            layers.append(first)
         branches.append(stax.serial(*layers))
-    out = [stax.FanInConcat(axis), first, stax.Relu()]
+    if mode == "concat":
+        out = [stax.FanInConcat(axis), first, stax.Relu()]
+    else:
+        out = [stax.FanInSum(), stax.Relu()]
     if readout != "none":
         out.append(stax.GlobalAvgPool() if readout == "pool" else stax.Flatten())
     net = stax.serial(first, stax.FanOut(n_branches), stax.parallel(*branches), *out)

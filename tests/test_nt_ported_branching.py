@@ -4,11 +4,13 @@ Upstream's ``FanInTest`` compares each kernel to a Monte Carlo estimate from 512
 initialisations of width-1,024 networks; here each ``kernel_fn`` is held to
 neural-tangents' own analytic kernel on upstream's inputs (float64, 1e-6; stored in
 tests/data/neural_tangents_ported.npz by data/make_neural_tangents_ported.py), and one
-case keeps upstream's Monte Carlo check at a smaller width (slow). Ported:
-``FanInConcat`` on the channel axis with an affine layer after it (upstream's
-"dense_after_branch_in"), dense and convolutional, pooled and flattened; ``FanInSum``
-is in test_nt_ported_stax.py. Not ported, each a ``NotImplementedError`` of memwise.nt
-tested below: ``FanInConcat`` along the batch or pixel axes, ``FanInProd``.
+case keeps upstream's Monte Carlo check at a smaller width (slow). Ported, dense and
+convolutional, pooled and flattened: ``FanInConcat`` on the channel axis with an affine
+layer after it (upstream's "dense_after_branch_in") and ``FanInSum`` of branches that
+end in one ("dense_before_branch_in"). Of upstream's 16 cases that it does not skip,
+that is 6 (3 concatenations, 3 sums); the other 10 are ``FanInConcat`` along the batch
+or pixel axes (7) and ``FanInProd`` (3), each a ``NotImplementedError`` of memwise.nt
+tested below.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def test_the_finite_network_concatenates():
 def test_fan_in_concat_agrees_with_monte_carlo():
     # Upstream's check, at width 256 and 256 samples (its tolerance, 0.02, scaled to
     # the Monte Carlo error of the smaller ensemble).
-    case = {"model": "fc", "n_branches": 3, "axis": -1, "readout": "none"}
+    case = {"mode": "concat", "model": "fc", "n_branches": 3, "axis": -1, "readout": "none"}
     init_fn, apply_fn, kernel_fn = cases.build_fan_in(stax, **case, width=256)
     x1, x2 = cases.fan_in_inputs("fc")
     mc = nt.monte_carlo_kernel_fn(init_fn, apply_fn, random.PRNGKey(1), 256)
