@@ -408,11 +408,20 @@ def gradient_descent_mse_ensemble(
             if t is None or np.ndim(t) == 0:
                 out[g] = one(t, x_test, g, compute_cov)
                 continue
-            # One prediction per time, vmapped: the kernels and the eigendecomposition
-            # do not depend on t and are computed once.
+            # One compiled prediction per time (vmapping them failed under JAX's next
+            # custom_vjp implementation, in the tiled loops' batching).
             times = jnp.asarray(t)
-            flat = jax.vmap(lambda s, g=g: one(s, x_test, g, compute_cov))(times.reshape(-1))
-            out[g] = jax.tree.map(lambda a, shape=times.shape: a.reshape(shape + a.shape[1:]), flat)
+            flat = [one(s, x_test, g, compute_cov) for s in times.reshape(-1)]
+            if not flat:  # no times: empty results of the right shapes
+                shapes = jax.eval_shape(
+                    lambda s, g=g: one(s, x_test, g, compute_cov), jnp.zeros((), times.dtype)
+                )
+                stacked = jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), shapes)
+            else:
+                stacked = jax.tree.map(lambda *v: jnp.stack(v), *flat)
+            out[g] = jax.tree.map(
+                lambda a, shape=times.shape: a.reshape(shape + a.shape[1:]), stacked
+            )
         return _named(out, gets, single)
 
     return predict_fn
