@@ -96,6 +96,30 @@ def parallel(*layers: Layer) -> Layer:
     return _Parallel(tuple(layers))
 
 
+def _check_branches(name: str, flow: Any) -> None:
+    if not isinstance(flow, list):
+        raise ValueError(
+            f"{name}() joins branches but gets one input; put FanOut(n) and parallel(...) before it"
+        )
+
+
+def _same_pixels(name: str, flow: list) -> list:
+    """The branches in one layout, or a ValueError if their pixel shapes differ.
+
+    A branch past the network's last pooling layer is per-pixel; the others may still be
+    pixel-by-pixel, which nothing downstream needs.
+    """
+    if any(not branch.layout.full for branch in flow):
+        flow = [_to_diagonal(branch) for branch in flow]
+    shapes = {branch.nngp.shape for branch in flow}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"{name}() branches must have the same pixel shape, got kernels of shapes "
+            f"{sorted(shapes)}; use the same strides and padding in every branch"
+        )
+    return flow
+
+
 def _add_ntk(a: Any, b: Any) -> Any:
     if a is None or b is None:
         return None
@@ -124,25 +148,12 @@ class FanInSum(Layer):
         return iter(())
 
     def _walk(self, walk, flow):
-        if not isinstance(flow, list):
-            raise ValueError(
-                "FanInSum() joins branches but gets one input; put FanOut(n) "
-                "and parallel(...) before it"
-            )
-        # A branch past the network's last pooling layer is per-pixel; the others may
-        # still be pixel-by-pixel, which nothing downstream needs.
-        if any(not branch.layout.full for branch in flow):
-            flow = [_to_diagonal(branch) for branch in flow]
-        shapes = {branch.nngp.shape for branch in flow}
-        if len(shapes) > 1:
-            raise ValueError(
-                f"FanInSum() branches must have the same pixel shape, got kernels of shapes "
-                f"{sorted(shapes)}; use the same strides and padding in every branch"
-            )
+        _check_branches("FanInSum", flow)
+        flow = _same_pixels("FanInSum", flow)
         if not all(branch.gaussian for branch in flow):
             raise NotImplementedError(
                 "FanInSum() of a concatenation of channels (FanInConcat) is not supported "
-                "(neural-tangents' FanInSum needs Gaussian inputs either); put an affine "
+                "(neural-tangents' FanInSum needs Gaussian inputs too); put an affine "
                 "layer (Dense, Conv) after the concatenation"
             )
         nngp, ntk = flow[0].nngp, flow[0].ntk
@@ -172,11 +183,7 @@ class _ConcatChannels(Layer):
         return iter(())
 
     def _walk(self, walk, flow):
-        if not isinstance(flow, list):
-            raise ValueError(
-                "FanInConcat() joins branches but gets one input; put FanOut(n) and "
-                "parallel(...) before it"
-            )
+        _check_branches("FanInConcat", flow)
         ndim = flow[0].layout.spatial_ndim + 2  # batch, pixels, channels
         if not -ndim <= self.axis < ndim:
             raise ValueError(
@@ -188,14 +195,7 @@ class _ConcatChannels(Layer):
                 "concatenates along the channel (last) axis only; neural-tangents' "
                 "concatenation along the batch or pixel axes is not supported"
             )
-        if any(not branch.layout.full for branch in flow):
-            flow = [_to_diagonal(branch) for branch in flow]
-        shapes = {branch.nngp.shape for branch in flow}
-        if len(shapes) > 1:
-            raise ValueError(
-                f"FanInConcat() branches must have the same pixel shape, got kernels of "
-                f"shapes {sorted(shapes)}; use the same strides and padding in every branch"
-            )
+        flow = _same_pixels("FanInConcat", flow)
         widths = [branch.width for branch in flow]
         if None in widths:
             raise NotImplementedError(
