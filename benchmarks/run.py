@@ -67,7 +67,15 @@ def markdown() -> str:
 
 
 # The figures of a row that compiling alone determines (memory_analysis of the program).
-MEMORY_KEYS = ("temp_bytes", "peak_bytes", "argument_bytes", "output_bytes", "forward_temp_bytes")
+MEMORY_KEYS = (
+    "temp_bytes",
+    "peak_bytes",
+    "argument_bytes",
+    "output_bytes",
+    "forward_temp_bytes",
+    "arguments + temp",  # sharding: per device, and its scaling over D = 1's
+    "x D / D=1's",
+)
 
 
 def merge_memory(fresh_dir: Path, date: str) -> list[str]:
@@ -88,8 +96,12 @@ def merge_memory(fresh_dir: Path, date: str) -> list[str]:
                 new = rows.get((table["title"], row["variant"]))
                 for key in MEMORY_KEYS if new else ():
                     if key in new and key in row and new[key] != row[key]:
+                        old_value, new_value = (
+                            f"{v:,}" if isinstance(v, (int, float)) else str(v)
+                            for v in (row[key], new[key])
+                        )
                         changed.append(
-                            f"{path.stem}: {row['variant']}: {key} {row[key]:,} -> {new[key]:,}"
+                            f"{path.stem}: {row['variant']}: {key} {old_value} -> {new_value}"
                         )
                         row[key] = new[key]
         result["memory_rechecked"] = date

@@ -600,3 +600,23 @@ def test_a_registered_kernel_replaces_the_loops_and_matches_them():
         kernels.unregister(kernel)
     mw.attention(q, q, q, chunk_size=4)
     assert len(calls) == 1 and kernel not in kernels.registered()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.complex64, jnp.int32])
+def test_zeros_made_after_a_pass_inputs_are_exact_zeros(dtype):
+    """The accumulators' zeros, read from a pass's inputs, are +0 in their dtype even when
+    the inputs hold NaN, infinities or nothing, also under jit and vmap."""
+    from memwise.engine.tiles import made_after
+
+    zeros = jnp.zeros((3, 2), dtype)
+    inputs = (jnp.array([jnp.nan, 1.0]), jnp.array([-jnp.inf]), jnp.zeros((0,)), jnp.arange(3))
+    for out in (
+        made_after(zeros, *inputs),
+        jax.jit(made_after)(zeros, *inputs),
+        jax.vmap(lambda v: made_after(zeros, v))(jnp.array([[-jnp.inf], [jnp.nan], [-2.0]])),
+        made_after(zeros, jnp.arange(3)),  # no floating input: the zeros as given
+    ):
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(out), 0)
+        if jnp.issubdtype(dtype, jnp.floating):
+            assert not np.any(np.signbit(np.asarray(out, np.float32)))

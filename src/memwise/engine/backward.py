@@ -21,7 +21,7 @@ from jax import lax
 from memwise._dtypes import accumulation_dtype, promote
 from memwise._vjp import add, cotangents, fill, select
 from memwise.engine.forward import tiled_forward
-from memwise.engine.tiles import accumulators, pair_blocks
+from memwise.engine.tiles import accumulators, made_after, pair_blocks
 from memwise.sharding import psum_replicated, typed_zeros, vary, varying_over
 
 __all__ = ["add_block", "backward"]
@@ -87,6 +87,7 @@ def backward(spec, values, residual, flags, ct, running=None):
             pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
         ]
         d_consts0 = accumulators(select(consts, const_f))
+        d_rows0, d_cols0, d_pairs0 = made_after((d_rows0, d_cols0, d_pairs0), per_row)
     else:
         d_rows0, d_cols0, d_pairs0, d_consts0 = running
         if d_pairs0 is None:  # a ring's pair cotangents: this block's, fresh

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from memwise.engine.tiles import Leaves, TileSpec, pair_blocks
+from memwise.engine.tiles import Leaves, TileSpec, made_after, pair_blocks
 from memwise.sharding import vary, varying_over
 
 __all__ = ["statistics", "tiled_forward"]
@@ -95,7 +95,7 @@ def _problem_forward(
     # the loop's output and merging made two more copies (under vmap, transposed).
     block_type = jax.eval_shape(one_row_block, jnp.int32(0))
     init = jax.tree.map(lambda t: jnp.zeros((R.padded,) + t.shape[1:], t.dtype), block_type)
-    init = vary(init, varying_over(rows, cols, pairs, consts))
+    init = made_after(vary(init, varying_over(rows, cols, pairs, consts)), rows, cols, pairs)
 
     def body(acc, k):
         blk = one_row_block(k)

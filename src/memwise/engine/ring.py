@@ -26,7 +26,7 @@ from memwise._dtypes import accumulation_dtype
 from memwise._vjp import Static, cotangents, custom_vjp, is_zero, select, unwrap
 from memwise.engine.backward import add_block, backward
 from memwise.engine.forward import statistics
-from memwise.engine.tiles import Leaves, TileSpec, accumulators
+from memwise.engine.tiles import Leaves, TileSpec, accumulators, made_after
 from memwise.sharding import psum_replicated, vary, varying_over
 
 __all__ = ["Ring", "ring_core", "ring_spec"]
@@ -182,13 +182,16 @@ def _ring_core_bwd(spec, ring, res, ct):
         # d_blk follows its block
         return (in_flight, _rotate(d_blk, ring), d_rows, d_pairs, d_consts), None
 
-    init = (
-        list(cols),
-        [padded(a, C) for a in select(cols, col_f)],
-        [padded(a, R) for a in select(rows, row_f)],
-        d_pairs0,
-        accumulators(select(consts, const_f)),
+    d_blk0, d_rows0, d_pairs0 = made_after(
+        (
+            [padded(a, C) for a in select(cols, col_f)],
+            [padded(a, R) for a in select(rows, row_f)],
+            d_pairs0,
+        ),
+        ct,
+        residual,
     )
+    init = (list(cols), d_blk0, d_rows0, d_pairs0, accumulators(select(consts, const_f)))
     (_, d_blk, d_rows, d_pairs, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
     primal_pairs = select(pairs, pair_f)
     d_pairs = [

@@ -11,17 +11,19 @@ an axis of size 1 broadcast, never expanded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from memwise._dtypes import accumulation_dtype
 from memwise.engine.reductions import REDUCTIONS, Reduction
 from memwise.sharding import typed_zeros
 from memwise.tiling import Chunking, Tiling
 
-__all__ = ["FORWARD_MODE", "Leaves", "TileSpec", "accumulators", "pair_blocks"]
+__all__ = ["FORWARD_MODE", "Leaves", "TileSpec", "accumulators", "made_after", "pair_blocks"]
 
 # The flattened leaves of one pytree operand (rows, cols, pairs or consts).
 Leaves = list[jax.Array]
@@ -30,6 +32,29 @@ Leaves = list[jax.Array]
 def accumulators(values: Sequence[Any]) -> list:
     """Loop-carry zeros shaped like ``values``, in their accumulation dtype."""
     return [z.astype(accumulation_dtype(z.dtype)) for z in typed_zeros(values)]
+
+
+def made_after(zeros: Any, *after: Any) -> Any:
+    """``zeros`` (a pytree of zero arrays), computed only once the arrays ``after`` are.
+
+    XLA merges every zero array of one shape into one constant, copies it for each loop
+    that writes into it in place, and schedules those copies at the start of the
+    program, so each stays alive until its loop has run: 9 point-sized copies lived
+    through the whole gradient of an unbalanced Sinkhorn divergence. A zero read from
+    a loop's own inputs (a finite value times 0: exactly +0) is made when they are,
+    just before the loop, and is no copy. XLA does not fold ``x * 0`` for floats;
+    integer zeros fold back into a constant, as before.
+    """
+    firsts = [
+        jnp.real(a.ravel()[0]).astype(jnp.float32)
+        for a in jax.tree.leaves(after)
+        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) and a.size
+    ]
+    if not firsts:
+        return zeros
+    finite = [jnp.where(jnp.isfinite(v), jnp.abs(v), 0.0) for v in firsts]
+    zero = functools.reduce(jnp.add, finite) * 0.0
+    return jax.tree.map(lambda z: z * zero.astype(z.dtype), zeros)
 
 
 FORWARD_MODE = (
