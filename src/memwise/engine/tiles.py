@@ -46,7 +46,7 @@ def made_after(zeros: Any, *after: Any) -> Any:
     integer zeros fold back into a constant, as before.
     """
     firsts = [
-        jnp.real(a.ravel()[0]).astype(jnp.float32)
+        jnp.real(a[(0,) * a.ndim]).astype(jnp.float32)  # one element: no reshape of a
         for a in jax.tree.leaves(after)
         if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) and a.size
     ]
