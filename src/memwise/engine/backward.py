@@ -21,7 +21,7 @@ from jax import lax
 from memwise._dtypes import accumulation_dtype, promote
 from memwise._vjp import add, cotangents, fill, select
 from memwise.engine.forward import tiled_forward
-from memwise.engine.tiles import accumulators, made_after, pair_blocks
+from memwise.engine.tiles import accumulators, made_after, padded_zeros, pair_blocks
 from memwise.sharding import psum_replicated, typed_zeros, vary, varying_over
 
 __all__ = ["add_block", "backward"]
@@ -63,8 +63,7 @@ def backward(spec, values, residual, flags, ct, running=None):
     # ...) copied q once more), and cotangents are written in place into padded carries;
     # slots past the end are masked (zero cotangent), then sliced off.
     def padded(a, chunks, dtype, k=nb):
-        shape = a.shape[:k] + (chunks.padded,) + a.shape[k + 1 :]
-        return vary(jnp.zeros(shape, dtype), axes)
+        return vary(padded_zeros(a, chunks, dtype, k), axes)
 
     def pair_accumulator(p, k):
         shape = list(p.shape)

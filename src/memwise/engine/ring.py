@@ -26,7 +26,7 @@ from memwise._dtypes import accumulation_dtype
 from memwise._vjp import Static, cotangents, custom_vjp, is_zero, select, unwrap
 from memwise.engine.backward import add_block, backward
 from memwise.engine.forward import statistics
-from memwise.engine.tiles import Leaves, TileSpec, accumulators, made_after
+from memwise.engine.tiles import Leaves, TileSpec, accumulators, made_after, padded_zeros
 from memwise.sharding import psum_replicated, vary, varying_over
 
 __all__ = ["Ring", "ring_core", "ring_spec"]
@@ -144,10 +144,6 @@ def _ring_core_bwd(spec, ring, res, ct):
     R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
     block_flags = (row_f, col_f, pair_f, const_f + (False,))
 
-    def padded(a, chunks):
-        shape = a.shape[:nb] + (chunks.padded,) + a.shape[nb + 1 :]
-        return jnp.zeros(shape, accumulation_dtype(a.dtype))
-
     # A pair's cotangent, squeezed as the backward pass squeezes it, whole along the
     # columns: each block's share is written at the block's columns.
     squeezed = spec.squeeze_pairs(select(pairs, pair_f))
@@ -184,8 +180,8 @@ def _ring_core_bwd(spec, ring, res, ct):
 
     d_blk0, d_rows0, d_pairs0 = made_after(
         (
-            [padded(a, C) for a in select(cols, col_f)],
-            [padded(a, R) for a in select(rows, row_f)],
+            [padded_zeros(a, C, accumulation_dtype(a.dtype), nb) for a in select(cols, col_f)],
+            [padded_zeros(a, R, accumulation_dtype(a.dtype), nb) for a in select(rows, row_f)],
             d_pairs0,
         ),
         ct,

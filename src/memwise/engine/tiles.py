@@ -23,7 +23,15 @@ from memwise.engine.reductions import REDUCTIONS, Reduction
 from memwise.sharding import typed_zeros
 from memwise.tiling import Chunking, Tiling
 
-__all__ = ["FORWARD_MODE", "Leaves", "TileSpec", "accumulators", "made_after", "pair_blocks"]
+__all__ = [
+    "FORWARD_MODE",
+    "Leaves",
+    "TileSpec",
+    "accumulators",
+    "made_after",
+    "padded_zeros",
+    "pair_blocks",
+]
 
 # The flattened leaves of one pytree operand (rows, cols, pairs or consts).
 Leaves = list[jax.Array]
@@ -32,6 +40,12 @@ Leaves = list[jax.Array]
 def accumulators(values: Sequence[Any]) -> list:
     """Loop-carry zeros shaped like ``values``, in their accumulation dtype."""
     return [z.astype(accumulation_dtype(z.dtype)) for z in typed_zeros(values)]
+
+
+def padded_zeros(a: Any, chunks: Chunking, dtype: Any, axis: int) -> jax.Array:
+    """Zeros shaped like ``a`` with ``axis`` padded to whole tiles (``chunks.padded``): the
+    carry a tile loop writes each block's cotangent into, sliced back afterwards."""
+    return jnp.zeros(a.shape[:axis] + (chunks.padded,) + a.shape[axis + 1 :], dtype)
 
 
 def made_after(zeros: Any, *after: Any) -> Any:
