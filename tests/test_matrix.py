@@ -115,15 +115,18 @@ def _attention(n, chunk, dtype):
     return f, dense, (q, k, v)
 
 
-def _dot_product_attention(floats=(), **options):
+def _dot_product_attention(floats=(), bias_lead=(1, 4), **options):
     """mw.dot_product_attention with ``options`` (layout (B, T, N, H), 4 query heads on 2
     K/V heads) against the dense reference; ``floats``: float options that are inputs
-    too (their gradients are checked). ``options`` may be a function of n."""
+    too (their gradients are checked); ``bias_lead``: the bias's (B, N), N = 4 a bias per
+    head (read heads-first), N = 1 one for every head (read with the heads inside the
+    tiles).
+    ``options`` may be a function of n."""
 
     def build(n, chunk, dtype):
         opts = options["of_n"](n) if "of_n" in options else options
         q, k, v, bias, sinks = _inputs(
-            dtype, (2, n, 4, 4), (2, n + 1, 2, 4), (2, n + 1, 2, 3), (1, 4, n, n + 1), (4,)
+            dtype, (2, n, 4, 4), (2, n + 1, 2, 4), (2, n + 1, 2, 3), bias_lead + (n, n + 1), (4,)
         )
         extra = {"bias": bias, "sinks": sinks}
         args = (q, k, v) + tuple(extra[name] for name in floats)
@@ -457,6 +460,7 @@ CASES = {
     "pairwise_max": Case(_pairwise("max")),
     "attention": Case(_attention),
     "dpa_gqa": Case(_dot_product_attention(("bias",), is_causal=True)),
+    "dpa_gqa_shared_bias": Case(_dot_product_attention(("bias",), bias_lead=(2, 1))),
     "dpa_segments": Case(_dot_product_attention(of_n=_segments)),
     "dpa_window_lengths": Case(
         _dot_product_attention(

@@ -208,6 +208,33 @@ def test_grouped_query_gradient_has_no_repeated_kv():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "options, limit",
+    [
+        ({}, 1.2),
+        ({"is_causal": True, "local_window_size": (256, 0)}, 1.2),
+        # A query might see no key: its output and cotangent are corrected (one copy).
+        ({"q_segment_ids": jnp.arange(4096) // 1000}, 2.2),
+        ({"bias": jnp.ones((1, 1, 1, 4096))}, 1.2),
+    ],
+)
+def test_heads_are_read_in_place(options, limit):
+    # (B, T, N, H) inputs are read where they are, every head inside each tile: the
+    # gradient's temporaries are the output kept for the backward (one q-sized buffer)
+    # and the tiles, where moving q, k, v, the output and their gradients to a
+    # heads-first layout held about four more q-sized copies. The cotangent is an
+    # argument here (a loss like sum(out ** 2) makes its own, one more buffer).
+    T = 4096
+    q = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32)
+
+    def loss(q, k, v, c):
+        return jnp.sum(mw.dot_product_attention(q, k, v, **options) * c)
+
+    temp = compiled_memory(loss, q, q, q, q, grad=True, argnums=(0, 1, 2)).temp_bytes
+    assert temp < limit * (T * 8 * 64 * 4), temp
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_error_no_worse_than_jax_nn(dtype):
     # GQA 4:1 with a bias, a window and padding lengths; inputs and cotangent exactly

@@ -16,9 +16,14 @@ the tile sizes. The hash is the "lowbias32" integer mixer (Wellons, *Prospecting
 functions*, 2018), two rounds per element; its bits are not of cryptographic quality,
 which dropout does not need.
 
-Grouped-query attention: ``k`` and ``v`` may have 1 for a batch dim of ``q`` (the group
-of query heads one K/V head serves); the engine then evaluates each tile for the whole
-group without repeating K/V, and their gradients keep K/V's size.
+Heads: either batch dims in front of the sequence (``(..., L, d)``, heads-first), or,
+with ``groups=(K, G)``, inside the tile (``(B, T, K, G, H)`` queries against
+``(B, S, K, H)`` keys, ``jax.nn.dot_product_attention``'s layout): a tile then holds
+its rows' scores for every head, ``(K, G, R, C)``, one softmax per head (the engine's
+``"softmax"`` reduction with leading head dims), and nothing is moved to a heads-first
+copy in either pass. Grouped-query attention: each K/V head serves its ``G`` query
+heads inside the tile (heads-first: ``k`` and ``v`` with 1 for the group's batch dim);
+K/V are never repeated beyond one tile and their gradients keep their own size.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import numpy as np
 from memwise._dtypes import accumulation_dtype
 from memwise.engine import Ring, tiled_reduce
 from memwise.engine.kernels import Pattern
-from memwise.tiling import ChunkSize, item_bytes, tiling
+from memwise.tiling import ChunkSize, Tiling, item_bytes, tiling
 
 __all__ = ["Visibility", "attend", "dropout_rows"]
 
@@ -76,20 +81,26 @@ def dropout_rows(
 
 
 def _keep_mask(row_hash: jax.Array, col_ids: jax.Array, seed1: jax.Array, rate: float) -> jax.Array:
-    """The tile's dropout keep mask: ``P(keep) = 1 - rate`` per pair, from the hashes."""
+    """The tile's dropout keep mask: ``P(keep) = 1 - rate`` per pair, from the hashes
+    (``row_hash heads + (R,)``: the mask is ``heads + (R, C)``)."""
     c = col_ids.astype(jnp.uint32) * np.uint32(0x85EBCA77) + seed1
-    bits = _mix(_mix(row_hash[:, None] ^ c[None, :]) + np.uint32(0x27D4EB2F))
+    bits = _mix(_mix(row_hash[..., None] ^ c) + np.uint32(0x27D4EB2F))
     threshold = np.uint32(min(int(rate * 2.0**32), 2**32 - 1))
     return bits >= threshold
 
 
-def _pair_bytes(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
+def _heads_first(rows: dict) -> dict:
+    """A row block's queries ``(R, K, G, H)`` as ``(K, G, R, H)``, the layout of a batched
+    matmul, once per block (the engine's ``row_layout``); the other row operands stay."""
+    return {**rows, "q": jnp.transpose(rows["q"], (1, 2, 0, 3))}
+
+
+def _pair_bytes(q: jax.Array, k: jax.Array, v: jax.Array, problems: int) -> int:
     """One query-key pair's score and weight, for every (batch, head) at once."""
     dtype = accumulation_dtype(jnp.result_type(q, k, v))
     d = q.shape[-1]
     score = lambda qi, kj: jnp.exp(jnp.dot(qi, kj))  # noqa: E731
-    per_head = item_bytes(score, jnp.zeros(d, dtype), jnp.zeros(d, dtype))
-    return per_head * int(np.prod(q.shape[:-2], dtype=np.int64))
+    return item_bytes(score, jnp.zeros(d, dtype), jnp.zeros(d, dtype)) * problems
 
 
 def _clamped(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -125,6 +136,7 @@ def attend(
     row_offset: jax.Array | None = None,
     ring: Ring | None = None,
     stripes: tuple[int, int, int] | None = None,
+    groups: tuple[int, int] | None = None,
     caller: str = "memwise.attention",
 ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of attention in tiles: ``out`` in the values' dtype, the per-row
@@ -134,7 +146,11 @@ def attend(
     ``kbatch + (S, H)`` where each dim of ``kbatch`` is that of ``batch`` or 1 (shared);
     ``mask``/``bias`` ``batch + (T, S)`` with 1 on the dims they broadcast over;
     ``q_segments``/``q_keep`` (whether a query row is real) ``batch + (T,)``;
-    ``kv_segments``/``kv_keep`` ``kbatch + (S,)``. ``live_segments``: the same segment
+    ``kv_segments``/``kv_keep`` ``kbatch + (S,)``. With ``groups=(K, G)`` the heads are
+    inside the tiles instead: ``q batch + (T, K, G, H)``, ``k``, ``v`` ``batch + (S, K,
+    H)``, masks, segments and keeps as above (shared by every head), the row hashes
+    ``batch + (T, K, G)``; ``out`` is ``batch + (T, K, G, Hv)``, ``lse``
+    ``batch + (T, K, G)``. ``live_segments``: the same segment
     ids as ``(B, T)`` and ``(B, S)`` tables (any common leading ``B``) from which a tile
     is found invisible; ``live_lengths``: the largest query and key length over the
     batch (or None). ``dropout``: ``(seed (2,) uint32, row hashes batch + (T,))`` from
@@ -146,8 +162,10 @@ def attend(
     the error forward mode raises.
     """
     vis = visibility
-    batch = q.shape[:-2]
-    lq, lk = q.shape[-2], k.shape[-2]
+    heads = 0 if groups is None else 2  # q's head dims after the sequence axis
+    batch = q.shape[: q.ndim - 2 - heads]
+    lq, lk = q.shape[len(batch)], k.shape[len(batch)]
+    problems = int(np.prod(batch + (groups or ()), dtype=np.int64))
     rows: dict = {"q": q}
     cols: dict = {"k": k, "v": v}
     pairs: dict = {}
@@ -184,7 +202,12 @@ def attend(
         # Scores in at least float32 from bfloat16/float16 inputs (float32 accumulation,
         # as jax.nn.dot_product_attention); the engine keeps the softmax in float32 too.
         score_dtype = accumulation_dtype(jnp.result_type(r["q"], c["k"]))
-        s = jnp.dot(r["q"], c["k"].T, preferred_element_type=score_dtype)
+        if groups is None:
+            s = jnp.dot(r["q"], c["k"].T, preferred_element_type=score_dtype)
+            vals = c["v"]
+        else:  # (K, G, R, C): each K/V head against its group of query heads
+            s = jnp.einsum("kgrh,ckh->kgrc", r["q"], c["k"], preferred_element_type=score_dtype)
+            vals = jnp.moveaxis(c["v"], 0, 1)[:, None]  # (K, 1, C, Hv): serves the group
         s = s * consts["scale"].astype(score_dtype)
         if vis.softcap is not None:
             s = vis.softcap * jnp.tanh(s / vis.softcap)
@@ -210,10 +233,11 @@ def attend(
         if keep is not None:
             s = jnp.where(keep, s, -jnp.inf)
         if "hash" not in r:
-            return s, c["v"]
-        kept = _keep_mask(r["hash"], col_ids, consts["seed"][1], vis.dropout_rate)
+            return s, vals
+        row_hash = r["hash"] if groups is None else jnp.moveaxis(r["hash"], 0, -1)
+        kept = _keep_mask(row_hash, col_ids, consts["seed"][1], vis.dropout_rate)
         weights = jnp.where(kept, 1.0 / (1.0 - vis.dropout_rate), 0.0).astype(score_dtype)
-        return s, c["v"], weights
+        return s, vals, weights
 
     def live(row_ids, col_ids, consts):
         # Whether any pair of the tile can be visible, from position ranges (a tile is a
@@ -243,7 +267,14 @@ def attend(
         or live_segments is not None
         or any(n is not None for n in live_lengths)
     )
-    tiles = tiling(lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v))
+    tiles = tiling(lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v, problems))
+    if groups is not None and not isinstance(chunk_size, Tiling):
+        # With the heads inside the tile, each backward tile moves its K/V block's heads
+        # first and back (once per tile, as the forward): at half the forward's rows this
+        # cost the gradient 1.16x its time at T = 4,096 with 8 heads, so the backward
+        # runs the forward's tile (a ``Tiling`` given as chunk_size still sets its own).
+        size = (tiles.rows.size, tiles.cols.size)
+        tiles = tiling(lq, lk, size, backward=size)
     out, lse = tiled_reduce(
         tile_fn,
         rows,
@@ -265,12 +296,14 @@ def attend(
                 ("window", vis.window),
                 ("softcap", vis.softcap),
                 ("dropout_rate", vis.dropout_rate),
+                ("groups", groups),
                 ("rows", tuple(sorted(rows))),
                 ("cols", tuple(sorted(cols))),
                 ("pairs", tuple(sorted(pairs))),
                 ("consts", tuple(sorted(consts))),
             ),
         ),
+        row_layout=None if groups is None else _heads_first,
         forward_mode_error=(
             f"{caller} supports reverse mode (grad, vjp, jacrev; also jax.hessian and "
             "jacfwd of grad) and vmap, but not forward mode through it (jvp, jacfwd, "

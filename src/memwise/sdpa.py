@@ -188,9 +188,12 @@ def dot_product_attention(
     (last dim ``value``'s) in the inputs' dtype.
 
     Memory: the inputs, the output, a float32 log-sum-exp per query and head, and one
-    tile of scores per (batch, head), in both passes; never a ``T x S`` matrix, and
-    never K/V repeated to ``N`` heads. A mask or bias adds its own size (no more: it is
-    sliced tile by tile from its own shape). Compute: about 2.5 forward passes for the
+    tile of scores for every head, in both passes; never a ``T x S`` matrix, and never
+    K/V repeated to ``N`` heads. The inputs are read where they are, in their
+    ``(B, T, N, H)`` layout, every head inside each tile. A mask or bias adds its own
+    size (no more: it is sliced tile by tile from its own shape); one with a head dim
+    (``N`` > 1 in ``(B, N, T, S)``) is read heads-first, which moves q, k, v and the
+    output to a ``(B, N, T, H)`` copy and back (their gradients too). Compute: about 2.5 forward passes for the
     gradient; tiles that ``is_causal``, ``local_window_size``, the sequence lengths or
     the segment ids make invisible are skipped in both passes (a window of ``W`` keys
     costs about ``T * W``, not ``T * S``).
@@ -235,8 +238,9 @@ def dot_product_attention(
         ``broadcast_dropout=True``); default a mask per batch element and head.
       differentiable_residual: give the residual its gradient (to combine partial
         attentions over key blocks, as ring and split-K attention do).
-      chunk_size: tile ``(query rows, key cols)`` as for :func:`memwise.attention`;
-        query rows count the ``N / K`` heads of a group as rows too.
+      chunk_size: tile ``(query rows, key cols)`` as for :func:`memwise.attention`,
+        each tile holding every head; the backward runs the same tile (a
+        :class:`memwise.tiling.Tiling` sets its own).
 
     Returns:
       The attention output, or ``(output, log-sum-exp)`` with ``return_residual``.
@@ -344,28 +348,42 @@ def dot_product_attention(
         lse = jnp.full(lse_shape, _LARGE_NEGATIVE, jnp.float32).astype(dtype)
         return (out, lse) if return_residual else out
 
-    # Query heads as (K, G): each K/V head is a batch dim of 1 the group broadcasts over.
-    qg = q4.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
-    kg, vg = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k4, v4))
-    batch = (B, K, G)
-    q_keep = kv_keep = None
-    if q_len is not None:
-        q_valid = jnp.arange(T) < q_len[:, None]
-        q_keep = jnp.broadcast_to(q_valid[:, None, None], batch + (T,))
-    if kv_len is not None:
-        kv_keep = (jnp.arange(S) < kv_len[:, None])[:, None, None]
+    # Query heads as (K, G), each K/V head serving its group. Masks and biases shared
+    # by every head, segments, lengths and dropout are read in the inputs' own layout,
+    # the heads inside each tile; a per-head mask or bias (B, N, T, S) is sliced from
+    # its own shape in the heads-first layout (B, K, G, T, .), which costs a copy of
+    # q, k, v and the output moved there and back.
+    per_head = any(a is not None and a.shape[1] != 1 for a in (mask, bias))
     acc = accumulation_dtype(dtype)
-    # (A causal query always sees key 0.)
-    may_see_nothing = any(a is not None for a in (mask, q_len, kv_len, window, q_seg))
-    if acc != jnp.dtype(vg.dtype) and (sinks is not None or may_see_nothing):
+    # (A causal query always sees key 0; within a window, query i sees key i if i < S.)
+    may_see_nothing = any(a is not None for a in (mask, q_len, kv_len, q_seg)) or (
+        window is not None and T > S
+    )
+    if acc != jnp.dtype(v4.dtype) and (sinks is not None or may_see_nothing):
         # The per-row corrections below (the sink's share, the values' mean for a query
         # that sees nothing) then act on the unrounded output, and the mean's gradient
         # joins dV before its one rounding: a bfloat16 dV was off by up to one ulp
         # instead of half. Costs a float32 copy of V.
-        vg = vg.astype(acc)
-    dropout = None
+        v4 = v4.astype(acc)
+    q_valid = None if q_len is None else jnp.arange(T) < q_len[:, None]  # (B, T)
+    kv_valid = None if kv_len is None else jnp.arange(S) < kv_len[:, None]
+    row_hash = None
     if seed is not None:
-        dropout = (seed, dropout_rows(seed, batch, T, shared=bool(dropout_broadcast)))
+        row_hash = dropout_rows(seed, (B, K, G), T, shared=bool(dropout_broadcast))
+    if per_head:
+        batch = (B, K, G)
+        qg = q4.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
+        kg, vg = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k4, v4))
+        mask, bias = (None if a is None else _grouped(a, K, G) for a in (mask, bias))
+        rows_of = lambda a: jnp.broadcast_to(a[:, None, None], batch + (T,))  # noqa: E731
+        cols_of = lambda a: a[:, None, None]  # noqa: E731
+        groups = None
+    else:
+        qg, kg, vg = q4.reshape(B, T, K, G, H), k4, v4
+        mask, bias = (None if a is None else a[:, 0] for a in (mask, bias))  # (B, T, S)
+        rows_of = cols_of = lambda a: a  # noqa: E731
+        row_hash = None if row_hash is None else row_hash.transpose(0, 3, 1, 2)
+        groups = (K, G)
     out, lse = attend(
         qg,
         kg,
@@ -374,37 +392,41 @@ def dot_product_attention(
         visibility=Visibility(bool(is_causal), window, softcap, rate),
         chunk_size=chunk_size,
         caller="memwise.dot_product_attention",
-        mask=None if mask is None else _grouped(mask, K, G),
-        bias=None if bias is None else _grouped(bias, K, G),
-        q_segments=None if q_seg is None else jnp.broadcast_to(q_seg[:, None, None], batch + (T,)),
-        kv_segments=None if kv_seg is None else kv_seg[:, None, None],
-        q_keep=q_keep,
-        kv_keep=kv_keep,
+        mask=mask,
+        bias=bias,
+        q_segments=None if q_seg is None else rows_of(q_seg),
+        kv_segments=None if kv_seg is None else cols_of(kv_seg),
+        q_keep=None if q_valid is None else rows_of(q_valid),
+        kv_keep=None if kv_valid is None else cols_of(kv_valid),
         live_segments=None if q_seg is None or kv_seg is None else (q_seg, kv_seg),
         live_lengths=(
             None if q_len is None else jnp.max(q_len),
             None if kv_len is None else jnp.max(kv_len),
         ),
-        dropout=dropout,
+        dropout=None if seed is None or row_hash is None else (seed, row_hash),
+        groups=groups,
     )
-    # Per-row corrections, in at least float32 (O(T) per head: never a tile).
+    if per_head:  # back to (B, T, K, G, .)
+        out, lse = out.transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)
+    # Per-row corrections, in at least float32 (O(T) per head: never a tile), only
+    # where a row may need one: the output is otherwise returned as the tiles made it.
     out32 = out.astype(acc)
-    seen = jnp.isfinite(lse)
     if sinks is not None:
-        sink = sinks.astype(acc).reshape(1, K, G, 1)
+        sink = sinks.astype(acc).reshape(1, 1, K, G)
         out32 = out32 * jax.nn.sigmoid(lse - sink)[..., None]
         lse = jnp.logaddexp(lse, sink)
-    else:
+    elif may_see_nothing:
         # jax.nn: a query that sees no key averages all values (uniform weights).
-        mean_v = jnp.mean(vg.astype(acc), axis=-2, keepdims=True)
+        seen = jnp.isfinite(lse)
+        mean_v = jnp.mean(v4.astype(acc), axis=1, keepdims=True)[:, :, :, None]
         out32 = jnp.where(seen[..., None], out32, mean_v)
         lse = jnp.where(seen, lse, _LARGE_NEGATIVE)
-    if q_keep is not None:
-        out32 = jnp.where(q_keep[..., None], out32, 0.0)
-    result = out32.astype(dtype).transpose(0, 3, 1, 2, 4).reshape(out_shape)
+    if q_valid is not None:
+        out32 = jnp.where(q_valid[:, :, None, None, None], out32, 0.0)
+    result = out32.astype(dtype).reshape(out_shape)
     if not return_residual:
         return result
-    residual = lse.astype(dtype).transpose(0, 3, 1, 2).reshape(lse_shape)
+    residual = lse.astype(dtype).reshape(lse_shape)
     return result, residual if differentiable_residual else jax.lax.stop_gradient(residual)
 
 

@@ -82,6 +82,7 @@ def tiled_reduce(
     ring: Ring | None = None,
     forward_mode_error: str = FORWARD_MODE,
     pattern: kernels.Pattern | None = None,
+    row_layout: Callable | None = None,
 ) -> Any:
     """The engine: reduce tile scores over columns, for every row, tile by tile.
 
@@ -141,6 +142,11 @@ def tiled_reduce(
     and what to use instead. Reverse mode, ``jax.hessian`` and ``jacfwd`` of ``grad``
     work.
 
+    ``row_layout(rows_block) -> rows_block`` (optional) rearranges each row block once,
+    before its column tiles, in both passes (leaf by leaf, linear: a transpose moving
+    heads first for batched matmuls); ``tile_fn`` then sees the rearranged block, and
+    the block's cotangent is pulled back once per block instead of once per tile.
+
     ``pattern`` (optional) names what ``tile_fn`` computes, so that a fused kernel
     registered for it, this reduction and the platform (:mod:`memwise.engine.kernels`)
     runs instead of the plain-JAX loops; with none registered (the default) the loops
@@ -195,6 +201,7 @@ def tiled_reduce(
         vary_consts,
         live,
         forward_mode_error,
+        row_layout,
     )
     leaves = [
         guard_forward_mode([jnp.asarray(a) for a in lv], forward_mode_error) for lv, _ in flat

@@ -101,6 +101,8 @@ def backward(spec, values, residual, flags, ct, running=None):
         r_ids, r_valid = R.chunk_ids(inp)
         r0 = r_ids[0]
         row_blk = [R.block(a, r0, axis=nb) for a in rows]
+        block = row_blk
+        row_blk = spec.lay_out_rows(row_blk, batched=True)
         row_data = [R.block(a, r0, axis=nb) for a in per_row]
 
         def col_body(carry2, inp2):
@@ -165,6 +167,14 @@ def backward(spec, values, residual, flags, ct, running=None):
             (accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
             C.indices(),
         )
+        if spec.row_layout is not None:  # the block's cotangent in its own layout
+            # (at the accumulators' dtypes: the layout is linear)
+            primal = [a.astype(g.dtype) for a, g in zip(select(block, row_f), d_row)]
+            _, pull = jax.vjp(
+                lambda *xs: select(spec.lay_out_rows(fill(block, row_f, xs), batched=True), row_f),
+                *primal,
+            )
+            d_row = list(pull(d_row))
         if running is None:
             # A row block's cotangent is complete here: stored once, in its own dtype.
             d_rows = [

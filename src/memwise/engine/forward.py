@@ -28,7 +28,7 @@ def _tile_type(spec: TileSpec, rows: Leaves, cols: Leaves, pairs: Leaves, consts
     R, C, nb = spec.tiles.rows, spec.tiles.cols, len(spec.batch)
 
     def first_tile():
-        r = [R.block(a[(0,) * nb], 0) for a in rows]
+        r = spec.lay_out_rows([R.block(a[(0,) * nb], 0) for a in rows])
         c = [C.block(a[(0,) * k], 0) for a, k in zip(cols, spec.col_lead())]
         lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
         p = pair_blocks(R, C, [a[(0,) * k] for a, k in zip(pairs, lead)], 0, 0)
@@ -88,7 +88,7 @@ def _problem_forward(
     # Row blocks sliced by index, as the columns' and the backward's: splitting rows
     # into (chunks, size, ...) copied q (transposed, under the batch's vmap).
     def one_row_block(k):
-        row_blk = [R.block(a, k * R.size) for a in rows]
+        row_blk = spec.lay_out_rows([R.block(a, k * R.size) for a in rows])
         return _row_pass(spec, first, row_blk, cols, pairs, consts, R.chunk_ids(k)[0])
 
     # Each block's statistics written in place into a carried buffer: stacking them as

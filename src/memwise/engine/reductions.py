@@ -339,45 +339,69 @@ class Max(Reduction):
         return jnp.zeros((n,) + shape, dtype) if n == 0 else None
 
 
+def _letters(first: str, n: int) -> str:
+    """``n`` einsum letters from ``first`` on: the head and value dims of a softmax tile."""
+    return "".join(chr(ord(first) + i) for i in range(n))
+
+
 class Softmax(Reduction):
     """``(sum_j p_ij w_ij v_j, lse_i)`` with ``p`` the softmax of the scores over ``j``
     (attention; value weights ``w``, dropout's ``keep / (1 - rate)``, leave the
     denominator unchanged and get no gradient). The residual is the unrounded output
-    and the float32 log-sum-exp."""
+    and the float32 log-sum-exp.
+
+    A tile may hold several heads, leading: scores ``h + (R, C)``, values
+    ``h' + (C,) + dv`` where each dim of ``h'`` is that of ``h`` or 1 (a K/V head
+    serving a group of query heads), weights ``h + (R, C)``; one softmax per head, out
+    ``(R,) + h + dv`` and lse ``(R,) + h`` (rows lead in the results, so that a row
+    block is written in place). Attention in ``(B, T, N, H)`` layout reads its query
+    tiles with every head this way: each tile's products are batched matmuls, and no
+    head is moved in front of ``T`` outside a tile.
+    """
 
     name = "softmax"
+
+    @staticmethod
+    def _dims(s_ndim: int, v_ndim: int) -> tuple[str, str]:
+        """The einsum letters of the head dims and of the value dims."""
+        nh = s_ndim - 2
+        return _letters("a", nh), _letters("p", v_ndim - 1 - nh)
 
     def init(self, first):
         s_type, v_type = first[:2]
         acc = accumulation_dtype(s_type.dtype)
-        rows = s_type.shape[0]
+        stat = s_type.shape[:-1]  # h + (R,)
+        nh = len(stat) - 1
         return (
-            jnp.full((rows,), -jnp.inf, acc),
-            jnp.zeros((rows,), acc),
-            jnp.zeros((rows,) + v_type.shape[1:], accumulation_dtype(v_type.dtype)),
+            jnp.full(stat, -jnp.inf, acc),
+            jnp.zeros(stat, acc),
+            jnp.zeros(stat + v_type.shape[nh + 1 :], accumulation_dtype(v_type.dtype)),
         )
 
     def update(self, state, out, c_valid, c_ids):
         m, denom, acc = state
         s, vals = out[:2]
+        h, dv = self._dims(s.ndim, vals.ndim)
         # Widened inside the fused exp/sum only; the tile itself stays as produced.
-        s = jnp.where(c_valid[None, :], s, -jnp.inf).astype(m.dtype)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        s = jnp.where(c_valid, s, -jnp.inf).astype(m.dtype)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         shift = safe_max(m_new)
-        p = jnp.exp(s - shift[:, None])
+        p = jnp.exp(s - shift[..., None])
         scale = jnp.exp(m - shift)
-        denom = denom * scale + jnp.sum(p, axis=1)
+        denom = denom * scale + jnp.sum(p, axis=-1)
         # Value weights (dropout) scale the sum of values, not the denominator.
         pw = p if len(out) == 2 else p * out[2].astype(m.dtype)
-        acc = acc * expand(scale, acc.ndim).astype(acc.dtype) + jnp.tensordot(
-            pw, vals.astype(acc.dtype), 1
-        )
+        summed = jnp.einsum(f"{h}rj,{h}j{dv}->{h}r{dv}", pw, vals.astype(acc.dtype))
+        acc = acc * expand(scale, acc.ndim).astype(acc.dtype) + summed
         return m_new, denom, acc
 
     def close(self, state):
         m, denom, acc = state
+        nh = m.ndim - 1
         lse = closed_lse(m, denom)
-        return acc / expand(jnp.where(denom > 0, denom, 1.0), acc.ndim), lse
+        out = acc / expand(jnp.where(denom > 0, denom, 1.0), acc.ndim)
+        # Rows first: heads h + (R,) + dv -> (R,) + h + dv (once per row block).
+        return jnp.moveaxis(out, nh, 0), jnp.moveaxis(lse, nh, 0)
 
     def combine(self, a, b):
         (oa, la), (ob, lb) = a, b
@@ -397,26 +421,32 @@ class Softmax(Reduction):
         out, lse = residual
         ct_out = dense(ct[0], out)
         ct_lse = dense(ct[1], lse).astype(lse.dtype)
-        trailing = tuple(range(batch_ndim + 1, out.ndim))
-        delta = jnp.sum(ct_out.astype(lse.dtype) * out, axis=trailing)
+        # The value dims: after the batch dims, the row and the heads (lse's dims).
+        delta = jnp.sum(ct_out.astype(lse.dtype) * out, axis=tuple(range(lse.ndim, out.ndim)))
         return [ct_out, ct_lse - delta, lse]
 
     def score_cotangent(self, out, row_data, r_valid, c_valid, c_ids):
         s, vals = out[:2]
-        ct_out, ct_lse_minus_delta, lse = row_data
+        nh = s.ndim - 2
+        h, dv = self._dims(s.ndim, vals.ndim)
+        # The rows' data with the heads leading, as in the tile.
+        ct_out, ct_lse_minus_delta, lse = (jnp.moveaxis(a, 0, nh) for a in row_data)
         acc = lse.dtype
-        valid = c_valid[None, :] & (r_valid & jnp.isfinite(lse))[:, None]
-        p = jnp.where(valid, jnp.exp(s.astype(acc) - safe_max(lse)[:, None]), 0.0)
-        ct2 = ct_out.reshape(ct_out.shape[0], -1).astype(acc)
-        v2 = vals.reshape(vals.shape[0], -1).astype(acc)
-        dp = ct2 @ v2.T
+        seen = r_valid & jnp.isfinite(lse)
+        valid = c_valid & seen[..., None]
+        p = jnp.where(valid, jnp.exp(s.astype(acc) - safe_max(lse)[..., None]), 0.0)
+        ct_acc, v_acc = ct_out.astype(acc), vals.astype(acc)
+        dp = jnp.einsum(f"{h}r{dv},{h}j{dv}->{h}rj", ct_acc, v_acc)
         # With value weights w: out = sum_j p_j w_j v_j, so d/ds_j = p_j (w_j dp_j - delta)
         # (FlashAttention's dropout backward); the weights themselves get no gradient.
         pw = p if len(out) == 2 else p * out[2].astype(acc)
         if len(out) == 3:
             dp = dp * out[2].astype(acc)
-        ds = p * (dp + ct_lse_minus_delta[:, None])
-        d_vals = (pw.T @ ct2).reshape(vals.shape).astype(vals.dtype)
+        ds = p * (dp + ct_lse_minus_delta[..., None])
+        # A value head shared by a group of heads (size 1 in vals) sums over the group.
+        v_h = "".join(c for i, c in enumerate(h) if vals.shape[i] != 1 or s.shape[i] == 1)
+        d_vals = jnp.einsum(f"{h}rj,{h}r{dv}->{v_h}j{dv}", pw, ct_acc)
+        d_vals = d_vals.reshape(vals.shape).astype(vals.dtype)
         if len(out) == 2:
             return ds.astype(s.dtype), d_vals
         return ds.astype(s.dtype), d_vals, jnp.zeros_like(out[2])

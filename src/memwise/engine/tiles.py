@@ -106,6 +106,9 @@ class TileSpec:
     live: Callable | None = None
     # The TypeError forward mode raises, naming the caller's public function and the fix.
     forward_mode_error: str = ""
+    # row_layout(rows) -> rows: each row block rearranged once, before its column tiles,
+    # in both passes (tile_fn sees it; its cotangent is pulled back once per block).
+    row_layout: Callable | None = None
 
     @property
     def reduction(self) -> Reduction:
@@ -116,6 +119,20 @@ class TileSpec:
             jax.tree.unflatten(tree, flat) for tree, flat in zip(self.trees, leaves)
         )
         return self.tile_fn(rows, cols, pairs, consts, row_ids, col_ids)
+
+    def lay_out_rows(self, leaves: list, batched: bool = False) -> list:
+        """A row block's leaves in ``row_layout``'s arrangement (unchanged without one);
+        ``batched``: the leaves have the batch dims (the backward's blocks)."""
+        layout = self.row_layout
+        if layout is None:
+            return leaves
+
+        def one(*xs):
+            return jax.tree.leaves(layout(jax.tree.unflatten(self.trees[0], list(xs))))
+
+        for _ in self.batch if batched else ():
+            one = jax.vmap(one)
+        return list(one(*leaves))
 
     def is_live(self, row_ids: jax.Array, col_ids: jax.Array, const_leaves: list) -> jax.Array:
         assert self.live is not None  # called only for a spec with live
