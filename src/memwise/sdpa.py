@@ -345,7 +345,9 @@ def dot_product_attention(
             tiling(1, 1, chunk_size)  # still a valid size
         # The dense result: nothing to attend to gives zeros (jax.nn's empty sums).
         out = jnp.zeros(out_shape, dtype)
-        lse = jnp.full(lse_shape, _LARGE_NEGATIVE, jnp.float32).astype(dtype)
+        # jax.nn's log-sum-exp over no key is -inf (its masked scores are finite).
+        lse = jnp.full(lse_shape, -jnp.inf if S == 0 else _LARGE_NEGATIVE, jnp.float32)
+        lse = lse.astype(dtype)
         return (out, lse) if return_residual else out
 
     # Query heads as (K, G), each K/V head serving its group. Masks and biases shared
@@ -355,8 +357,10 @@ def dot_product_attention(
     # q, k, v and the output moved there and back.
     per_head = any(a is not None and a.shape[1] != 1 for a in (mask, bias))
     acc = accumulation_dtype(dtype)
-    # (A causal query always sees key 0; within a window, query i sees key i if i < S.)
-    may_see_nothing = any(a is not None for a in (mask, q_len, kv_len, q_seg)) or (
+    # (A causal query always sees key 0; within a window, query i sees key i if i < S.
+    # A bias of -inf can hide a whole row too: it gets the values' mean, as a masked
+    # row, whether or not a mask is passed.)
+    may_see_nothing = any(a is not None for a in (mask, bias, q_len, kv_len, q_seg)) or (
         window is not None and T > S
     )
     if acc != jnp.dtype(v4.dtype) and (sinks is not None or may_see_nothing):
