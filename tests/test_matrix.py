@@ -120,8 +120,7 @@ def _dot_product_attention(floats=(), bias_lead=(1, 4), **options):
     K/V heads) against the dense reference; ``floats``: float options that are inputs
     too (their gradients are checked); ``bias_lead``: the bias's (B, N), N = 4 a bias per
     head (read heads-first), N = 1 one for every head (read with the heads inside the
-    tiles).
-    ``options`` may be a function of n."""
+    tiles). ``options`` may be a function of n."""
 
     def build(n, chunk, dtype):
         opts = options["of_n"](n) if "of_n" in options else options

@@ -193,8 +193,8 @@ def dot_product_attention(
     ``(B, T, N, H)`` layout, every head inside each tile. A mask or bias adds its own
     size (no more: it is sliced tile by tile from its own shape); one with a head dim
     (``N`` > 1 in ``(B, N, T, S)``) is read heads-first, which moves q, k, v and the
-    output to a ``(B, N, T, H)`` copy and back (their gradients too). Compute: about 2.5 forward passes for the
-    gradient; tiles that ``is_causal``, ``local_window_size``, the sequence lengths or
+    output to a ``(B, N, T, H)`` copy and back (their gradients too). Compute: about
+    2.5 forward passes for the gradient; tiles that ``is_causal``, ``local_window_size``, the sequence lengths or
     the segment ids make invisible are skipped in both passes (a window of ``W`` keys
     costs about ``T * W``, not ``T * S``).
 
@@ -371,9 +371,10 @@ def dot_product_attention(
         v4 = v4.astype(acc)
     q_valid = None if q_len is None else jnp.arange(T) < q_len[:, None]  # (B, T)
     kv_valid = None if kv_len is None else jnp.arange(S) < kv_len[:, None]
-    row_hash = None
+    dropout = None
     if seed is not None:
         row_hash = dropout_rows(seed, (B, K, G), T, shared=bool(dropout_broadcast))
+        dropout = (seed, row_hash if per_head else row_hash.transpose(0, 3, 1, 2))
     if per_head:
         batch = (B, K, G)
         qg = q4.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
@@ -386,7 +387,6 @@ def dot_product_attention(
         qg, kg, vg = q4.reshape(B, T, K, G, H), k4, v4
         mask, bias = (None if a is None else a[:, 0] for a in (mask, bias))  # (B, T, S)
         rows_of = cols_of = lambda a: a  # noqa: E731
-        row_hash = None if row_hash is None else row_hash.transpose(0, 3, 1, 2)
         groups = (K, G)
     out, lse = attend(
         qg,
@@ -407,7 +407,7 @@ def dot_product_attention(
             None if q_len is None else jnp.max(q_len),
             None if kv_len is None else jnp.max(kv_len),
         ),
-        dropout=None if seed is None or row_hash is None else (seed, row_hash),
+        dropout=dropout,
         groups=groups,
     )
     if per_head:  # back to (B, T, K, G, .)
