@@ -266,6 +266,28 @@ def test_gradient_memory_is_one_tile_and_flat_in_vocabulary():
         assert small <= 0.02 * tokens * 16_000 * 4, (layout, small)
 
 
+@pytest.mark.slow
+def test_half_precision_gradient_holds_no_float32_dw_accumulator():
+    """In bfloat16 each vocabulary block's dW is complete after its pass over the tokens
+    and stored in bfloat16 (the split backward): no float32 buffer the size of w is
+    summed into. What is left at w's size is XLA:CPU's own float32 conversion of w for
+    its products (a CPU artifact; one copy, where there were two)."""
+    tokens, d = 2048, 64
+
+    def temp(vocab):
+        x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((d, vocab), jnp.bfloat16)
+        y = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+
+        def f(x, w, y):
+            return mw.linear_cross_entropy(x, w, y, chunk_size=(256, 512))
+
+        return compiled_memory(f, x, w, y, grad=True, argnums=(0, 1)).temp_bytes
+
+    for vocab in (16_000, 32_768):  # ragged for the tile, and not
+        assert temp(vocab) < 1.4 * d * vocab * 4, vocab
+
+
 BAD = {
     "float labels": (
         lambda x, w, y: mw.linear_cross_entropy(x, w, y.astype(float)),

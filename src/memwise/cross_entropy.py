@@ -116,9 +116,14 @@ def linear_cross_entropy(
     backward pass (the mean of the capped scores), ``return_argmax`` one more forward
     pass. Both layouts of ``w`` are read in place (each tile slices its words from
     ``w``; no transposed or padded copy, also for a ragged last tile). bfloat16/float16
-    inputs: scores, log-sum-exp and gradient sums are float32 (the backward then holds
-    a float32 copy of ``w`` and a float32 ``dW`` accumulator); results are cast to the
-    inputs' dtype.
+    inputs: scores, log-sum-exp and gradient sums are float32 and results are cast to
+    the inputs' dtype. Summing ``dW`` over token tiles in float32 would need a float32
+    buffer the size of ``w``, so in half precision the backward is two passes: one over
+    token blocks for ``dx`` and one over vocabulary blocks, each block's ``dW``
+    complete after its pass over the tokens and stored in ``w``'s dtype. That is one
+    more tile product per tile (about 4x the forward's products, against 3x), for no
+    float32 copy of ``w``. (XLA:CPU itself converts a bfloat16 ``w`` to float32 once
+    for its products; accelerators with bfloat16 matrix units do not.)
 
     Args:
       x: hidden states, ``(..., d)``.
@@ -324,12 +329,16 @@ def _local(
 class _Head:
     """The output layer: ``w`` in either layout, an optional bias, a soft cap.
 
-    ``w`` reaches the engine whole, as a const, and each tile slices its vocabulary
-    block from it (along axis 1 for ``"dv"``, 0 for ``"vd"``): no transposed or padded
-    copy of ``w`` is made for a layout or a ragged last tile, and the engine's
-    per-tile gradient of that slice is added in place into the ``dW`` accumulator. The
-    engine's columns are the bias, or an empty ``(V, 0)`` array that only carries the
-    vocabulary's length.
+    ``w`` is the engine's columns, read in place along its vocabulary axis (1 for
+    ``"dv"``, 0 for ``"vd"``: ``tiled_reduce(col_axis=)``), so neither layout nor a
+    ragged last tile makes a transposed or padded copy; the bias, when given, is a
+    second column leaf. In float32 the backward is one pass and ``dW`` is summed in
+    place in its own buffer. In bfloat16/float16, summing ``dW`` over token tiles needs
+    float32, and a float32 buffer the size of ``w`` would be as large as the logits
+    this function avoids: the backward is then the engine's ``"split"`` one, a
+    token-major pass for ``dx`` and a vocabulary-major pass in which each block of
+    words' ``dW`` is complete after its pass over the tokens and stored once in ``w``'s
+    dtype (one more tile product per tile).
     """
 
     w: jax.Array
@@ -339,11 +348,12 @@ class _Head:
 
     def reduce(self, tile_fn: Callable, rows: Any, tiles: Tiling, reduce: str) -> Any:
         """``tiled_reduce`` over the vocabulary of ``tile_fn(rows_blk, head_blk)``."""
-        vocab = tiles.shape[1]
-        cols = jnp.zeros((vocab, 0), self.w.dtype) if self.bias is None else self.bias
+        axis = 1 if self.layout == "dv" else 0
+        cols: tuple = (self.w,) if self.bias is None else (self.w, self.bias)
+        narrow = any(accumulation_dtype(c.dtype) != c.dtype for c in cols)
 
-        def engine_fn(rb, bias_blk, _pairs, w, _row_ids, col_ids):
-            return tile_fn(rb, lambda xb: self.scores(xb, w, bias_blk, col_ids), col_ids)
+        def engine_fn(rb, blk, _pairs, _consts, _row_ids, col_ids):
+            return tile_fn(rb, lambda xb: self.scores(xb, *blk), col_ids)
 
         return tiled_reduce(
             engine_fn,
@@ -351,26 +361,21 @@ class _Head:
             cols,
             reduce=reduce,
             tiles=tiles,
-            consts=self.w,
+            col_axis=(axis, 0)[: len(cols)],
+            backward="split" if narrow else "rows",
             upcast=True,
             forward_mode_error=_FORWARD_MODE,
         )
 
     def scores(
-        self, xb: jax.Array, w: jax.Array, bias_blk: jax.Array, col_ids: jax.Array
+        self, xb: jax.Array, w_blk: jax.Array, bias_blk: jax.Array | None = None
     ) -> jax.Array:
         """One tile's scores ``x W + b`` (soft-capped), in at least float32."""
         axis = 1 if self.layout == "dv" else 0
-        size, vocab = col_ids.shape[0], w.shape[axis]
-        start = col_ids[0]
-        clamped = jnp.minimum(start, vocab - size)
-        blk = lax.dynamic_slice_in_dim(w, clamped, size, axis=axis)
-        if vocab % size:  # the ragged last tile: slot k holds word start + k (see Chunking.block)
-            blk = jnp.roll(blk, clamped - start, axis=axis)
-        acc = accumulation_dtype(jnp.result_type(xb, blk))
+        acc = accumulation_dtype(jnp.result_type(xb, w_blk))
         # One matrix product per tile, and so one each for dx and dW in its vjp.
-        s = lax.dot_general(xb, blk, (((1,), (1 - axis,)), ((), ())), preferred_element_type=acc)
-        if self.bias is not None:
+        s = lax.dot_general(xb, w_blk, (((1,), (1 - axis,)), ((), ())), preferred_element_type=acc)
+        if bias_blk is not None:
             s = s + bias_blk.astype(acc)[None, :]
         if self.cap is not None:
             s = self.cap * jnp.tanh(s / self.cap)

@@ -49,11 +49,15 @@ def _tiled_core_bwd(spec, res, ct):
 _tiled_core.defvjp(_tiled_core_fwd, _tiled_core_bwd)
 
 
-def _item_length(tree: Any, batch: tuple, arg: str, broadcast: bool = False) -> int:
+def _item_length(
+    tree: Any, batch: tuple, arg: str, broadcast: bool = False, axes: tuple = ()
+) -> int:
     """The common length of the axis after the ``batch`` dims of every leaf of ``tree``
-    (with ``broadcast``, a leaf's batch dim may also be 1)."""
+    (with ``broadcast``, a leaf's batch dim may also be 1; with ``axes``, per leaf the
+    axis after the batch dims that holds the items)."""
     nb = len(batch)
-    for leaf in jax.tree.leaves(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    for leaf in leaves:
         lead = np.shape(leaf)[:nb]
         if len(lead) != nb or any(
             s != b and not (broadcast and s == 1) for s, b in zip(lead, batch)
@@ -62,8 +66,31 @@ def _item_length(tree: Any, batch: tuple, arg: str, broadcast: bool = False) -> 
             raise ValueError(
                 f"every leaf of {arg} needs leading batch dims {batch}{more}, got {np.shape(leaf)}"
             )
-    items = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[nb:], jnp.result_type(a)), tree)
-    return leading_length(items, arg)
+    items = []
+    for a, ax in zip(leaves, axes or (0,) * len(leaves)):
+        item = tuple(np.shape(a)[nb:])
+        if ax and ax >= len(item):
+            raise ValueError(f"a leaf of {arg} of shape {np.shape(a)} has no axis {ax}")
+        items.append(jax.ShapeDtypeStruct(item[ax : ax + 1] + item[:ax] + item[ax + 1 :], bool))
+    return leading_length(jax.tree.unflatten(treedef, items), arg)
+
+
+def _col_axes(cols: Any, col_axis: Any) -> tuple:
+    """``col_axis`` as one non-negative int per leaf of ``cols``."""
+    n = len(jax.tree.leaves(cols))
+    if isinstance(col_axis, (int, np.integer)) and not isinstance(col_axis, bool):
+        axes = [int(col_axis)] * n
+    else:
+        axes = jax.tree.leaves(col_axis)
+        if len(axes) != n or not all(
+            isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
+        ):
+            raise ValueError(
+                f"col_axis must be an int or one int per leaf of cols ({n}), got {col_axis!r}"
+            )
+    if any(a < 0 for a in axes):
+        raise ValueError(f"col_axis must be >= 0 (counted after the batch dims), got {col_axis!r}")
+    return tuple(int(a) for a in axes)
 
 
 def tiled_reduce(
@@ -83,6 +110,8 @@ def tiled_reduce(
     forward_mode_error: str = FORWARD_MODE,
     pattern: kernels.Pattern | None = None,
     row_layout: Callable | None = None,
+    col_axis: Any = 0,
+    backward: str = "rows",
 ) -> Any:
     """The engine: reduce tile scores over columns, for every row, tile by tile.
 
@@ -147,6 +176,21 @@ def tiled_reduce(
     heads first for batched matmuls); ``tile_fn`` then sees the rearranged block, and
     the block's cotangent is pulled back once per block instead of once per tile.
 
+    ``col_axis`` (an int, or one per leaf of ``cols`` as a pytree of its structure):
+    the axis after the batch dims along which a column leaf holds its columns (0 by
+    default). A ``(d, V)`` output layer is then read as V columns in place, each block
+    sliced along axis 1, with no transposed copy.
+
+    ``backward`` picks the backward's loop order. ``"rows"`` (the default): one pass,
+    row blocks outer; the cotangents of columns, pairs and consts are summed over the
+    row blocks in at least float32, so a bfloat16 column operand gets a float32
+    accumulator of its whole size. ``"split"``: the rows' cotangents from that pass, the
+    columns' (and pairs', consts') from a second, column-major pass, so each column
+    block's cotangent is complete after its pass over the rows and stored once in its
+    own dtype: no accumulator of n or m items in float32, for one more evaluation of
+    every tile. With only rows (or only columns, pairs and consts) needing a cotangent,
+    ``"split"`` runs that one pass.
+
     ``pattern`` (optional) names what ``tile_fn`` computes, so that a fused kernel
     registered for it, this reduction and the platform (:mod:`memwise.engine.kernels`)
     runs instead of the plain-JAX loops; with none registered (the default) the loops
@@ -164,9 +208,20 @@ def tiled_reduce(
         raise ValueError(f"reduce must be one of {tuple(REDUCTIONS)}, got {reduce!r}")
     if not isinstance(tiles, Tiling):
         raise TypeError(f"tiles must be a memwise.tiling.Tiling (from tiling()), got {tiles!r}")
+    if backward not in ("rows", "split"):
+        raise ValueError(f"backward must be 'rows' or 'split', got {backward!r}")
     batch = tuple(int(b) for b in batch)
     nb = len(batch)
-    shape = (_item_length(rows, batch, "rows"), _item_length(cols, batch, "cols", True))
+    col_axes = _col_axes(cols, col_axis)
+    if ring is not None and (any(col_axes) or backward != "rows"):
+        raise ValueError(
+            "a ring takes columns along axis 0 and the one-pass backward: leave col_axis "
+            "and backward at their defaults"
+        )
+    shape = (
+        _item_length(rows, batch, "rows"),
+        _item_length(cols, batch, "cols", True, col_axes),
+    )
     if tiles.shape != shape:
         raise ValueError(f"tiles were resolved for {tiles.shape}, but rows x cols is {shape}")
     pair_batch = []
@@ -202,6 +257,8 @@ def tiled_reduce(
         live,
         forward_mode_error,
         row_layout,
+        col_axes if any(col_axes) else (),
+        backward,
     )
     leaves = [
         guard_forward_mode([jnp.asarray(a) for a in lv], forward_mode_error) for lv, _ in flat

@@ -7,7 +7,10 @@ Glaunes, Collin, Durif, JMLR 22, 2021): for every tile, the reduction's score co
 cotangent and the forward's saved statistics) is pulled back through ``tile_fn``.
 Cotangents of rows are complete after their row block's pass over the columns and
 stored once in their own dtype; those of columns, pairs and constants accumulate over
-row blocks, in at least float32, written in place into padded carries. Replicated
+row blocks, in at least float32, written in place into carries the size of their
+operands. ``backward="split"`` adds a column-major pass for the latter, so a column
+block's cotangent is complete after its pass over the rows and is stored once in its
+own dtype too (a bfloat16 output layer gets no float32 copy of its size). Replicated
 inputs enter the loops as varying copies, so each tile's vjp yields a local partial
 cotangent that one all-reduce sums at the end.
 """
@@ -21,7 +24,13 @@ from jax import lax
 from memwise._dtypes import accumulation_dtype, promote
 from memwise._vjp import add, cotangents, fill, select
 from memwise.engine.forward import tiled_forward
-from memwise.engine.tiles import accumulators, made_after, padded_zeros, pair_blocks
+from memwise.engine.tiles import (
+    accumulators,
+    made_after,
+    pair_blocks,
+    store_block,
+    store_order,
+)
 from memwise.sharding import psum_replicated, typed_zeros, vary, varying_over
 
 __all__ = ["add_block", "backward"]
@@ -60,11 +69,9 @@ def backward(spec, values, residual, flags, ct, running=None):
     col_lead = spec.col_lead()
 
     # Blocks are sliced by index from the unpadded arrays (splitting into (chunks, size,
-    # ...) copied q once more), and cotangents are written in place into padded carries;
-    # slots past the end are masked (zero cotangent), then sliced off.
-    def padded(a, chunks, dtype, k=nb):
-        return vary(padded_zeros(a, chunks, dtype, k), axes)
-
+    # ...) copied q once more), and cotangents are written in place into carries of the
+    # operands' own shapes (store_block puts a ragged last block where it came from);
+    # a pair's carry is padded, its slots past the end masked, then sliced off.
     def pair_accumulator(p, k):
         shape = list(p.shape)
         full_rows, full_cols = shape[k] == R.length, shape[k + 1] == C.length
@@ -76,118 +83,188 @@ def backward(spec, values, residual, flags, ct, running=None):
         dtype = jnp.result_type(p) if once else accumulation_dtype(jnp.result_type(p))
         return vary(jnp.zeros(shape, dtype), axes)
 
-    if running is None:
-        d_rows0 = [padded(a, R, a.dtype) for a in select(rows, row_f)]
-        d_cols0 = [
-            padded(a, C, accumulation_dtype(a.dtype), k)
-            for a, k in zip(select(cols, col_f), select(col_lead, col_f))
-        ]
+    # One tile of every problem in the batch at once.
+    tile_in_axes = lambda level: (0, spec.col_axes(level), spec.pair_axes(level), None)  # noqa: E731
+
+    def tile_vjp(fl, row_blk, row_data, r_ids, r_valid, col_blk, pblk, c_ids, c_valid):
+        """The cotangents of one tile's inputs selected by ``fl`` (the four flags)."""
+        blocks = [row_blk, col_blk, pblk]
+        if spec.upcast:
+            blocks = promote(blocks)
+        tile = spec.over_batch(
+            lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
+        )
+
+        def f(r_d, c_d, p_d, k_d):
+            return tile(
+                fill(blocks[0], fl[0], r_d),
+                fill(blocks[1], fl[1], c_d),
+                fill(blocks[2], fl[2], p_d),
+                fill(consts, fl[3], k_d),
+            )
+
+        score_ct = spec.over_batch(
+            lambda out, rd: reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
+            lambda level: (0, 0),
+        )
+        primal_in = tuple(select(b, f_) for b, f_ in zip((*blocks, consts), fl))
+
+        def tile_grads():
+            out, vjp = jax.vjp(f, *primal_in)
+            return vjp(score_ct(out, row_data))
+
+        if spec.live is None:
+            return tile_grads()
+        # Only the tile's cotangents are branched (not the carried accumulators), so
+        # the cond never copies an O(n) or O(n m) buffer.
+        return lax.cond(
+            spec.is_live(r_ids, c_ids, consts),
+            tile_grads,
+            lambda: tuple(typed_zeros(group) for group in primal_in),
+        )
+
+    def row_side(k):
+        """Row block ``k``: its ids, validity, start, the block as sliced (its own
+        layout), as the tile reads it, and its per-row data."""
+        r_ids, r_valid = R.chunk_ids(k)
+        r0 = r_ids[0]
+        block = [R.block(a, r0, axis=nb) for a in rows]
+        laid_out = spec.lay_out_rows(block, batched=True)
+        return r_ids, r_valid, r0, block, laid_out, [R.block(a, r0, axis=nb) for a in per_row]
+
+    def col_side(k):
+        """Column block ``k``: its ids, validity, start and the block."""
+        c_ids, c_valid = C.chunk_ids(k)
+        c0 = c_ids[0]
+        return c_ids, c_valid, c0, [C.block(a, c0, axis=k_) for a, k_ in zip(cols, col_lead)]
+
+    def rows_back(block, d_row, fl):
+        """A laid-out row block's cotangent in the block's own layout."""
+        if spec.row_layout is None:
+            return d_row
+        # (at the accumulators' dtypes: the layout is linear)
+        primal = [a.astype(g.dtype) for a, g in zip(select(block, fl[0]), d_row)]
+        _, pull = jax.vjp(
+            lambda *xs: select(spec.lay_out_rows(fill(block, fl[0], xs), batched=True), fl[0]),
+            *primal,
+        )
+        return list(pull(d_row))
+
+    def zeros(fl, own):
+        """The padded zero accumulators of the cotangents selected by ``fl``: the rows'
+        (``own="rows"``) or the columns' (``"cols"``) in their own dtype, each block
+        stored once; the others in at least float32, summed over blocks."""
+        row_f, col_f, pair_f, const_f = fl
+
+        def acc(a, mine):  # unpadded: blocks are stored (or added) by store_block
+            dtype = a.dtype if own == mine else accumulation_dtype(a.dtype)
+            return vary(jnp.zeros(a.shape, dtype), axes)
+
+        d_rows0 = [acc(a, "rows") for a in select(rows, row_f)]
+        d_cols0 = [acc(a, "cols") for a in select(cols, col_f)]
         d_pairs0 = [
             pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
         ]
         d_consts0 = accumulators(select(consts, const_f))
         d_rows0, d_cols0, d_pairs0 = made_after((d_rows0, d_cols0, d_pairs0), per_row)
-    else:
-        d_rows0, d_cols0, d_pairs0, d_consts0 = running
-        if d_pairs0 is None:  # a ring's pair cotangents: this block's, fresh
-            d_pairs0 = [
-                pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
-            ]
-    # One tile of every problem in the batch at once.
-    tile_in_axes = lambda level: (0, spec.col_axes(level), spec.pair_axes(level), None)  # noqa: E731
+        return d_rows0, d_cols0, d_pairs0, d_consts0
 
-    def row_body(carry, inp):
-        d_rows, d_cols, d_pairs, d_consts = carry
-        r_ids, r_valid = R.chunk_ids(inp)
-        r0 = r_ids[0]
-        row_blk = [R.block(a, r0, axis=nb) for a in rows]
-        block = row_blk
-        row_blk = spec.lay_out_rows(row_blk, batched=True)
-        row_data = [R.block(a, r0, axis=nb) for a in per_row]
+    def rows_first(fl, init):
+        """Row blocks outer: a row block's cotangent is complete after its column tiles."""
+        row_f, col_f, pair_f, _ = fl
 
-        def col_body(carry2, inp2):
-            d_row, d_cols, d_pairs, d_consts = carry2
-            c_ids, c_valid = C.chunk_ids(inp2)
-            c0 = c_ids[0]
-            col_blk = [C.block(a, c0, axis=k) for a, k in zip(cols, col_lead)]
-            pblk = pair_blocks(R, C, pairs, r0, c0, lead)
-            blocks = [row_blk, col_blk, pblk]
-            if spec.upcast:
-                blocks = promote(blocks)
-            tile = spec.over_batch(
-                lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
-            )
+        def row_body(carry, inp):
+            d_rows, d_cols, d_pairs, d_consts = carry
+            r_ids, r_valid, r0, block, row_blk, row_data = row_side(inp)
 
-            def f(r_d, c_d, p_d, k_d):
-                return tile(
-                    fill(blocks[0], row_f, r_d),
-                    fill(blocks[1], col_f, c_d),
-                    fill(blocks[2], pair_f, p_d),
-                    fill(consts, const_f, k_d),
+            def col_body(carry2, inp2):
+                d_row, d_cols, d_pairs, d_consts = carry2
+                c_ids, c_valid, c0, col_blk = col_side(inp2)
+                pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+                dr, dc, dp, dk = tile_vjp(
+                    fl, row_blk, row_data, r_ids, r_valid, col_blk, pblk, c_ids, c_valid
                 )
+                d_cols = [
+                    store_block(acc, g, C, c0, k, add=True)
+                    for acc, g, k in zip(d_cols, dc, select(col_lead, col_f))
+                ]
+                d_pairs = [
+                    add_block(acc, g, (r0, c0), k)
+                    for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
+                ]
+                return (add(d_row, dr), d_cols, d_pairs, add(d_consts, dk)), None
 
-            primal_in = (
-                select(blocks[0], row_f),
-                select(blocks[1], col_f),
-                select(blocks[2], pair_f),
-                select(consts, const_f),
+            (d_row, d_cols, d_pairs, d_consts), _ = lax.scan(
+                col_body,
+                (accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
+                C.indices(),
             )
-            score_ct = spec.over_batch(
-                lambda out, rd: reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
-                lambda level: (0, 0),
-            )
+            d_row = rows_back(block, d_row, fl)
+            if running is None:
+                # A row block's cotangent is complete here: stored once, in its own dtype.
+                d_rows = [store_block(acc, g, R, r0, nb) for acc, g in zip(d_rows, d_row)]
+            else:  # one column block of a ring: add to the other blocks' share
+                d_rows = [add_block(acc, g, (r0,), nb) for acc, g in zip(d_rows, d_row)]
+            return (d_rows, d_cols, d_pairs, d_consts), None
 
-            def tile_grads():
-                out, vjp = jax.vjp(f, *primal_in)
-                return vjp(score_ct(out, row_data))
+        # (the ring adds into its rows: any order)
+        return lax.scan(row_body, init, R.indices() if running is not None else store_order(R))[0]
 
-            if spec.live is None:
-                dr, dc, dp, dk = tile_grads()
-            else:
-                # Only the tile's cotangents are branched (not the carried accumulators),
-                # so the cond never copies an O(n) or O(n m) buffer.
-                dr, dc, dp, dk = lax.cond(
-                    spec.is_live(r_ids, c_ids, consts),
-                    tile_grads,
-                    lambda: tuple(typed_zeros(group) for group in primal_in),
+    def cols_first(fl, init):
+        """Column blocks outer: a column block's cotangent is complete after its row
+        tiles, stored once in its own dtype (the rows' are summed in float32)."""
+        row_f, col_f, pair_f, _ = fl
+
+        def col_body(carry, inp):
+            d_rows, d_cols, d_pairs, d_consts = carry
+            c_ids, c_valid, c0, col_blk = col_side(inp)
+
+            def row_body(carry2, inp2):
+                d_rows, d_col, d_pairs, d_consts = carry2
+                r_ids, r_valid, r0, block, row_blk, row_data = row_side(inp2)
+                pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+                dr, dc, dp, dk = tile_vjp(
+                    fl, row_blk, row_data, r_ids, r_valid, col_blk, pblk, c_ids, c_valid
                 )
-            d_row = add(d_row, dr)
+                dr = rows_back(block, dr, fl)
+                d_rows = [store_block(acc, g, R, r0, nb, add=True) for acc, g in zip(d_rows, dr)]
+                d_pairs = [
+                    add_block(acc, g, (r0, c0), k)
+                    for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
+                ]
+                return (d_rows, add(d_col, dc), d_pairs, add(d_consts, dk)), None
+
+            (d_rows, d_col, d_pairs, d_consts), _ = lax.scan(
+                row_body,
+                (d_rows, accumulators(select(col_blk, col_f)), d_pairs, d_consts),
+                R.indices(),
+            )
             d_cols = [
-                add_block(acc, g, (c0,), k)
-                for acc, g, k in zip(d_cols, dc, select(col_lead, col_f))
+                store_block(acc, g, C, c0, k)
+                for acc, g, k in zip(d_cols, d_col, select(col_lead, col_f))
             ]
-            d_pairs = [
-                add_block(acc, g, (r0, c0), k)
-                for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
-            ]
-            return (d_row, d_cols, d_pairs, add(d_consts, dk)), None
+            return (d_rows, d_cols, d_pairs, d_consts), None
 
-        (d_row, d_cols, d_pairs, d_consts), _ = lax.scan(
-            col_body,
-            (accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
-            C.indices(),
-        )
-        if spec.row_layout is not None:  # the block's cotangent in its own layout
-            # (at the accumulators' dtypes: the layout is linear)
-            primal = [a.astype(g.dtype) for a, g in zip(select(block, row_f), d_row)]
-            _, pull = jax.vjp(
-                lambda *xs: select(spec.lay_out_rows(fill(block, row_f, xs), batched=True), row_f),
-                *primal,
-            )
-            d_row = list(pull(d_row))
-        if running is None:
-            # A row block's cotangent is complete here: stored once, in its own dtype.
-            d_rows = [
-                lax.dynamic_update_slice_in_dim(acc, g.astype(acc.dtype), r0, axis=nb)
-                for acc, g in zip(d_rows, d_row)
-            ]
-        else:  # one column block of a ring: add to the other blocks' share
-            d_rows = [add_block(acc, g, (r0,), nb) for acc, g in zip(d_rows, d_row)]
-        return (d_rows, d_cols, d_pairs, d_consts), None
+        return lax.scan(col_body, init, store_order(C))[0]
 
-    (d_rows, d_cols, d_pairs, d_consts), _ = lax.scan(
-        row_body, (d_rows0, d_cols0, d_pairs0, d_consts0), R.indices()
-    )
+    if running is not None:
+        d_rows, d_cols, d_pairs, d_consts = running
+        if d_pairs is None:  # a ring's pair cotangents: this block's, fresh
+            d_pairs = zeros(flags, "rows")[2]
+        d_rows, d_cols, d_pairs, d_consts = rows_first(flags, (d_rows, d_cols, d_pairs, d_consts))
+    elif spec.backward == "rows":
+        d_rows, d_cols, d_pairs, d_consts = rows_first(flags, zeros(flags, "rows"))
+    else:
+        # "split": the rows' cotangents row-major, the others column-major, each
+        # complete per block and stored once in its own dtype.
+        none = [[False] * len(f_) for f_ in flags]
+        row_fl = (row_f, *none[1:])
+        col_fl = (none[0], col_f, pair_f, const_f)
+        d_rows = rows_first(row_fl, zeros(row_fl, "rows"))[0] if any(row_f) else []
+        if any(col_f) or any(pair_f) or any(const_f):
+            _, d_cols, d_pairs, d_consts = cols_first(col_fl, zeros(col_fl, "cols"))
+        else:
+            d_cols, d_pairs, d_consts = [], [], []
     if running is not None:
         return d_rows, d_cols, d_pairs, d_consts
 

@@ -29,7 +29,10 @@ def _tile_type(spec: TileSpec, rows: Leaves, cols: Leaves, pairs: Leaves, consts
 
     def first_tile():
         r = spec.lay_out_rows([R.block(a[(0,) * nb], 0) for a in rows])
-        c = [C.block(a[(0,) * k], 0) for a, k in zip(cols, spec.col_lead())]
+        c = [
+            C.block(a[(0,) * k], 0, axis=ax)
+            for a, k, ax in zip(cols, spec.col_batch_dims(), spec.item_col_axis())
+        ]
         lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
         p = pair_blocks(R, C, [a[(0,) * k] for a, k in zip(pairs, lead)], 0, 0)
         return spec.tile((r, c, p, consts), R.chunk_ids(0)[0], C.chunk_ids(0)[0])
@@ -62,7 +65,10 @@ def _row_pass(
     def body(state, k):
         # Column blocks sliced by index from the unsplit columns: splitting them into
         # (chunks, size, ...) made a copy (under vmap, a transposed one) of k and v.
-        col_blk = [spec.tiles.cols.block(a, k * spec.tiles.cols.size) for a in cols]
+        col_blk = [
+            spec.tiles.cols.block(a, k * spec.tiles.cols.size, axis=ax)
+            for a, ax in zip(cols, spec.item_col_axis())
+        ]
         inp = (col_blk, *spec.tiles.cols.chunk_ids(k))
         if spec.live is None:
             return step(state, inp), None

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from memwise._dtypes import accumulation_dtype
 from memwise.engine.reductions import REDUCTIONS, Reduction
@@ -31,6 +32,8 @@ __all__ = [
     "made_after",
     "padded_zeros",
     "pair_blocks",
+    "store_block",
+    "store_order",
 ]
 
 # The flattened leaves of one pytree operand (rows, cols, pairs or consts).
@@ -46,6 +49,46 @@ def padded_zeros(a: Any, chunks: Chunking, dtype: Any, axis: int) -> jax.Array:
     """Zeros shaped like ``a`` with ``axis`` padded to whole tiles (``chunks.padded``): the
     carry a tile loop writes each block's cotangent into, sliced back afterwards."""
     return jnp.zeros(a.shape[:axis] + (chunks.padded,) + a.shape[axis + 1 :], dtype)
+
+
+def store_block(
+    acc: jax.Array,
+    g: jax.Array,
+    chunks: Chunking,
+    start: jax.Array,
+    axis: int,
+    add: bool = False,
+) -> jax.Array:
+    """``acc`` (unpadded along ``axis``) with block ``g`` written (or ``add``-ed) at
+    ``start``.
+
+    ``g`` is laid out as :meth:`Chunking.block` slices: slot ``k`` holds item ``start +
+    k``. A ragged last block goes where it was sliced from (clamped inside the array,
+    rolled back), and only its real items change ``acc``: no padded buffer, and no
+    sliced copy of the whole result at the end.
+    """
+    g = g.astype(acc.dtype)
+    if not chunks.ragged:
+        if add:
+            g = g + lax.dynamic_slice_in_dim(acc, start, chunks.size, axis=axis)
+        return lax.dynamic_update_slice_in_dim(acc, g, start, axis=axis)
+    clamped = jnp.minimum(start, chunks.length - chunks.size)
+    g = jnp.roll(g, start - clamped, axis=axis)
+    if not add:
+        # Stored last block first (store_order), the slots of a ragged last block that
+        # hold earlier items are overwritten by their own block afterwards: no read of
+        # acc and no select (XLA:CPU copied the whole bfloat16 acc for one, per block).
+        return lax.dynamic_update_slice_in_dim(acc, g, clamped, axis=axis)
+    mine = clamped + lax.iota(jnp.int32, chunks.size) >= start
+    mine = mine.reshape((chunks.size,) + (1,) * (g.ndim - axis - 1))
+    cur = lax.dynamic_slice_in_dim(acc, clamped, chunks.size, axis=axis)
+    return lax.dynamic_update_slice_in_dim(acc, jnp.where(mine, cur + g, cur), clamped, axis=axis)
+
+
+def store_order(chunks: Chunking) -> jax.Array:
+    """The chunk indices last first: the loop order of blocks written by
+    :func:`store_block` without ``add``."""
+    return chunks.indices()[::-1]
 
 
 def made_after(zeros: Any, *after: Any) -> Any:
@@ -109,6 +152,13 @@ class TileSpec:
     # row_layout(rows) -> rows: each row block rearranged once, before its column tiles,
     # in both passes (tile_fn sees it; its cotangent is pulled back once per block).
     row_layout: Callable | None = None
+    # Per column leaf: the axis of its columns after the batch dims (0 unless given: a
+    # (d, V) output layer's words are its axis 1); empty when every leaf's is 0.
+    col_axis: tuple = ()
+    # The backward's loop order: "rows" (row blocks outer; column, pair and constant
+    # cotangents summed over row blocks in at least float32) or "split" (that pass for
+    # the rows' cotangents, a column-major one for the others; see tiled_reduce).
+    backward: str = "rows"
 
     @property
     def reduction(self) -> Reduction:
@@ -160,9 +210,17 @@ class TileSpec:
 
     def col_lead(self) -> list:
         """Per squeezed column leaf: the axis of its columns."""
+        return [k + a for k, a in zip(self.col_batch_dims(), self.item_col_axis())]
+
+    def col_batch_dims(self) -> list:
+        """Per squeezed column leaf: how many batch dims lead it."""
         if not self.col_batch:
             return [len(self.batch)] * self.trees[1].num_leaves
         return [sum(s != 1 for s in cb) for cb in self.col_batch]
+
+    def item_col_axis(self) -> list:
+        """Per column leaf: the axis of its columns in one problem's leaf (no batch dims)."""
+        return list(self.col_axis) or [0] * self.trees[1].num_leaves
 
     def over_batch(
         self, fn: Callable, in_axes: Callable[[int], tuple], out_axes: Any = 0
