@@ -136,7 +136,7 @@ def backward(spec, values, residual, flags, ct, running=None):
         """Column block ``k``: its ids, validity, start and the block."""
         c_ids, c_valid = C.chunk_ids(k)
         c0 = c_ids[0]
-        return c_ids, c_valid, c0, [C.block(a, c0, axis=k_) for a, k_ in zip(cols, col_lead)]
+        return c_ids, c_valid, c0, [C.block(a, c0, axis=ax) for a, ax in zip(cols, col_lead)]
 
     def rows_back(block, d_row, fl):
         """A laid-out row block's cotangent in the block's own layout."""
@@ -151,9 +151,10 @@ def backward(spec, values, residual, flags, ct, running=None):
         return list(pull(d_row))
 
     def zeros(fl, own):
-        """The padded zero accumulators of the cotangents selected by ``fl``: the rows'
-        (``own="rows"``) or the columns' (``"cols"``) in their own dtype, each block
-        stored once; the others in at least float32, summed over blocks."""
+        """The zero accumulators of the cotangents selected by ``fl`` (rows and columns
+        at their operands' shapes, pairs padded): the rows' (``own="rows"``) or the
+        columns' (``"cols"``) in their own dtype, each block stored once; the others in
+        at least float32, summed over blocks."""
         row_f, col_f, pair_f, const_f = fl
 
         def acc(a, mine):  # unpadded: blocks are stored (or added) by store_block
