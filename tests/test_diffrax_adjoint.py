@@ -4,9 +4,10 @@ Ported from Diffrax v0.7.2 (``test/test_adjoint.py``, and ``test_subsaveat`` of
 ``test/test_saveat_solution.py``, the tests that parametrize over adjoints): each test
 that runs ``RecursiveCheckpointAdjoint`` (explicitly, or as ``diffeqsolve``'s default)
 runs here with the memwise adjoint, against the same references (finite differences,
-``DirectAdjoint``) and against ``RecursiveCheckpointAdjoint`` itself. Tests of the other
-adjoints alone (``BacksolveAdjoint``'s seminorm and closure errors, ``ImplicitAdjoint``,
-``ForwardMode``) do not apply. Diffrax's test configuration holds here too: float64,
+``DirectAdjoint``; ``test_against``'s vmapped gradients against the finite differences
+and memwise's own gradient) and against ``RecursiveCheckpointAdjoint`` itself. Tests of
+the other adjoints alone (``BacksolveAdjoint``'s seminorm and closure errors,
+``ImplicitAdjoint``, ``ForwardMode``) do not apply. Diffrax's test configuration holds here too: float64,
 rank promotion and implicit dtype promotion are errors.
 
 The remaining tests check what Diffrax's file leaves implicit for this adjoint: dense
@@ -135,7 +136,7 @@ def _convert_float0(x):
 # DirectAdjoint is the reference for the plain and the integer gradients, as upstream;
 # the two vmapped gradients are held to the finite differences and to memwise's own
 # gradient, stacked (what upstream's DirectAdjoint rows assert of DirectAdjoint; its
-# vmapped compilations took a third of this file's time).
+# vmapped compilations took about a sixth of this file's time).
 _TS = {
     "none": (None,),
     "one": ([0.3], [2.0], [9.5]),
