@@ -208,6 +208,26 @@ def test_grouped_query_gradient_has_no_repeated_kv():
 
 
 @pytest.mark.slow
+def test_grouped_query_gradient_reuses_the_output_buffer():
+    # With a loss that makes its own cotangent (sum(out ** 2)), the gradient holds the
+    # cotangent, not the output besides it: the output dies into the query gradient's
+    # buffer. K/V's small gradient buffers cannot hide it, as MHA's do: its temporaries
+    # grew by two query sizes per query size, now by one.
+    def temp(T):
+        q = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, T, 1, 64), jnp.float32)
+
+        def loss(q, k, v):
+            return jnp.sum(mw.dot_product_attention(q, k, v) ** 2)
+
+        return compiled_memory(loss, q, kv, kv, grad=True, argnums=(0, 1, 2)).temp_bytes
+
+    q_bytes = lambda T: T * 8 * 64 * 4  # noqa: E731
+    growth = (temp(8192) - temp(4096)) / (q_bytes(8192) - q_bytes(4096))
+    assert growth < 1.3, growth
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options, limit",
     [
