@@ -284,19 +284,6 @@ def gp_inference(
     return predict_fn
 
 
-def _check_times(t: Any) -> None:
-    """``t``: None, a time >= 0 or an array of them (a traced ``t`` is not checked)."""
-    if t is None or isinstance(t, jax.core.Tracer):
-        return
-    value = np.asarray(t)
-    if not (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)):
-        raise TypeError(
-            f"t must be None (infinite time), a training time >= 0 or an array of them, got {t!r}"
-        )
-    for s in value.reshape(-1):
-        _check_time(s.item())
-
-
 def gradient_descent_mse_ensemble(
     kernel_fn: Callable,
     x_train: jax.Array,
@@ -311,7 +298,8 @@ def gradient_descent_mse_ensemble(
     after training time ``t``, as ``nt.predict.gradient_descent_mse_ensemble``.
 
     Computed by :func:`memwise.ntk.predict` (``ridge=diag_reg``, time ``t *
-    learning_rate``), the kernels in tiles; ``t`` an array runs one prediction per time.
+    learning_rate``), the kernels in tiles; for an array ``t`` every kernel and the
+    eigendecomposition are computed once for all times.
     Returns the mean, or ``Gaussian(mean, covariance)`` with ``compute_cov=True``;
     for a tuple ``get`` (or ``None``) a ``Gaussians`` namedtuple of them.
 
@@ -399,29 +387,14 @@ def gradient_descent_mse_ensemble(
                 "supported by memwise.nt.predict"
             )
         gets, single = _gets(get)
-        _check_times(t)
+        _check_time(t)
+        t = None if t is None else jnp.asarray(t)
         out = {}
         for g in gets:
             if x_test is None:
                 out[g] = on_train(t, g, compute_cov)
                 continue
-            if t is None or np.ndim(t) == 0:
-                out[g] = one(t, x_test, g, compute_cov)
-                continue
-            # One compiled prediction per time (vmapping them failed under JAX's next
-            # custom_vjp implementation, in the tiled loops' batching).
-            times = jnp.asarray(t)
-            flat = [one(s, x_test, g, compute_cov) for s in times.reshape(-1)]
-            if not flat:  # no times: empty results of the right shapes
-                shapes = jax.eval_shape(
-                    lambda s, g=g: one(s, x_test, g, compute_cov), jnp.zeros((), times.dtype)
-                )
-                stacked = jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), shapes)
-            else:
-                stacked = jax.tree.map(lambda *v: jnp.stack(v), *flat)
-            out[g] = jax.tree.map(
-                lambda a, shape=times.shape: a.reshape(shape + a.shape[1:]), stacked
-            )
+            out[g] = one(t, x_test, g, compute_cov)
         return _named(out, gets, single)
 
     return predict_fn

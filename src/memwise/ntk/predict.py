@@ -49,17 +49,23 @@ __all__ = ["predict"]
 
 
 def _check_time(t: Any) -> None:
+    """``t``: None (infinite time), a time >= 0 or an array of them (a traced ``t`` is
+    not checked)."""
     if t is None or isinstance(t, jax.core.Tracer):
         return
     value = np.asarray(t)
-    if value.shape != () or not np.issubdtype(value.dtype, np.number):
-        raise TypeError(f"t must be None (infinite time) or a scalar time >= 0, got {t!r}")
-    if not value >= 0:
+    if not (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)):
+        raise TypeError(
+            f"t must be None (infinite time), a training time >= 0 or an array of them, got {t!r}"
+        )
+    if not np.all(value >= 0):
         raise ValueError(f"t must be >= 0 (a training time) or None for infinite time, got {t!r}")
 
 
 class _Propagator:
-    """``M_t B`` for the regularised train-train kernel ``Theta`` (see the module doc)."""
+    """``M_t B`` for the regularised train-train kernel ``Theta`` (see the module doc):
+    ``b.shape``, or ``t.shape + b.shape`` for an array of times (one eigendecomposition
+    for all of them)."""
 
     def __init__(self, theta: jax.Array, ridge: Any, t: Any, n_outputs: int):
         n = theta.shape[0]
@@ -77,8 +83,8 @@ class _Propagator:
             return jsl.cho_solve(self.factor, b)
         evals = jnp.maximum(self.evals, 0.0)
         t = jnp.asarray(self.t, self.evals.dtype) * time_scale
-        gain = -jnp.expm1(-evals * t / self.normalization) / jnp.abs(self.evals)
-        return self.evecs @ (gain[:, None] * (self.evecs.T @ b))
+        gain = -jnp.expm1(-evals * t[..., None] / self.normalization) / jnp.abs(self.evals)
+        return self.evecs @ (gain[..., None] * (self.evecs.T @ b))
 
 
 def predict(
@@ -88,7 +94,7 @@ def predict(
     x_test: jax.Array,
     *,
     ridge: float,
-    t: float | None = None,
+    t: Any = None,
     get: str = "ntk",
     compute_cov: bool = False,
     chunk_size: ChunkSize = "auto",
@@ -108,8 +114,9 @@ def predict(
       x_test: (m, ...) test inputs, same shape per input as ``x_train``.
       ridge: >= 0, added to the train-train kernel's diagonal times its mean diagonal
         (neural-tangents' ``diag_reg``).
-      t: training time (gradient flow with learning rate 1), a scalar >= 0; ``None``
-        (default) is infinite time.
+      t: training time (gradient flow with learning rate 1), a scalar >= 0, or an
+        array of them (every kernel and the eigendecomposition computed once for all
+        times); ``None`` (default) is infinite time.
       get: ``"ntk"`` (gradient descent on every layer) or ``"nngp"`` (only the readout
         trained: Bayesian inference with the NNGP as ``t`` -> infinity).
       compute_cov: also return the (m, m) covariance of the test outputs (the same for
@@ -119,7 +126,8 @@ def predict(
 
     Returns:
       The (m, outputs) mean ((m,) when ``y_train`` is a vector), or ``(mean, cov)``
-      with ``compute_cov=True``, in the dtype of ``K @ y_train``.
+      with ``compute_cov=True``, in the dtype of ``K @ y_train``; for an array ``t``,
+      with ``t.shape`` in front of each.
 
     Raises:
       ValueError / TypeError: a bad ``ridge``, ``t``, ``get`` or shapes, naming the
@@ -130,7 +138,9 @@ def predict(
     (m, n) test-by-train kernel. ``compute_cov`` holds the (m, n) test-by-train kernels
     (both NTK and NNGP for ``get="ntk"``) and the (m, m) covariance. The solve and the
     sums run in at least float32. Each kernel tile is computed once per kernel needed
-    (twice for ``get="ntk"`` with ``compute_cov``: NTK and NNGP).
+    (twice for ``get="ntk"`` with ``compute_cov``: NTK and NNGP), whatever the number
+    of times; an array ``t`` adds per time the (n, outputs) coefficients and, with
+    ``compute_cov``, the (n, m) propagated kernels and the (m, m) covariance.
 
     Example::
 
@@ -170,11 +180,17 @@ def predict(
     out_dtype = jnp.result_type(theta.dtype, y_train.dtype)
     wide = accumulation_dtype(theta.dtype)  # no bfloat16/float16 Cholesky or eigh in JAX
     propagate = _Propagator(theta.astype(wide), ridge, t, y_train.shape[1])
-    alpha = propagate(y_train.astype(wide))
+    alpha = propagate(y_train.astype(wide))  # times + (n, outputs)
+    # Every time's coefficients side by side: one tiled pass for all of them.
+    (n, outputs), times = y_train.shape, (() if t is None else jnp.shape(t))
+    count = int(np.prod(times, dtype=np.int64))
+    alpha = jnp.moveaxis(alpha.reshape(count, n, outputs), 0, 1).reshape(n, count * outputs)
     mean = over_row_chunks(
         lambda block: _predict_block(kernel, block, p_train, alpha, cols), x_test, rows
     ).astype(out_dtype)
-    mean = mean[:, 0] if vector else mean
+    mean = jnp.moveaxis(mean.reshape(mean.shape[0], count, outputs), 1, 0)
+    mean = mean.reshape(times + mean.shape[1:])
+    mean = mean[..., 0] if vector else mean
     if not compute_cov:
         return mean
 
@@ -190,5 +206,5 @@ def predict(
         k_train = 0.5 * (k_train + k_train.T)
         gain = propagate(theta_cross.T)  # (n, m)
         mixed = theta_cross @ propagate(k_cross.T)
-        cov = k_test + gain.T @ k_train @ gain - (mixed + mixed.T)
+        cov = k_test + gain.mT @ k_train @ gain - (mixed + mixed.mT)
     return mean, cov.astype(out_dtype)
