@@ -21,16 +21,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import harness
 import jax
 import jax.numpy as jnp
+import numpy as np
 from harness import Variant, peak_rss_bytes, run_table, save
 
 from memwise import ot
-from memwise.measure import compiled_memory
+from memwise.measure import CompiledMemory, compiled_memory
 from memwise.scenarios import pointcloud
 
 HERE = Path(__file__).resolve().parent
@@ -39,30 +42,36 @@ OTT_VENV = HERE / ".venv-ott"
 OTT_PINS = ("jax==0.7.2", "jaxlib==0.7.2", "ott-jax==0.6.0")
 MIB = 2**20
 
+# Runs under jax 0.7.2, below memwise's floor: it imports no memwise. The clouds come
+# from this process (an .npz file) and the compiled programs' memory_analysis() fields
+# go back raw, read by memwise's CompiledMemory here.
 _OTT_ONLINE = r"""
-import json, sys, time, resource
-import jax, jax.numpy as jnp
+import json, sys, time
+import jax, numpy as np
 from ott.geometry import pointcloud
 from ott.problems.linear import linear_problem
 from ott.solvers.linear import sinkhorn
-from memwise.measure import compiled_memory
-from memwise.scenarios.pointcloud import disc
 
-n, eps, threshold, run = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
-x = disc(1.0, n, jax.random.key(1)); y = disc(2.0, n, jax.random.key(2))
+path, eps, threshold, run = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
+with np.load(path) as clouds:
+    x, y = jax.numpy.asarray(clouds["x"]), jax.numpy.asarray(clouds["y"])
 
 def solve(x, y):
     geom = pointcloud.PointCloud(x, y, epsilon=eps, batch_size=1000)
     out = sinkhorn.Sinkhorn(threshold=threshold, use_danskin=True)(linear_problem.LinearProblem(geom))
     return out.reg_ot_cost, (out.n_iters, out.converged)
 
+def stats(fn):
+    m = jax.jit(fn).lower(x, y).compile().memory_analysis()
+    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+             "temp_size_in_bytes", "peak_memory_in_bytes", "generated_code_size_in_bytes")
+    return {k: int(getattr(m, k, 0) or 0) for k in names}
+
 loss = lambda x, y: solve(x, y)[0]
-fwd = compiled_memory(loss, x, y)
+result = {"jax": jax.__version__, "forward": stats(loss)}
 start = time.perf_counter()
-grad = compiled_memory(loss, x, y, grad=True)
-result = {"jax": jax.__version__, "forward_temp_bytes": fwd.temp_bytes,
-          "compile_s": time.perf_counter() - start,
-          "grad_temp_bytes": grad.temp_bytes, "grad_peak_bytes": grad.peak_bytes}
+result["grad"] = stats(jax.grad(loss))
+result["compile_s"] = time.perf_counter() - start
 if run:
     f = jax.jit(solve)
     jax.block_until_ready(f(x[:8], y[:8]))
@@ -75,31 +84,36 @@ print("RESULT" + json.dumps(result))
 
 
 def ensure_ott_venv() -> Path:
-    """Creates ``benchmarks/.venv-ott`` (jax 0.7.2, ott-jax 0.6.0, memwise) when missing."""
+    """Creates ``benchmarks/.venv-ott`` (jax 0.7.2, ott-jax 0.6.0) when missing."""
     python = OTT_VENV / "bin" / "python"
-    check = [str(python), "-c", "import ott, jax, memwise; assert jax.__version__ == '0.7.2'"]
+    check = [str(python), "-c", "import ott, jax; assert jax.__version__ == '0.7.2'"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
     subprocess.run([sys.executable, "-m", "venv", str(OTT_VENV)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", *OTT_PINS], check=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)], check=True
-    )
     return python
 
 
-def ott_online(n: int, eps: float, threshold: float, run: bool) -> dict:
+def ott_online(x: jax.Array, y: jax.Array, eps: float, threshold: float, run: bool) -> dict:
+    """OTT-JAX online on ``(x, y)`` in the pinned venv: its version, the forward's and
+    the gradient's :class:`CompiledMemory`, the compile time and (``run``) one solve."""
     python = ensure_ott_venv()
-    proc = subprocess.run(
-        [str(python), "-c", _OTT_ONLINE, str(n), str(eps), str(threshold), "1" if run else "0"],
-        capture_output=True,
-        text=True,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-    )
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "clouds.npz"
+        np.savez(path, x=np.asarray(x), y=np.asarray(y))
+        proc = subprocess.run(
+            [str(python), "-c", _OTT_ONLINE, str(path), str(eps), str(threshold), str(int(run))],
+            capture_output=True,
+            text=True,
+            env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     if proc.returncode or not lines:
         raise RuntimeError(f"OTT online run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT") :])
+    result = json.loads(lines[-1][len("RESULT") :])
+    for kind in ("forward", "grad"):
+        result[kind] = CompiledMemory.from_stats(SimpleNamespace(**result[kind]))
+    return result
 
 
 def report_case(n: int) -> dict:
@@ -196,12 +210,12 @@ def comparison(n: int, eps: float, threshold: float, run_ott_online: bool) -> di
         row["reg_ot_cost"] = float(out.reg_ot_cost)
     forward = compiled_memory(mw_cost(None), x, y)
     table["rows"][0]["forward_temp_bytes"] = forward.temp_bytes
-    online = ott_online(n, eps, threshold, run_ott_online)
+    online = ott_online(x, y, eps, threshold, run_ott_online)
     row = {
         "variant": f"ott online batch 1000 (jax {online['jax']})",
-        "temp_bytes": online["grad_temp_bytes"],
-        "peak_bytes": online["grad_peak_bytes"],
-        "forward_temp_bytes": online["forward_temp_bytes"],
+        "temp_bytes": online["grad"].temp_bytes,
+        "peak_bytes": online["grad"].peak_bytes,
+        "forward_temp_bytes": online["forward"].temp_bytes,
         "time_s": None,
         "compile_s": online["compile_s"],
         "time_ratio": None,

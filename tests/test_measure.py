@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,18 @@ def test_compiled_numbers_equal_memory_analysis(grad):
         + stats.temp_size_in_bytes
     )
     assert report.peak_bytes == max(reported, total)
+
+
+def test_stats_from_another_process_read_as_compiled():
+    # The fields of memory_analysis() as plain numbers (what a peer library's program
+    # in another venv sends back) give the same CompiledMemory as the compiled program.
+    args = mlp_args()
+    compiled = jax.jit(jax.grad(mlp_loss)).lower(*args).compile()
+    stats = compiled.memory_analysis()
+    names = [n for n in dir(stats) if n.endswith("_in_bytes")]
+    sent = types.SimpleNamespace(**{n: int(getattr(stats, n)) for n in names})
+    assert measure.CompiledMemory.from_stats(sent) == measure.CompiledMemory.from_compiled(compiled)
+    assert measure.CompiledMemory.from_stats(sent).temp_bytes == stats.temp_size_in_bytes
 
 
 def test_peak_counts_temporaries():

@@ -68,6 +68,14 @@ class CompiledMemory:
                 "this backend does not report memory_analysis(); memwise needs it to "
                 "measure compiled memory"
             )
+        return cls.from_stats(stats, program_bytes=program_bytes, constant_bytes=constant_bytes)
+
+    @classmethod
+    def from_stats(
+        cls, stats: Any, *, program_bytes: int = 0, constant_bytes: int = 0
+    ) -> CompiledMemory:
+        """Reads ``memory_analysis()``'s fields from ``stats`` (any object with its
+        attribute names: e.g. what a program on another JAX release reported)."""
         argument = int(stats.argument_size_in_bytes)
         output = int(stats.output_size_in_bytes)
         alias = int(stats.alias_size_in_bytes)
