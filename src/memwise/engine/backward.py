@@ -86,31 +86,39 @@ def backward(spec, values, residual, flags, ct, running=None):
     # One tile of every problem in the batch at once.
     tile_in_axes = lambda level: (0, spec.col_axes(level), spec.pair_axes(level), None)  # noqa: E731
 
-    def tile_vjp(fl, row_blk, row_data, r_ids, r_valid, col_blk, pblk, c_ids, c_valid):
-        """The cotangents of one tile's inputs selected by ``fl`` (the four flags)."""
-        blocks = [row_blk, col_blk, pblk]
-        if spec.upcast:
-            blocks = promote(blocks)
-        tile = spec.over_batch(
-            lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
-        )
+    def tile_vjp(fl, r_ids, c_ids, operands):
+        """The cotangents of one tile's inputs selected by ``fl`` (the four flags).
+        ``operands()`` gives ``(row block, per-row data, row validity, column block,
+        pair block, column validity)``: called in the live branch only, so a dead tile
+        slices nothing."""
 
-        def f(r_d, c_d, p_d, k_d):
-            return tile(
-                fill(blocks[0], fl[0], r_d),
-                fill(blocks[1], fl[1], c_d),
-                fill(blocks[2], fl[2], p_d),
-                fill(consts, fl[3], k_d),
-            )
-
-        score_ct = spec.over_batch(
-            lambda out, rd: reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
-            lambda level: (0, 0),
-        )
-        primal_in = tuple(select(b, f_) for b, f_ in zip((*blocks, consts), fl))
+        def primal_in():
+            row_blk, row_data, r_valid, col_blk, pblk, c_valid = operands()
+            blocks = [row_blk, col_blk, pblk]
+            if spec.upcast:
+                blocks = promote(blocks)
+            primals = tuple(select(b, f_) for b, f_ in zip((*blocks, consts), fl))
+            return blocks, row_data, r_valid, c_valid, primals
 
         def tile_grads():
-            out, vjp = jax.vjp(f, *primal_in)
+            blocks, row_data, r_valid, c_valid, primals = primal_in()
+            tile = spec.over_batch(
+                lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
+            )
+
+            def f(r_d, c_d, p_d, k_d):
+                return tile(
+                    fill(blocks[0], fl[0], r_d),
+                    fill(blocks[1], fl[1], c_d),
+                    fill(blocks[2], fl[2], p_d),
+                    fill(consts, fl[3], k_d),
+                )
+
+            score_ct = spec.over_batch(
+                lambda out, rd: reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
+                lambda level: (0, 0),
+            )
+            out, vjp = jax.vjp(f, *primals)
             return vjp(score_ct(out, row_data))
 
         if spec.live is None:
@@ -120,7 +128,7 @@ def backward(spec, values, residual, flags, ct, running=None):
         return lax.cond(
             spec.is_live(r_ids, c_ids, consts),
             tile_grads,
-            lambda: tuple(typed_zeros(group) for group in primal_in),
+            lambda: tuple(typed_zeros(group) for group in primal_in()[-1]),
         )
 
     def row_side(k):
@@ -186,11 +194,15 @@ def backward(spec, values, residual, flags, ct, running=None):
 
             def col_body(carry2, inp2):
                 d_row, d_cols, d_pairs, d_consts = carry2
-                c_ids, c_valid, c0, col_blk = col_side(inp2)
-                pblk = pair_blocks(R, C, pairs, r0, c0, lead)
-                dr, dc, dp, dk = tile_vjp(
-                    fl, row_blk, row_data, r_ids, r_valid, col_blk, pblk, c_ids, c_valid
-                )
+                c_ids, c_valid = C.chunk_ids(inp2)
+                c0 = c_ids[0]
+
+                def operands():
+                    col_blk = col_side(inp2)[3]
+                    pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+                    return row_blk, row_data, r_valid, col_blk, pblk, c_valid
+
+                dr, dc, dp, dk = tile_vjp(fl, r_ids, c_ids, operands)
                 d_cols = [
                     store_block(acc, g, C, c0, k, add=True)
                     for acc, g, k in zip(d_cols, dc, select(col_lead, col_f))
@@ -228,12 +240,16 @@ def backward(spec, values, residual, flags, ct, running=None):
 
             def row_body(carry2, inp2):
                 d_rows, d_col, d_pairs, d_consts = carry2
-                r_ids, r_valid, r0, block, row_blk, row_data = row_side(inp2)
-                pblk = pair_blocks(R, C, pairs, r0, c0, lead)
-                dr, dc, dp, dk = tile_vjp(
-                    fl, row_blk, row_data, r_ids, r_valid, col_blk, pblk, c_ids, c_valid
-                )
-                dr = rows_back(block, dr, fl)
+                r_ids, r_valid = R.chunk_ids(inp2)
+                r0 = r_ids[0]
+
+                def operands():
+                    row_blk, row_data = row_side(inp2)[4:]
+                    pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+                    return row_blk, row_data, r_valid, col_blk, pblk, c_valid
+
+                dr, dc, dp, dk = tile_vjp(fl, r_ids, c_ids, operands)
+                dr = rows_back(row_side(inp2)[3], dr, fl)
                 d_rows = [store_block(acc, g, R, r0, nb, add=True) for acc, g in zip(d_rows, dr)]
                 d_pairs = [
                     add_block(acc, g, (r0, c0), k)

@@ -63,22 +63,21 @@ def _row_pass(
     init = vary(reduction.init(first), varying_over(rows, cols, pairs, consts))
 
     def body(state, k):
+        if spec.live is None:
+            return step(state, k), None
+        # The predicate depends on tile indices only (never on vmapped data), so under
+        # vmap this stays a real branch; a dead tile slices nothing.
+        keep = spec.is_live(row_ids, spec.tiles.cols.chunk_ids(k)[0], consts)
+        return lax.cond(keep, step, lambda s, _: s, state, k), None
+
+    def step(state, k):
         # Column blocks sliced by index from the unsplit columns: splitting them into
         # (chunks, size, ...) made a copy (under vmap, a transposed one) of k and v.
         col_blk = [
             spec.tiles.cols.block(a, k * spec.tiles.cols.size, axis=ax)
             for a, ax in zip(cols, spec.item_col_axis())
         ]
-        inp = (col_blk, *spec.tiles.cols.chunk_ids(k))
-        if spec.live is None:
-            return step(state, inp), None
-        # The predicate depends on tile indices only (never on vmapped data), so under
-        # vmap this stays a real branch and a dead tile costs nothing.
-        keep = spec.is_live(row_ids, inp[1], consts)
-        return lax.cond(keep, step, lambda s, _: s, state, inp), None
-
-    def step(state, inp):
-        col_blk, c_ids, c_valid = inp
+        c_ids, c_valid = spec.tiles.cols.chunk_ids(k)
         return reduction.update(state, scores_of(col_blk, c_ids), c_valid, c_ids)
 
     state, _ = lax.scan(body, init, spec.tiles.cols.indices())
