@@ -169,11 +169,10 @@ def main(quick: bool = False) -> None:
             "Every variant's loss is sum(out ** 2); batch 1, float32, chunk_size='auto'. "
             "jax.nn at T = 16,384 is compiled only (its score matrix is 8 GiB per pass). "
             "memwise reads the (B, T, N, H) inputs in place, every head inside each tile. "
-            "With one K/V head its gradient temp at T = 16,384 is the output kept for the "
-            "backward and the loss's cotangent of it (32 MiB each, alive together while "
-            "rowsum(dO * O) is formed: any implementation of this loss holds both) plus "
-            "the log-sum-exp and the tiles; with 8 K/V heads XLA places the cotangent in "
-            "the gradient outputs' buffers. "
+            "At T = 16,384 the gradient temp is the loss's cotangent of the output "
+            "(32 MiB), the log-sum-exp and the tiles: the output kept for the backward "
+            "dies into a gradient buffer once rowsum(dO * O) is formed (dQ's with one "
+            "K/V head, dK's or dV's with 8). "
             + ("" if packed is None else f"Packed batch vs each sequence alone: {packed}.")
         ),
         quick=quick,
