@@ -4,9 +4,11 @@ The point-cloud gradients (log-sum-exp, Sinkhorn divergence) at n = m = 200,000 
 attention at L = 65,536, each with its gradient, compiled on D virtual CPU devices
 (``--xla_force_host_platform_device_count``, one process per D) with both operands
 split over the devices and no ``mesh=`` argument: the sharding of the inputs decides,
-and the second operand travels on a ring. Memory is the compiled per-device
+and the second operand travels on a ring (``ring=True``). Memory is the compiled per-device
 ``memory_analysis()``; the collectives are counted in the compiled HLO. At D = 4 the
 ring and the replicated second operand (``ring=False``) are timed at run-able sizes.
+Where the program takes ``ring=``, the second operand held whole (``ring=False``) is
+compiled beside the ring at every D, with what ``ring=None`` picks there.
 
 Targets: per-device arguments + temp at D = 8 within 1.3 x (1/8) of D = 1's in ring
 mode; no all-gather of either operand in any ring-mode program.
@@ -14,6 +16,7 @@ mode; no all-gather of either operand in any ring-mode program.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -35,7 +38,7 @@ def _child(n_devices: int, quick: bool) -> None:
     from jax.sharding import PartitionSpec as P
 
     import memwise as mw
-    from memwise import ot
+    from memwise import knobs, ot
     from memwise.measure import compile_measured
 
     mesh = jax.make_mesh((n_devices,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -59,28 +62,47 @@ def _child(n_devices: int, quick: bool) -> None:
     length = LENGTH // scale
     points = placed((n, 2), P("d"))
     qkv = placed((1, length, DIM), P(None, "d"))
+    # program: (function, arguments, argnums, whether it takes ring=)
     programs = {
-        f"pairwise logsumexp, n = m = {n:,}": (lse, (points, points), (0, 1)),
-        f"Sinkhorn divergence, n = m = {n:,}": (divergence, (points, points), (0, 1)),
-        f"causal attention, L = {length:,}, d = {DIM}": (attention, (qkv, qkv, qkv), (0, 1, 2)),
+        f"pairwise logsumexp, n = m = {n:,}": (lse, (points, points), (0, 1), True),
+        f"Sinkhorn divergence, n = m = {n:,}": (divergence, (points, points), (0, 1), False),
+        f"causal attention, L = {length:,}, d = {DIM}": (
+            attention,
+            (qkv, qkv, qkv),
+            (0, 1, 2),
+            True,
+        ),
     }
     rows = []
-    for name, (fn, args, argnums) in programs.items():
-        start = harness._now()
-        exe, memory = compile_measured(fn, *args, grad=True, argnums=argnums)
-        hlo = exe.as_text()
-        rows.append(
-            {
-                "program": name,
-                "devices": n_devices,
-                "argument_bytes": memory.argument_bytes,
-                "temp_bytes": memory.temp_bytes,
-                "peak_bytes": memory.peak_bytes,
-                "output_bytes": memory.output_bytes,
-                "compile_s": harness._now() - start,
-                **{c: hlo.count(f" {c}(") + hlo.count(f" {c}-start(") for c in COLLECTIVES},
-            }
-        )
+    for name, (fn, args, argnums, takes_ring) in programs.items():
+        # ring mode, and the second operand held whole (ring=False); the default
+        # (ring=None) is the cost model's choice between them, read off the knob it sets
+        # (one device: the one program; Sinkhorn's passes always ring)
+        strategies: dict = {"ring": {}}
+        if takes_ring and n_devices > 1:
+            strategies = {"ring": dict(ring=True), "whole": dict(ring=False)}
+        with knobs.recording() as found:
+            jax.eval_shape(fn, *args)
+        chosen = [k.default for k in found if k.kind == "ring"]
+        for strategy, kw in strategies.items():
+            start = harness._now()
+            program = functools.partial(fn, **kw)
+            exe, memory = compile_measured(program, *args, grad=True, argnums=argnums)
+            hlo = exe.as_text()
+            rows.append(
+                {
+                    "program": name,
+                    "strategy": strategy,
+                    "default": ("ring" if chosen[0] else "whole") if chosen else None,
+                    "devices": n_devices,
+                    "argument_bytes": memory.argument_bytes,
+                    "temp_bytes": memory.temp_bytes,
+                    "peak_bytes": memory.peak_bytes,
+                    "output_bytes": memory.output_bytes,
+                    "compile_s": harness._now() - start,
+                    **{c: hlo.count(f" {c}(") + hlo.count(f" {c}-start(") for c in COLLECTIVES},
+                }
+            )
     timing = None
     if n_devices == 4:
         # Ring vs a replicated second operand, on sizes that run in seconds here.
@@ -95,7 +117,9 @@ def _child(n_devices: int, quick: bool) -> None:
             harness.run_table(
                 f"pairwise logsumexp value_and_grad, n = m = {small.shape[0]:,}, D = 4",
                 [
-                    harness.Variant("ring", grad(lse, (0, 1)), (xs, xs)),
+                    harness.Variant(
+                        "ring", grad(lambda x, y: lse(x, y, ring=True), (0, 1)), (xs, xs)
+                    ),
                     harness.Variant(
                         "replicated y (ring=False)",
                         grad(lambda x, y: lse(x, y, ring=False), (0, 1)),
@@ -108,7 +132,11 @@ def _child(n_devices: int, quick: bool) -> None:
             harness.run_table(
                 f"causal attention value_and_grad, L = {small_qkv.shape[1]:,}, D = 4",
                 [
-                    harness.Variant("ring", grad(attention, (0, 1, 2)), (qs, qs, qs)),
+                    harness.Variant(
+                        "ring",
+                        grad(lambda q, k, v: attention(q, k, v, ring=True), (0, 1, 2)),
+                        (qs, qs, qs),
+                    ),
                     harness.Variant(
                         "replicated k, v (ring=False)",
                         grad(lambda q, k, v: attention(q, k, v, ring=False), (0, 1, 2)),
@@ -141,12 +169,13 @@ def _run_child(n_devices: int, quick: bool) -> dict:
 def main(quick: bool = False) -> None:
     results = {d: _run_child(d, quick) for d in harness.progress(DEVICES, desc="devices")}
     tables = []
-    for program in [r["program"] for r in results[1]["rows"]]:
-        one = next(r for r in results[1]["rows"] if r["program"] == program)
+    ring_rows = {d: [r for r in results[d]["rows"] if r["strategy"] == "ring"] for d in DEVICES}
+    for program in [r["program"] for r in ring_rows[1]]:
+        one = next(r for r in ring_rows[1] if r["program"] == program)
         base = one["argument_bytes"] + one["temp_bytes"]
         rows = []
         for d in DEVICES:
-            r = next(r for r in results[d]["rows"] if r["program"] == program)
+            r = next(r for r in ring_rows[d] if r["program"] == program)
             per_device = r["argument_bytes"] + r["temp_bytes"]
             rows.append(
                 {
@@ -166,6 +195,37 @@ def main(quick: bool = False) -> None:
         table = {
             "title": f"{program}, value_and_grad, per device, ring mode",
             "baseline": "D = 1",
+            "repeats": 0,
+            "rows": rows,
+        }
+        harness.print_table(table)
+        tables.append(table)
+    # The chooser: what ring=None picks at each D, beside both strategies' memory.
+    for program in [r["program"] for r in results[2]["rows"] if r["strategy"] == "whole"]:
+        rows = []
+        for d in DEVICES[1:]:
+            by = {r["strategy"]: r for r in results[d]["rows"] if r["program"] == program}
+            ring, whole = by["ring"], by["whole"]
+            rows.append(
+                {
+                    "variant": f"D = {d}",
+                    "temp_bytes": whole["temp_bytes"],
+                    "peak_bytes": whole["peak_bytes"],
+                    "argument_bytes": whole["argument_bytes"],
+                    "output_bytes": whole["output_bytes"],
+                    "compile_s": whole["compile_s"],
+                    "time_s": None,
+                    "time_ratio": None,
+                    "ring=None picks": ring["default"],
+                    "ring: peak": harness.format_bytes(ring["peak_bytes"]),
+                    "whole: peak": harness.format_bytes(whole["peak_bytes"]),
+                    "whole / ring": round(whole["peak_bytes"] / ring["peak_bytes"], 2),
+                    "whole: all-gathers": whole["all-gather"],
+                }
+            )
+        table = {
+            "title": f"{program}, value_and_grad, per device: ring or whole (ring=None's choice)",
+            "baseline": "D = 2",
             "repeats": 0,
             "rows": rows,
         }

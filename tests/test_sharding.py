@@ -195,3 +195,65 @@ def test_sharding_follows_the_data_under_jit():
         """
     )
     assert "OK" in out
+
+
+@pytest.mark.slow
+def test_ring_or_whole_chosen_by_the_cost_model_and_set_by_fit():
+    # ring=None: the cost model holds the second operand whole where that adds at most
+    # the device's share of the first (two devices; a small second operand) and rings it
+    # otherwise; mw.fit sets the same choice as a knob under a budget.
+    out = run_on_devices(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        import memwise as mw
+        from memwise.measure import compiled_memory
+        Auto = (jax.sharding.AxisType.Auto,)
+        mesh4 = jax.make_mesh((4,), ("d",), axis_types=Auto)
+        mesh2 = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2], axis_types=Auto)
+        n, feat = 4096, 16
+        def loss(x, y, **kw):
+            return jnp.sum(mw.pairwise_reduce(lambda a, b: a @ b, x, y, reduce="logsumexp",
+                                              chunk_size=(64, 64), **kw))
+        def held(x_n, y_n, **kw):  # per-device argument bytes of the gradient
+            x, y = (jax.ShapeDtypeStruct((k, feat), jnp.float32) for k in (x_n, y_n))
+            return compiled_memory(lambda x, y: loss(x, y, axis_name="d", **kw), x, y, grad=True,
+                                   argnums=(0, 1)).argument_bytes
+        pts = n * feat * 4
+        assert held(n, n, mesh=mesh4) == 2 * pts // 4  # a ring: both split
+        assert held(n, n // 8, mesh=mesh4) == pts // 4 + pts // 8  # small y: whole
+        assert held(n, n, mesh=mesh2) == pts // 2 + pts  # two devices: whole
+        assert held(n, n, mesh=mesh2, ring=True) == 2 * pts // 2
+        # attention: q, k, v alike, four devices ring
+        qs = jax.ShapeDtypeStruct((1, 2, 1024, 16), jnp.float32)
+        att = lambda q, k, v: jnp.sum(mw.attention(q, k, v, chunk_size=64, mesh=mesh4,
+                                                   axis_name="d"))
+        m = compiled_memory(att, qs, qs, qs, grad=True, argnums=(0, 1, 2))
+        assert m.argument_bytes == 3 * 1024 * 2 * 16 * 4 // 4, m
+        # fit: a generous budget holds y whole (fastest), a tight one takes the ring
+        ks = jax.random.split(jax.random.PRNGKey(0))
+        x, y = (0.1 * jax.random.normal(k, (n, feat)) for k in ks)
+        f = lambda x, y, **kw: loss(x, y, mesh=mesh2, axis_name="d", **kw)
+        peak = {r: compiled_memory(lambda x, y: f(x, y, ring=r), x, y,
+                                   grad=True, argnums=(0, 1)).peak_bytes for r in (False, True)}
+        assert peak[True] < 0.9 * peak[False], peak
+        for budget, want in ((2 * peak[False], False), ((peak[False] + peak[True]) // 2, True)):
+            fitted = mw.fit(f, budget=int(budget), grad=True, argnums=(0, 1))
+            ring = [e for e in fitted.plan_for(x, y).entries if e.kind == "ring"]
+            assert [e.value for e in ring] == [want], fitted.plan_text(x, y)
+            np.testing.assert_allclose(fitted(x, y), f(x, y), rtol=1e-5)
+        # fit given arrays split over the mesh (no mesh=) plans them per device
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        split = NamedSharding(mesh4, P("d"))
+        xs, ys = jax.device_put(x, split), jax.device_put(y, split)
+        fitted = mw.fit(loss, budget="64MiB", grad=True, argnums=(0, 1))
+        plan = fitted.plan_for(xs, ys)
+        assert [e.kind for e in plan.entries].count("ring") == 1, plan.to_text()
+        one = compiled_memory(loss, x, y, grad=True, argnums=(0, 1)).peak_bytes
+        per_device = compiled_memory(lambda x, y: loss(x, y, ring=False), xs, ys, grad=True,
+                                     argnums=(0, 1)).peak_bytes
+        assert plan.peak_bytes == per_device < 0.75 * one, (plan.to_text(), per_device, one)
+        np.testing.assert_allclose(fitted(xs, ys), loss(x, y), rtol=1e-5)
+        print("OK")
+        """
+    )
+    assert "OK" in out

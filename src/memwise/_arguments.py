@@ -132,7 +132,12 @@ def signature(
     )
     leaves, tree = jax.tree_util.tree_flatten(traced)
     shapes = tuple(
-        (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__))) for x in leaves
+        (
+            tuple(getattr(x, "shape", ())),
+            str(getattr(x, "dtype", type(x).__name__)),
+            _named_sharding(x),
+        )
+        for x in leaves
     )
     static = (
         tuple((i, args[i]) for i in sorted(positions)),
@@ -151,17 +156,28 @@ def signature(
 def abstract(
     args: Sequence[Any], kwargs: dict, positions: frozenset[int], keywords: frozenset[str]
 ) -> tuple[tuple, dict]:
-    """The arguments with every traced array replaced by its ``jax.ShapeDtypeStruct``."""
+    """The arguments with every traced array replaced by its ``jax.ShapeDtypeStruct``,
+    sharding kept: a program split by its data is planned as it will run, per device."""
+
+    def struct(x: Any) -> Any:
+        if not hasattr(x, "shape"):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_named_sharding(x))
 
     def shaped(tree: Any) -> Any:
-        return jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, tree
-        )
+        return jax.tree_util.tree_map(struct, tree)
 
     return (
         tuple(a if i in positions else shaped(a) for i, a in enumerate(args)),
         {k: v if k in keywords else shaped(v) for k, v in kwargs.items()},
     )
+
+
+def _named_sharding(x: Any) -> jax.sharding.NamedSharding | None:
+    """``x``'s ``NamedSharding`` (an array or a ``jax.ShapeDtypeStruct`` split over a
+    mesh), else None: where an array sits on one device, it says nothing a plan needs."""
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
 def describe(fn: Callable, where: int | str) -> str:

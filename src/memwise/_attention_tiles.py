@@ -138,6 +138,7 @@ def attend(
     stripes: tuple[int, int, int] | None = None,
     groups: tuple[int, int] | None = None,
     caller: str = "memwise.attention",
+    auto_shape: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of attention in tiles: ``out`` in the values' dtype, the per-row
     log-sum-exp in float32 (``-inf`` where a query sees no key, ``out`` 0 there).
@@ -158,8 +159,9 @@ def attend(
     ``stripes``: ``(s, Lq, Lk)`` when q and k are in :func:`memwise.stripe`'s order of
     ``s`` stripes (global lengths ``Lq``, ``Lk``): causal masks and windows compare the
     positions before striping.
-    Gradients: q, k, v, bias and a traced scale. ``caller`` names the public function in
-    the error forward mode raises.
+    ``auto_shape``: the ``(queries, keys)`` a ``"auto"`` tile is chosen for
+    (:func:`memwise.tiling.tiling`). Gradients: q, k, v, bias and a traced scale.
+    ``caller`` names the public function in the error forward mode raises.
     """
     vis = visibility
     heads = 0 if groups is None else 2  # q's head dims after the sequence axis
@@ -267,7 +269,9 @@ def attend(
         or live_segments is not None
         or any(n is not None for n in live_lengths)
     )
-    tiles = tiling(lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v, problems))
+    tiles = tiling(
+        lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v, problems), auto_shape=auto_shape
+    )
     if groups is not None and not isinstance(chunk_size, Tiling):
         # With the heads inside the tile, each backward tile moves its K/V block's heads
         # first and back (once per tile, as the forward): at half the forward's rows this

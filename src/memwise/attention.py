@@ -189,11 +189,15 @@ def attention(
         and passed around them (Liu, Zaharia, Abbeel, *Ring Attention with Blockwise
         Transformers*, 2023): every device then holds 1/D of q, k and v; each block is
         reduced while the next is in flight, and in the backward the gradients of k and
-        v travel with their block back to its owner. ``None`` (the default): a ring when
-        Lk divides evenly. ``mask`` and ``bias`` are split like the queries and read at
-        the columns of the block each step holds (their rows on each device, every
-        column). ``False``: k and v whole on every device, their gradients
-        all-reduced once. ``True``: a ring, or a ``ValueError``.
+        v travel with their block back to its owner. ``mask`` and ``bias`` are split
+        like the queries and read at the columns of the block each step holds (their
+        rows on each device, every column). ``False``: k and v whole on every device
+        (one all-gather when they arrive split), their gradients all-reduced once.
+        ``None`` (the default): the cost model chooses
+        (:func:`memwise.sharding.ring_pays`: a ring when holding k and v whole would add
+        more bytes than the device's block of q, so never at D = 2), and :func:`memwise.fit` may set it under a
+        budget (a ``ring`` knob); never a ring when Lk does not divide evenly.
+        ``True``: a ring, or a ``ValueError``.
       stripes: ``None``, or the ``s`` of :func:`stripe` when q, k, v (and ``mask``,
         ``bias``, both axes) are in its striped order: ``causal`` then compares the
         positions before striping, so the result is the unstriped one, striped. With
@@ -274,10 +278,14 @@ def attention(
         return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, None, None, striped)
     mesh, spec = sharding
     row_axes = spec[-2]
-    ringed = None
+    ringed = auto_shape = None
     if row_axes is not None:
-        if use_ring(ring, k, lk, mesh, row_axes, "k"):
-            ringed = Ring(row_axes, devices(mesh, row_axes))
+        n_devices = devices(mesh, row_axes)
+        if use_ring(ring, (k, v), lk, mesh, row_axes, "k", beside=q):
+            ringed = Ring(row_axes, n_devices)
+        if not (lq % n_devices or lk % n_devices):
+            # "auto" tiles one device's share of a ring step, ring or not (one knob for fit)
+            auto_shape = (lq // n_devices, lk // n_devices)
     elif ring:
         raise ValueError("ring=True needs the queries split over devices (shard_dim=-2)")
 
@@ -291,7 +299,7 @@ def attention(
             # Causal masking compares global positions: this device's first query.
             offset = lax.axis_index(row_axes).astype(jnp.int32) * q.shape[-2]
         return _attention_local(
-            q, k, v, mask, bias, scale, causal, chunk_size, offset, ringed, striped
+            q, k, v, mask, bias, scale, causal, chunk_size, offset, ringed, striped, auto_shape
         )
 
     kv_spec = P(*spec[:-2], row_axes if ringed else None, None)
@@ -429,11 +437,23 @@ def _check_scale(scale: Any, d: int) -> jax.Array:
 
 
 def _attention_local(
-    q, k, v, mask, bias, scale, causal, chunk_size, row_offset, ring=None, stripes=None
+    q,
+    k,
+    v,
+    mask,
+    bias,
+    scale,
+    causal,
+    chunk_size,
+    row_offset,
+    ring=None,
+    stripes=None,
+    auto_shape=None,
 ):
     """Attention on one device (or per device inside shard_map); ``row_offset`` is the
     global index of the first query (None: 0); with a ``ring``, k and v are this
-    device's block; ``stripes``: ``(s, Lq, Lk)`` of a striped order (or None)."""
+    device's block; ``stripes``: ``(s, Lq, Lk)`` of a striped order (or None);
+    ``auto_shape``: see :func:`memwise.tiling.tiling`."""
     out, _ = attend(
         q,
         k,
@@ -446,5 +466,6 @@ def _attention_local(
         row_offset=row_offset,
         ring=ring,
         stripes=stripes,
+        auto_shape=auto_shape,
     )
     return out.astype(jnp.result_type(q, k, v))

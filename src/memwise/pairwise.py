@@ -129,11 +129,15 @@ def pairwise_reduce(
       ring: with ``x``'s points split, whether ``y`` is split over the same devices too
         and passed around them (``ppermute``, each block reduced while the next is in
         flight; in the backward each block's gradient travels with it back to its
-        owner), so that every device holds about 1/D of both operands. ``None`` (the
-        default): a ring when m divides evenly over the devices, unless ``y`` is
-        declared whole on every device (a replicated ``NamedSharding``). ``False``:
-        ``y`` replicated, its gradient all-reduced once (fewer, larger transfers: the
-        better choice for a small ``y``). ``True``: a ring, or a ``ValueError``.
+        owner), so that every device holds about 1/D of both operands. ``False``:
+        ``y`` whole on every device (one all-gather when it arrives split), its gradient
+        all-reduced once (one transfer, not D - 1 steps). ``None`` (the default): the
+        cost model chooses (:func:`memwise.sharding.ring_pays`: a ring when holding
+        ``y`` whole would add more bytes than the device's block of ``x``, so never at
+        D = 2, where a ring holds as much), and :func:`memwise.fit` may set it under a
+        budget (a ``ring`` knob); never a ring when m does not divide evenly over the
+        devices or ``y`` is declared whole on every device (a replicated
+        ``NamedSharding``). ``True``: a ring, or a ``ValueError``.
 
     Returns:
       Array of shape ``(n,) + out`` (``(m,) + out`` for ``axis=0``).
@@ -230,7 +234,7 @@ def pairwise_reduce(
         # The kept points split: the reduced ones on a ring, or replicated.
         mesh, axes = row_shard
         check_divisible(n, mesh, axes, kept)
-        if use_ring(ring, y, m, mesh, axes, reduced):
+        if use_ring(ring, y, m, mesh, axes, reduced, beside=x):
             ringed = Ring(axes, devices(mesh, axes))
     else:
         assert col_shard is not None  # both None was handled above
@@ -239,15 +243,19 @@ def pairwise_reduce(
         # Split the kept points too, and pass the reduced ones around a ring; not on
         # Explicit axes, where the kept points' type says they are whole (and so must
         # the result be).
-        if not has_explicit_axes(mesh) and use_ring(ring, x, n, mesh, axes, kept):
+        if not has_explicit_axes(mesh) and use_ring(ring, x, n, mesh, axes, kept, beside=y):
             row_shard, ringed = col_shard, Ring(axes, devices(mesh, axes))
 
     # fn is traced inside the shard_map: a jaxpr traced outside would carry the
     # caller's mesh context into the per-device program. The arrays it closes over
     # enter as replicated values; their gradients are all-reduced once by the
     # shard_map's transpose.
+    # "auto" tiles one device's share of a ring step, ring or not (one knob for fit).
+    n_devices = devices(mesh, axes)
+    auto_shape = (n // n_devices, m // n_devices) if not (n % n_devices or m % n_devices) else None
+
     def local(x_l, y_l, w_l):
-        out = _pairwise_local(fn, x_l, y_l, w_l, kind, chunk_size, out_ndim, ringed)
+        out = _pairwise_local(fn, x_l, y_l, w_l, kind, chunk_size, out_ndim, ringed, auto_shape)
         if row_shard is None:  # each device reduced its own columns
             m_local = leading_length(y_l, reduced)
             out = REDUCTIONS[kind.engine].combine_over_devices(out, axes, m_local)
@@ -282,10 +290,10 @@ def _no_identity(reduce: str, reduced: str) -> NoReturn:
     )
 
 
-def _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim, ring=None):
+def _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim, ring=None, auto_shape=None):
     """pairwise_reduce on one device (or per device inside shard_map, ``y`` and the
     weights this device's block of a ``ring``), as the engine's result: for a max,
-    ``(signed extreme, index or None)``."""
+    ``(signed extreme, index or None)``. ``auto_shape``: see :func:`memwise.tiling.tiling`."""
     if kind.index and ring is None and varying_over(x, y):
         reduce = [name for name, k in _KINDS.items() if k == kind][0]
         raise NotImplementedError(
@@ -314,6 +322,7 @@ def _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim, ring=None):
         leading_length(y, "y"),
         chunk_size,
         pair_bytes=lambda: item_bytes(converted, first_items(x), first_items(y), *consts),
+        auto_shape=auto_shape,
     )
     if kind.index:  # an index: no derivative, in either mode
         x, cols, consts = lax.stop_gradient((x, cols, consts))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from memwise import knobs
 from memwise._jax_private import varying_axes
 from memwise._vjp import closure_convert
 
@@ -43,6 +44,7 @@ __all__ = [
     "devices",
     "has_explicit_axes",
     "use_ring",
+    "ring_pays",
     "sharded_call",
     "check_divisible",
     "varying_over",
@@ -286,21 +288,78 @@ def sharded_call(local: Callable, mesh: Any, in_specs: tuple, out_specs: Any, *a
         ) from None
 
 
-def use_ring(ring: Any, tree: Any, n: int, mesh: Any, axes: Any, arg: str) -> bool:
-    """Whether the second operand ``tree`` (``n`` points) is split over ``axes`` as well
-    and passed around the devices (a ring), rather than held whole on every device.
+# A ring's predicted time relative to holding the second operand whole: the same tiles
+# and the same bytes moved, but in D - 1 steps that each wait for their block (one
+# collective for the whole operand otherwise). A coarse order for ``mw.fit`` only: a
+# plan takes the ring for its memory, never for speed.
+RING_COST = 1.05
 
-    ``ring=None`` (the default): a ring when ``n`` divides evenly over the devices,
-    unless ``tree`` is declared whole on every device (:func:`declared_replicated`).
-    ``True`` insists (``n`` must divide), ``False`` replicates.
+
+def use_ring(
+    ring: Any, tree: Any, n: int, mesh: Any, axes: Any, arg: str, *, beside: Any = ()
+) -> bool:
+    """Whether the second operand ``tree`` (``n`` points) is split over ``axes`` as well
+    and passed around the devices (a ring), rather than held whole on every device (one
+    all-gather when it arrives split).
+
+    ``ring=None`` (the default): never when ``tree`` is declared whole on every device
+    (:func:`declared_replicated`) or ``n`` does not divide evenly; otherwise a
+    ``"ring"`` knob (:func:`memwise.knobs.auto`: candidates whole, then ring) that
+    :func:`memwise.fit` sets under a budget, and that is :func:`ring_pays` outside it.
+    ``beside`` is the first operand, split over the same devices. ``True``
+    insists (``n`` must divide), ``False`` holds it whole.
     """
     if ring is None:
-        return not declared_replicated(tree) and n % devices(mesh, axes) == 0
+        n_devices = devices(mesh, axes)
+        if declared_replicated(tree) or n % n_devices:
+            return False
+        return knobs.auto(
+            "ring",
+            candidates=(False, True),
+            cost=(1.0, RING_COST),
+            default=ring_pays(_nbytes(tree), _nbytes(beside) // n_devices, n_devices),
+            label=arg,
+        )
     if not isinstance(ring, bool):
         raise TypeError(f"ring must be True, False or None (automatic), got {ring!r}")
     if ring:
         check_divisible(n, mesh, axes, arg)
     return ring
+
+
+def ring_pays(whole: int, block: int, n_devices: int) -> bool:
+    """The cost model's choice between a ring and holding the second operand whole.
+
+    Both move the same bytes ((D - 1) / D of the operand per device) and run the same
+    tiles; the whole operand moves in one collective, a ring in D - 1 overlapped steps,
+    so holding it whole is never slower. What differs is the bytes held: a ring holds
+    its own block of the operand and of its gradient where the other holds all of them,
+    ``whole * (1 - 1 / D)`` more (a ring's blocks in flight cost about what the whole
+    operand's accumulators do: measured, pairwise log-sum-exp gradient). The ring is
+    chosen when that is more than the device holds of the first operand (``block``):
+    holding the operand whole may at most about double the device's share. So two
+    devices with operands of equal size hold it whole (1.3x a ring's per-device memory,
+    measured), and so does a second operand small beside the first (grouped-query K/V
+    at a few devices: MaxText's all-gather case).
+
+    Example::
+
+        >>> from memwise.sharding import ring_pays
+        >>> ring_pays(whole=100, block=50, n_devices=2)  # equal operands, D = 2
+        False
+        >>> ring_pays(whole=100, block=25, n_devices=4)  # equal operands, D = 4
+        True
+        >>> ring_pays(whole=25, block=25, n_devices=4)  # 8:1 grouped-query K/V, D = 4
+        False
+    """
+    return whole * (1 - 1 / n_devices) > block
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of a pytree of arrays (or shape-dtype structs), read off shapes only."""
+    return sum(
+        int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
+    )
 
 
 def check_divisible(n: int, mesh: Any, axes: Any, arg: str) -> None:

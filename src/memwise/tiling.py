@@ -522,6 +522,7 @@ def tiling(
     pair_bytes: int | Callable[[], int] | None = None,
     backward: int | tuple[int, int] | None = None,
     arg: str = "chunk_size",
+    auto_shape: tuple[int, int] | None = None,
 ) -> Tiling:
     """Resolve a 2-D ``chunk_size`` into a :class:`Tiling` of an ``n x m`` computation.
 
@@ -540,6 +541,9 @@ def tiling(
         forward tile with half the rows, since a tile's vjp holds about twice what its
         forward holds.
       arg: argument name used in error messages.
+      auto_shape: the ``(rows, cols)`` that ``"auto"`` chooses its tile for, where that
+        differs from ``n x m``: on D devices, one device's share of a ring step, so the
+        knob is the same whether the second operand travels or is held whole.
 
     Example::
 
@@ -556,7 +560,7 @@ def tiling(
             raise ValueError(
                 f"{arg} must be a positive int, a (rows, cols) tuple or 'auto', got {chunk_size!r}"
             )
-        rows, cols = _auto_tile(n, m, _bytes(pair_bytes))
+        rows, cols = _auto_tile(*(auto_shape or (n, m)), _bytes(pair_bytes))
     else:
         rows, cols = _tile_pair(chunk_size, arg)
     rows, cols = min(rows, n), min(cols, m)

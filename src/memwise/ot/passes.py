@@ -51,8 +51,10 @@ class Placed(NamedTuple):
 
 
 def _placed(where: Placed) -> dict:
-    """``pairwise_reduce`` keyword arguments for a pass placed at ``where``."""
-    return dict(chunk_size=where.tiles, mesh=where.mesh, axis_name=where.axes)
+    """``pairwise_reduce`` keyword arguments for a pass placed at ``where``: split, the
+    second cloud always travels on a ring (every pass of a solve, no all-gather)."""
+    ring = None if where.mesh is None else True
+    return dict(chunk_size=where.tiles, mesh=where.mesh, axis_name=where.axes, ring=ring)
 
 
 def placement(x: Array, y: Array, tiles: Tiling) -> Placed:
