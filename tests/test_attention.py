@@ -207,6 +207,7 @@ def test_sharded_matches_single_device_on_4_devices():
     assert "OK" in out
 
 
+@pytest.mark.slow
 def test_ring_carries_masks_and_biases_on_4_devices():
     # mask and bias split like the queries, read at the columns of the block each ring
     # step holds; the bias's gradient written there. Ragged tiles inside a block (3 keys

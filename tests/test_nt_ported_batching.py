@@ -24,6 +24,10 @@ from jax import random
 import memwise.nt as nt
 from memwise.nt import stax
 
+# neural-tangents' own tests, a conformance suite: `make test` runs it; the fast lane
+# keeps memwise's tests of the same layers (test_ntk_*, test_nt_compat).
+pytestmark = pytest.mark.slow
+
 TRAIN_SIZES = [2, 4]  # upstream also 8: left out to bound the compilations of one process
 TEST_SIZES = [2, 16]
 INPUT_SHAPES = [(16,), (4, 4, 3)]
