@@ -10,19 +10,24 @@ from memwise import knobs, tiling
 from memwise.measure import compiled_memory
 
 
-def test_chunking_pads_edge_and_masks():
+def test_chunking_slides_the_last_chunk_back_and_masks_its_repeats():
     c = tiling.chunking(10, 4)
     assert (c.n_chunks, c.padded, c.ragged) == (3, 12, True)
     parts = c.split(jnp.arange(10.0))
     assert parts.shape == (3, 4)
-    np.testing.assert_array_equal(parts[-1], [8, 9, 9, 9])
+    np.testing.assert_array_equal(parts[-1], [6, 7, 8, 9])
     ids, valid = c.chunk_ids(2)
-    np.testing.assert_array_equal(ids, [8, 9, 10, 11])
-    np.testing.assert_array_equal(valid, [True, True, False, False])
+    np.testing.assert_array_equal(ids, [6, 7, 8, 9])
+    np.testing.assert_array_equal(valid, [False, False, True, True])
+    for k in range(c.n_chunks):  # every chunk is the slice its ids name, by block
+        ids, _ = c.chunk_ids(k)
+        np.testing.assert_array_equal(c.block(jnp.arange(10.0), k * c.size), ids)
+        np.testing.assert_array_equal(parts[k], ids)
     np.testing.assert_array_equal(c.indices(), [0, 1, 2])
     np.testing.assert_array_equal(c.merge(parts), np.arange(10.0))
-    block = c.block(jnp.arange(10.0), jnp.asarray(8))
-    np.testing.assert_array_equal(block[:2], [8, 9])
+    even = tiling.chunking(8, 4)
+    np.testing.assert_array_equal(even.merge(even.split(jnp.arange(8.0))), np.arange(8.0))
+    assert bool(jnp.all(even.chunk_ids(1)[1]))
 
 
 def test_chunking_takes_a_resolved_chunking_of_the_same_length():

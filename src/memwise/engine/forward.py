@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from memwise.engine.tiles import Leaves, TileSpec, made_after, pair_blocks
+from memwise.engine.tiles import Leaves, TileSpec, made_after, pair_blocks, store_order
 from memwise.sharding import vary, varying_over
 
 __all__ = ["statistics", "tiled_forward"]
@@ -104,12 +104,14 @@ def _problem_forward(
 
     def body(acc, k):
         blk = one_row_block(k)
-        start = k * R.size
+        start = R.chunk_ids(k)[0][0]
         return jax.tree.map(
             lambda a, b: lax.dynamic_update_slice_in_dim(a, b, start, axis=0), acc, blk
         ), None
 
-    out, _ = lax.scan(body, init, R.indices())
+    # Last block first: a slid-back last block's repeated rows are then overwritten by
+    # the block that owns them (store_order), so every row's statistics are its own.
+    out, _ = lax.scan(body, init, store_order(R))
     return jax.tree.map(lambda a: a[: R.length], out)
 
 

@@ -60,29 +60,19 @@ def store_block(
     add: bool = False,
 ) -> jax.Array:
     """``acc`` (unpadded along ``axis``) with block ``g`` written (or ``add``-ed) at
-    ``start``.
+    ``start``, where :meth:`Chunking.block` sliced it (``chunk_ids(k)[0][0]``).
 
-    ``g`` is laid out as :meth:`Chunking.block` slices: slot ``k`` holds item ``start +
-    k``. A ragged last block goes where it was sliced from (clamped inside the array,
-    rolled back), and only its real items change ``acc``: no padded buffer, and no
-    sliced copy of the whole result at the end.
+    A slid-back last block's slots that repeat the previous block's items hold zero
+    cotangents (the reductions mask them): added, they change nothing; stored, they are
+    overwritten by their own block afterwards, as blocks that are stored run last first
+    (:func:`store_order`), with no read of ``acc`` and no select (XLA:CPU copied the
+    whole bfloat16 ``acc`` for one, per block). No padded buffer, and no sliced copy of
+    the whole result at the end.
     """
     g = g.astype(acc.dtype)
-    if not chunks.ragged:
-        if add:
-            g = g + lax.dynamic_slice_in_dim(acc, start, chunks.size, axis=axis)
-        return lax.dynamic_update_slice_in_dim(acc, g, start, axis=axis)
-    clamped = jnp.minimum(start, chunks.length - chunks.size)
-    g = jnp.roll(g, start - clamped, axis=axis)
-    if not add:
-        # Stored last block first (store_order), the slots of a ragged last block that
-        # hold earlier items are overwritten by their own block afterwards: no read of
-        # acc and no select (XLA:CPU copied the whole bfloat16 acc for one, per block).
-        return lax.dynamic_update_slice_in_dim(acc, g, clamped, axis=axis)
-    mine = clamped + lax.iota(jnp.int32, chunks.size) >= start
-    mine = mine.reshape((chunks.size,) + (1,) * (g.ndim - axis - 1))
-    cur = lax.dynamic_slice_in_dim(acc, clamped, chunks.size, axis=axis)
-    return lax.dynamic_update_slice_in_dim(acc, jnp.where(mine, cur + g, cur), clamped, axis=axis)
+    if add:
+        g = g + lax.dynamic_slice_in_dim(acc, start, chunks.size, axis=axis)
+    return lax.dynamic_update_slice_in_dim(acc, g, start, axis=axis)
 
 
 def store_order(chunks: Chunking) -> jax.Array:

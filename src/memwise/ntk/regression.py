@@ -352,13 +352,12 @@ def kip_loss(
 
     def squared_error(x_target, y_target, row_tiles):
         # Chunk indices, not the targets, are the loop's items (see over_row_chunks).
-        n_target = x_target.shape[0]
 
         def chunk_error(index):
             start = index * row_tiles.size
             xt = row_tiles.block(x_target, start)
             yt = row_tiles.block(y_target, start)
-            valid = (start + jnp.arange(row_tiles.size)) < n_target
+            valid = row_tiles.chunk_ids(index)[1]
             pred = _predict_block(kernel, xt, p_support, alpha, cols)
             error = jnp.sum((pred - yt.astype(pred.dtype)) ** 2, axis=1)
             return jnp.sum(jnp.where(valid, error, 0.0))
