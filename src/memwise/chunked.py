@@ -8,8 +8,8 @@ gradient of a reduction is a reduction": Charlier, Feydy, Glaunes, Collin, Durif
 22, 2021). Memory in both directions: inputs + outputs + one chunk's intermediates, for
 about one extra forward pass of compute.
 
-Chunk sizes are resolved by :mod:`memwise.tiling` (a ragged last chunk is padded and
-masked, one compiled body); many devices go through :mod:`memwise.sharding`.
+Chunk sizes are resolved by :mod:`memwise.tiling` (a ragged last chunk is slid back
+to end at the last item and its repeated items masked, one compiled body); many devices go through :mod:`memwise.sharding`.
 :func:`over_row_chunks` runs a function over blocks of rows with the same machinery,
 for callers (``memwise.ntk``) whose per-block work is itself chunked.
 """
@@ -280,7 +280,7 @@ def chunked_map(
 
     Trade-off: the backward evaluates ``f`` once more (about +1 forward of compute) in
     exchange for peak memory = outputs + one chunk's intermediates. A ragged last chunk is
-    padded (one compiled body).
+    slid back to end at the last item, its repeated items masked (one compiled body).
 
     Args:
       f: function of one item of ``xs``, returning a pytree of arrays.
