@@ -46,6 +46,7 @@ from memwise.sharding import (
     check_divisible,
     declared_split,
     devices,
+    ring_step,
     row_sharding,
     sharded_call,
     use_ring,
@@ -195,8 +196,9 @@ def attention(
         (one all-gather when they arrive split), their gradients all-reduced once.
         ``None`` (the default): the cost model chooses
         (:func:`memwise.sharding.ring_pays`: a ring when holding k and v whole would add
-        more bytes than the device's block of q, so never at D = 2), and :func:`memwise.fit` may set it under a
-        budget (a ``ring`` knob); never a ring when Lk does not divide evenly.
+        more bytes than the device's block of q, so from two devices on when Lk is
+        Lq), and :func:`memwise.fit` may set it under a budget (a ``ring`` knob); never
+        a ring when Lk does not divide evenly.
         ``True``: a ring, or a ``ValueError``.
       stripes: ``None``, or the ``s`` of :func:`stripe` when q, k, v (and ``mask``,
         ``bias``, both axes) are in its striped order: ``causal`` then compares the
@@ -283,9 +285,7 @@ def attention(
         n_devices = devices(mesh, row_axes)
         if use_ring(ring, (k, v), lk, mesh, row_axes, "k", beside=q):
             ringed = Ring(row_axes, n_devices)
-        if not (lq % n_devices or lk % n_devices):
-            # "auto" tiles one device's share of a ring step, ring or not (one knob for fit)
-            auto_shape = (lq // n_devices, lk // n_devices)
+        auto_shape = ring_step(lq, lk, n_devices)
     elif ring:
         raise ValueError("ring=True needs the queries split over devices (shard_dim=-2)")
 

@@ -9,7 +9,8 @@ gradient of a reduction is a reduction": Charlier, Feydy, Glaunes, Collin, Durif
 about one extra forward pass of compute.
 
 Chunk sizes are resolved by :mod:`memwise.tiling` (a ragged last chunk is slid back
-to end at the last item and its repeated items masked, one compiled body); many devices go through :mod:`memwise.sharding`.
+to end at the last item and its repeated items masked, one compiled body); many
+devices go through :mod:`memwise.sharding`.
 :func:`over_row_chunks` runs a function over blocks of rows with the same machinery,
 for callers (``memwise.ntk``) whose per-block work is itself chunked.
 """

@@ -33,6 +33,7 @@ from memwise.sharding import (
     devices,
     first_items,
     has_explicit_axes,
+    ring_step,
     row_sharding,
     sharded_call,
     use_ring,
@@ -133,9 +134,9 @@ def pairwise_reduce(
         ``y`` whole on every device (one all-gather when it arrives split), its gradient
         all-reduced once (one transfer, not D - 1 steps). ``None`` (the default): the
         cost model chooses (:func:`memwise.sharding.ring_pays`: a ring when holding
-        ``y`` whole would add more bytes than the device's block of ``x``, so never at
-        D = 2, where a ring holds as much), and :func:`memwise.fit` may set it under a
-        budget (a ``ring`` knob); never a ring when m does not divide evenly over the
+        ``y`` whole would add more bytes than the device's block of ``x``, so clouds of
+        equal size on two devices hold it whole), and :func:`memwise.fit` may set it
+        under a budget (a ``ring`` knob); never a ring when m does not divide evenly over the
         devices or ``y`` is declared whole on every device (a replicated
         ``NamedSharding``). ``True``: a ring, or a ``ValueError``.
 
@@ -250,9 +251,7 @@ def pairwise_reduce(
     # caller's mesh context into the per-device program. The arrays it closes over
     # enter as replicated values; their gradients are all-reduced once by the
     # shard_map's transpose.
-    # "auto" tiles one device's share of a ring step, ring or not (one knob for fit).
-    n_devices = devices(mesh, axes)
-    auto_shape = (n // n_devices, m // n_devices) if not (n % n_devices or m % n_devices) else None
+    auto_shape = ring_step(n, m, devices(mesh, axes))
 
     def local(x_l, y_l, w_l):
         out = _pairwise_local(fn, x_l, y_l, w_l, kind, chunk_size, out_ndim, ringed, auto_shape)

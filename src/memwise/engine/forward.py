@@ -104,7 +104,7 @@ def _problem_forward(
 
     def body(acc, k):
         blk = one_row_block(k)
-        start = R.chunk_ids(k)[0][0]
+        start = R.start(k * R.size)
         return jax.tree.map(
             lambda a, b: lax.dynamic_update_slice_in_dim(a, b, start, axis=0), acc, blk
         ), None
