@@ -18,16 +18,20 @@ JAX, from O(c) integer state, so nothing depends on ``max_steps`` (which may be 
 * the backward rule is one ``lax.while_loop`` over the steps that ran, last first. For
   step r it restores the newest stored carry (its step is <= r, the positions form a
   stack), advances to r pushing a carry at each revolve split, then differentiates step
-  r and pops the carry of step r if it was stored. The advance is two loops in a row:
-  one iteration per split while the slots left are fewer than the steps (the steps up
-  to a split run in a loop of the body alone), then, once there is a slot for every
-  step (revolve's sweep: every split is 1), one iteration per step.
+  r and pops the carry of step r if it was stored. The advance is one loop with one
+  iteration per push: the steps up to revolve's next split run in a loop of the body
+  alone, and once there is a slot for every step left (revolve's sweep: every split is
+  1) the split is not searched.
 
 For a small body these loops cost per iteration and per kernel more than per flop
 (measured on CPU: an iteration of an XLA loop, or a kernel in its body, costs more than
 a 32x32 matrix-vector step), so the bookkeeping runs where it is needed only: revolve's
-split is searched once per push, not once per step; segment costs are summed without a
-loop (``segment_advances``) and the evictions ranked in one scalar loop.
+split is searched once per push, not once per step, and the evictions are ranked only
+when a store evicts, in one scalar loop. Memory goes the other way: XLA:CPU gives the
+state of every while loop in the program a table of its own for the whole program (8
+bytes an array, 64-byte aligned), and a copy of the body brings its own loops' tables,
+so the body appears three times (the forward loop, the advance, the taped step) and the
+costs are summed for three segments at a time, not held as (3c,) vectors.
 
 The loop's write-only buffers (:mod:`memwise._buffers`) are loop state of both rules
 but never enter a slot: the body takes them as its ``x`` and returns them as its ``y``,
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -138,38 +141,28 @@ def run(
 
 # p(L, s) = t L - beta(s + 1, t - 1) is also sum_{u >= 0} max(L - beta(s, u), 0): the
 # terms are nonzero for u < t exactly, and beta(s + 1, t - 1) = sum_{u < t} beta(s, u).
-# With the slot counts static, the first _SUMMED_TERMS terms of every cost are one fused
-# elementwise expression over constants, with no loop and no division; a loop adds more
-# only while some segment is longer than beta(s, _SUMMED_TERMS) (3 slots: past 165 steps,
-# 4: past 495). The forward pass computes 3c-4 of them at every eviction, and on CPU each
-# kernel an XLA loop body launches costs more than these flops.
-_SUMMED_TERMS = 8
+# Summed in one loop over u, every element at once, with beta(s, u) by its recurrence:
+# exact in float32 while the terms are nonzero (beta(s, u) < L), for any L below 2^24.
 
 
-def segment_advances(length: jax.Array | int, slots: np.ndarray) -> jax.Array:
-    """p(length, slots) elementwise (float32) for static slot counts ``slots`` >= 1:
-    ``schedule._segment_advances`` in JAX."""
-    slots = np.asarray(slots)
-    length = jnp.broadcast_to(jnp.asarray(length, jnp.float32), slots.shape)
-    binomials = np.array(
-        [[math.comb(int(s) + u, u) for s in slots.ravel()] for u in range(_SUMMED_TERMS + 1)],
-        np.float64,
+def segment_advances(length: jax.Array | int, slots: jax.Array | np.ndarray | int) -> jax.Array:
+    """p(length, slots) elementwise (float32) for slot counts ``slots`` >= 1, static or
+    traced: ``schedule._segment_advances`` in JAX."""
+    length, slots = jnp.broadcast_arrays(
+        jnp.asarray(length, jnp.float32), jnp.asarray(slots, jnp.float32)
     )
-    # slots 1 and 2 take closed forms (there beta(s, u) grows slowly): no terms
-    binomials = np.where(slots.ravel() <= 2, np.inf, binomials).astype(np.float32)
-    binomials = binomials.reshape((_SUMMED_TERMS + 1,) + slots.shape)
-    total = sum(jnp.maximum(length - binomials[u], 0.0) for u in range(_SUMMED_TERMS))
-    s = slots.astype(np.float32)
 
     def more(state):
         u, beta, total = state  # beta = beta(s, u)
         total = total + jnp.maximum(length - beta, 0.0)
-        return u + 1, beta * (s + u + 1) / (u + 1), total
+        return u + 1, beta * (slots + u + 1) / (u + 1), total
 
+    # slots 1 and 2 take closed forms (there beta(s, u) grows slowly): no terms
+    start = jnp.where(slots <= 2, jnp.inf, 1.0).astype(jnp.float32)
     _, _, total = lax.while_loop(
         lambda state: jnp.any(state[1] < length),
         more,
-        (jnp.float32(_SUMMED_TERMS), binomials[_SUMMED_TERMS], total),
+        (jnp.float32(0), start, jnp.zeros_like(length)),
     )
     return jnp.where(
         slots == 1,
@@ -247,35 +240,35 @@ def _closed_evictions(positions: jax.Array, c: int) -> tuple[jax.Array, jax.Arra
 
     ``OnlineCheckpointer._closed_evictions``: evicting k merges closed segments k-1 and
     k (now reversed with c-k+1 slots) and gives each later closed segment one more slot.
-    Every segment cost at once, then one scalar loop over k (from c-2 down, carrying
-    the later segments' gains; ties: the smallest k), which XLA compiles into a single
-    kernel, in O(c) memory.
+    One scalar loop over k (from c-2 down, carrying the later segments' gains and
+    segment k's own cost; ties: the smallest k) that sums the three costs that share
+    c-k+1 slots at once, in O(1) memory besides ``positions``.
     """
     if c < 3:
         return jnp.float32(jnp.inf), jnp.int32(0)
     n = c - 1  # closed segments 0..c-2
-    j, k = np.arange(n), np.arange(1, n)
     lengths = (positions[1:] - positions[:-1]).astype(jnp.float32)
-    # own slots (c - j), one more (c - j + 1), segments k-1 and k merged (c - k + 1)
-    costs = segment_advances(
-        jnp.concatenate([lengths, lengths, lengths[:-1] + lengths[1:]]),
-        np.concatenate([c - j, c - j + 1, c - k + 1]),
-    )
 
     def rank(i, state):
-        later, best, index = state
+        # at k: segment k-1 alone, k-1 and k merged, and k with one more slot all have
+        # c - k + 1 slots; segment k alone (c - k) is the previous k's k-1
+        later, best, index, own = state
         k = (n - 1 - i).astype(jnp.int32)
-        cost = costs[2 * n + k - 1] - costs[k - 1] - costs[k] + later
+        before, this = lengths[k - 1], lengths[k]
+        previous, merged, gained = segment_advances(
+            jnp.stack([before, before + this, this]), c - k + 1
+        )
+        cost = merged - previous - own + later
         better = cost <= best
         return (
-            later + costs[n + k] - costs[k],
+            later + gained - own,
             jnp.where(better, cost, best),
             jnp.where(better, k, index),
+            previous,
         )
 
-    _, best, index = lax.fori_loop(
-        0, n - 1, rank, (jnp.float32(0), jnp.float32(jnp.inf), jnp.int32(0))
-    )
+    start = (jnp.float32(0), jnp.float32(jnp.inf), jnp.int32(0))
+    _, best, index, _ = lax.fori_loop(0, n - 1, rank, (*start, _advances_two_slots(lengths[n - 1])))
     return best, index
 
 
@@ -441,13 +434,21 @@ def _run_bwd(loop, residuals, output_cotangents):
     ct_consts = typed_zeros(select(consts, taped.const_mask))
 
     def split_at(held, r, top):
-        """Where to push next while advancing from x_held to x_r (r + 1: nowhere)."""
+        """Where to push next while advancing from x_held to x_r (r + 1: nowhere).
+
+        Once a slot is left for every step left (length <= slots + 1), every split is 1
+        (revolve's sweep), and the search is skipped: in a ``lax.cond`` of scalars, since
+        even a loop that runs no iteration costs a small body more than its step.
+        """
         slots = c - top + 1
         length = r + 1 - held
         can = (slots >= 2) & (length >= 2) & (top < c)
-        return jnp.where(
-            can, held + revolve_split(jnp.maximum(length, 2), jnp.maximum(slots, 2)), r + 1
+        split = lax.cond(
+            length <= slots + 1,
+            lambda: jnp.int32(1),
+            lambda: revolve_split(jnp.maximum(length, 2), jnp.maximum(slots, 2)),
         )
+        return jnp.where(can, held + split, r + 1)
 
     def push(carry, buffers, positions, top, at, do):
         slot = jnp.minimum(top, c - 1)
@@ -466,35 +467,18 @@ def _run_bwd(loop, residuals, output_cotangents):
             i, carry, target = inner
             return i + 1, loop.step(carry, written_in, consts)[0], target
 
-        def sweeping(held, top):
-            # a slot for every step left (length <= slots + 1): every split is 1
-            return r + 1 - held <= c - top + 2
-
         def to_split(inner):
-            # Advance to revolve's next split (or to r) and push the carry there; the
-            # steps before the last run the body alone, in a loop of their own.
+            # Advance to revolve's next split (or to r) and push the carry there.
             held, carry, buffers, positions, top = inner
             push_at = split_at(held, r, top)
             target = jnp.minimum(push_at, r)
-            _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance, (held, carry, target - 1))
-            carry = loop.step(carry, written_in, consts)[0]
+            _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance, (held, carry, target))
             return (target, carry, *push(carry, buffers, positions, top, target, push_at <= r))
 
-        def sweep_step(inner):
-            i, carry, buffers, positions, top = inner
-            carry = loop.step(carry, written_in, consts)[0]
-            return (i + 1, carry, *push(carry, buffers, positions, top, i + 1, top < c))
-
-        # Splits until the slots cover the steps left, then one step and one push per
-        # iteration up to r (once sweeping, revolve keeps sweeping). Two loops in a
-        # row, not a lax.cond: a cond would copy the slot buffers.
-        inner = lax.while_loop(
-            lambda inner: (inner[0] < r) & ~sweeping(inner[0], inner[4]),
-            to_split,
-            (held, carry, buffers, positions, top),
-        )
+        # One body for the advance, as in the forward loop and the taped step: every copy
+        # of the body in the program is one more set of its loops' state in memory.
         _, carry, buffers, positions, top = lax.while_loop(
-            lambda inner: inner[0] < r, sweep_step, inner
+            lambda inner: inner[0] < r, to_split, (held, carry, buffers, positions, top)
         )
         ct_y = fill([None] * len(written), written_mask, ct_buffers)
         ct_carry, ct_new, ct_k = taped(carry, written_in, consts, ct_carry, ct_y)
