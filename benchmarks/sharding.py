@@ -10,6 +10,10 @@ ring and the replicated second operand (``ring=False``) are timed at run-able si
 Where the program takes ``ring=``, the second operand held whole (``ring=False``) is
 compiled beside the ring at every D, with what ``ring=None`` picks there.
 
+The same D = 4 programs are also compiled as 4 processes of one device each, joined by
+``jax.distributed`` on 127.0.0.1 (``python -m memwise.launch``, as a cluster of 4 hosts
+would run them): per-device memory and collectives beside the one-process figures.
+
 Targets: per-device arguments + temp at D = 8 within 1.3 x (1/8) of D = 1's in ring
 mode; no all-gather of either operand in any ring-mode program.
 """
@@ -28,10 +32,12 @@ DEVICES = (1, 2, 4, 8)
 N_POINTS = 200_000
 LENGTH, DIM = 65_536, 64
 COLLECTIVES = ("all-gather", "collective-permute", "all-reduce", "all-to-all")
+PROCESSES = 4  # the D = 4 programs again, as this many processes of one device each
 
 
 def _child(n_devices: int, quick: bool) -> None:
-    """Runs in a process with ``n_devices`` CPU devices; prints the rows as JSON."""
+    """Runs with ``n_devices`` CPU devices in all (in this process, or in every process
+    of a ``memwise.launch`` run, where process 0 prints); prints the rows as JSON."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -104,7 +110,7 @@ def _child(n_devices: int, quick: bool) -> None:
                 }
             )
     timing = None
-    if n_devices == 4:
+    if n_devices == 4 and jax.process_count() == 1:
         # Ring vs a replicated second operand, on sizes that run in seconds here.
         small = placed((20_000 // scale, 2), P("d"))
         small_qkv = placed((1, 8192 // scale, DIM), P(None, "d"))
@@ -147,27 +153,58 @@ def _child(n_devices: int, quick: bool) -> None:
                 quick=quick,
             ),
         ]
-    print(json.dumps({"rows": rows, "timing": timing}))
+    if jax.process_index() == 0:
+        print(json.dumps({"rows": rows, "timing": timing}), flush=True)
 
 
-def _run_child(n_devices: int, quick: bool) -> dict:
+def _run_child(n_devices: int, quick: bool, processes: int = 1) -> dict:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}",
     )
+    child = [__file__, "--child", str(n_devices)] + (["--quick"] if quick else [])
+    if processes > 1:
+        per_process = str(n_devices // processes)
+        launch = ["-m", "memwise.launch", "-n", str(processes), "--cpu-devices", per_process]
+        child = [*launch, "--timeout", "1800", *child]
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", str(n_devices)] + (["--quick"] if quick else []),
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, *child], env=env, capture_output=True, text=True, check=True
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _processes_table(one: dict, many: dict) -> dict:
+    """The D = 4 ring programs as one process of 4 devices and as PROCESSES processes."""
+    rows = []
+    for label, result in ((f"1 process x {4} devices", one), (f"{PROCESSES} processes x 1", many)):
+        for r in result["rows"]:
+            if r["strategy"] != "ring":
+                continue
+            rows.append(
+                {
+                    "variant": f"{r['program']}: {label}",
+                    "temp_bytes": r["temp_bytes"],
+                    "peak_bytes": r["peak_bytes"],
+                    "argument_bytes": r["argument_bytes"],
+                    "output_bytes": r["output_bytes"],
+                    "compile_s": r["compile_s"],
+                    "time_s": None,
+                    "time_ratio": None,
+                    **{c: r[c] for c in COLLECTIVES},
+                }
+            )
+    return {
+        "title": "D = 4, value_and_grad, per device, ring mode: one process or four (jax.distributed)",
+        "baseline": rows[0]["variant"],
+        "repeats": 0,
+        "rows": rows,
+    }
+
+
 def main(quick: bool = False) -> None:
     results = {d: _run_child(d, quick) for d in harness.progress(DEVICES, desc="devices")}
+    processes = _run_child(4, quick, processes=PROCESSES)
     tables = []
     ring_rows = {d: [r for r in results[d]["rows"] if r["strategy"] == "ring"] for d in DEVICES}
     for program in [r["program"] for r in ring_rows[1]]:
@@ -231,6 +268,9 @@ def main(quick: bool = False) -> None:
         }
         harness.print_table(table)
         tables.append(table)
+    table = _processes_table(results[4], processes)
+    harness.print_table(table)
+    tables.append(table)
     for table in results[4]["timing"]:
         harness.print_table(table)
         tables.append(table)

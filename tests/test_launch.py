@@ -15,6 +15,7 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     import memwise as mw
     from memwise import ot
+    from beside import RTOL  # a module next to the script, found as `python script.py` would
 
     me = jax.process_index()
     procs = jax.process_count()
@@ -41,7 +42,7 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
         # The same function, sharded over both processes vs in this process alone.
         value, grads = jax.jit(jax.value_and_grad(f, tuple(range(len(args)))))(*global_args)
         ref_value, ref_grads = jax.jit(jax.value_and_grad(f, tuple(range(len(args)))))(*args)
-        np.testing.assert_allclose(gather(value), ref_value, rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(gather(value), ref_value, rtol=RTOL, err_msg=name)
         for g, r in zip(grads, ref_grads):
             np.testing.assert_allclose(gather(g), r, rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -76,6 +77,7 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
 def launch(tmp_path, program, *args, timeout=300):
     script = tmp_path / "program.py"
     script.write_text(program)
+    (tmp_path / "beside.py").write_text("RTOL = 1e-5\n")
     return subprocess.run(
         [sys.executable, "-m", "memwise.launch", *args, str(script)],
         capture_output=True,

@@ -260,7 +260,9 @@ def _plot_fit(result: dict, plt: Any) -> list[tuple[Figure, str]]:
 
 
 def _plot_sharding(result: dict, plt: Any) -> list[tuple[Figure, str]]:
-    tables = [t for t in result["tables"] if "per device" in t["title"]]
+    # the scaling tables (rows "D = 1" ... "D = 8"), not the ring-or-whole and
+    # process-count tables
+    tables = [t for t in result["tables"] if t["title"].endswith("per device, ring mode")]
     if not tables:
         return []
     fig, ax = plt.subplots(figsize=(7, 3.2))

@@ -80,6 +80,9 @@ def _child(
         initialization_timeout=init_timeout,
     )
     sys.argv = [script, *args]
+    # As `python script.py` does: the script's folder first on the path, so that it
+    # imports the modules beside it.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
