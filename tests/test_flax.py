@@ -7,19 +7,13 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from _close import assert_tree_close
 from flax import nnx
 
 import memwise.flax
 from memwise.measure import compiled_memory
 from memwise.scenarios import lstm
-
-
-def assert_tree_close(a, b, rtol=1e-5, atol=1e-6):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("seq2seq", [pytest.param(False, marks=pytest.mark.slow), True])

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _attention_reference import dense_attention
-from _close import assert_close
+from _close import TOLERANCE, assert_close
 
 import memwise as mw
 
@@ -37,9 +37,6 @@ DTYPES = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
 }
-# Agreement with the float64 reference, relative to the largest magnitude of the result.
-TOLERANCE = {"float32": 1e-4, "float64": 1e-9, "bfloat16": 6e-2, "float16": 1e-2}
-
 # (n, chunk): one item, chunk larger than n, chunk of one, a ragged last chunk.
 SHAPES = {"one": (1, 1), "chunk>n": (3, 8), "chunk=1": (4, 1), "ragged": (7, 3)}
 
@@ -496,7 +493,7 @@ CASES = {
 
 
 def _close(actual, expected, dtype_name, what, min_tolerance=0.0):
-    tolerance = max(TOLERANCE[dtype_name], min_tolerance)
+    tolerance = max(TOLERANCE["matrix"][dtype_name], min_tolerance)
     assert_close(jnp.asarray(actual, jnp.float64), expected, tolerance, what, scale_floor=1.0)
 
 

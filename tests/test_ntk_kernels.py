@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _close import assert_close
+from _close import TOLERANCE, assert_dtype_close
 from jax import lax
 from jax.test_util import check_grads
 
@@ -205,16 +205,7 @@ def test_zero_inputs_give_the_limit_of_vanishing_inputs(name):
     assert np.all(np.isfinite(grad(jnp.asarray(zero, jnp.float32))))
 
 
-# Largest error relative to the reference's largest entry, against float64 on the same
-# rounded inputs.
-TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 5e-2}
-
-
-def _assert_close(got, expected, dtype):
-    assert_close(got, expected, TOLERANCE[dtype], dtype)
-
-
-@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE["ntk_kernels"]))
 @pytest.mark.parametrize("name", ["conv_relu_gap", "fc_relu_erf", "fc_gelu"])
 @pytest.mark.slow
 def test_dtypes(name, dtype):
@@ -240,7 +231,7 @@ def test_dtypes(name, dtype):
         )
     for a, b in zip(got + (grad,), expected + (expected_grad,)):
         assert a.dtype == jnp.dtype(dtype)
-        _assert_close(a, b, dtype)
+        assert_dtype_close("ntk_kernels", a, b, dtype)
 
 
 # ----------------------------------------------------------------------------------------
@@ -443,7 +434,7 @@ def test_pooling_in_bfloat16_accumulates_in_float32(more_reference):
     with jax.enable_x64(True):
         expected = _jit(_myrtle(), "ntk")(*(jnp.asarray(a, jnp.float64) for a in (x1, x2)))
     assert got.dtype == jnp.bfloat16
-    _assert_close(got, expected, "bfloat16")
+    assert_dtype_close("ntk_kernels", got, expected, "bfloat16")
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _close import assert_close
+from _close import TOLERANCE, assert_dtype_close
 
 from memwise import ntk
 from memwise.ntk import kernels as k
@@ -158,10 +158,7 @@ def test_gradients_through_time_and_training_inputs_match_dense(reference):
         np.testing.assert_allclose(rows, _dense_mean(x_train, y_train, x_test, 10.0), rtol=1e-9)
 
 
-TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
-
-
-@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE["ntk_predict"]))
 @pytest.mark.slow
 def test_dtypes(reference, dtype):
     # The solve and sums run in float32 for half-precision kernels; outputs keep the dtype.
@@ -173,7 +170,7 @@ def test_dtypes(reference, dtype):
         expected = _jit_predict(**options)(*wide)
     for a, b in zip(got, expected):
         assert a.dtype == jnp.dtype(dtype)
-        assert_close(a, b, TOLERANCE[dtype], dtype)
+        assert_dtype_close("ntk_predict", a, b, dtype)
 
 
 def test_bad_inputs(reference):

@@ -13,6 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_tree_close
 from _multidevice import run_on_devices
 from jax import lax
 
@@ -47,11 +48,6 @@ def loss_with(scan_fn, n, reverse=False, **kwargs):
         return jnp.sum(h**2) + jnp.sum(jnp.sin(ys["y"])) + k + jnp.sum(ys["k"])
 
     return loss
-
-
-def assert_tree_close(a, b, rtol=1e-5, atol=1e-6):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 CASES = [
