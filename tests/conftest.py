@@ -14,6 +14,7 @@ import os
 import pathlib
 
 import _hypothesis  # noqa: F401  (registers and loads the profile)
+import pytest
 
 if os.environ.get("MEMWISE_TEST_JAX_CACHE", "1") != "0":
     _CACHE = {  # option: (value, type)
@@ -35,3 +36,14 @@ if os.environ.get("MEMWISE_TEST_JAX_CACHE", "1") != "0":
 # Reference generators run in their own environment (jax 0.4.30 + neural-tangents); under
 # `--doctest-modules` importing one turned on float64 for every later test in the worker.
 collect_ignore = ["data"]
+
+
+@pytest.fixture(scope="module")
+def float64_module():
+    """float64 for one module's tests (``pytestmark = pytest.mark.usefixtures(
+    "float64_module")``): a global jax_enable_x64 would change every other module's dtypes
+    (and the OTT comparisons' iteration counts) once pytest collects the file."""
+    import jax
+
+    with jax.enable_x64(True):
+        yield

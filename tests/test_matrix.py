@@ -24,11 +24,7 @@ from _close import TOLERANCE, assert_close
 
 import memwise as mw
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _float64_in_this_module():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("float64_module")
 
 
 DTYPES = {

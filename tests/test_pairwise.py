@@ -15,13 +15,7 @@ from hypothesis import strategies as st
 import memwise as mw
 from memwise.measure import compiled_memory
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _float64_in_this_module():
-    # Scoped to this module: a global jax_enable_x64 would change every other module's
-    # dtypes (and OTT comparisons' iteration counts) once pytest collects this file.
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("float64_module")
 
 
 MiB = 2**20

@@ -18,10 +18,7 @@ from memwise.measure import compiled_memory
 WIDTH = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _float64_in_this_module():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("float64_module")
 
 
 def revnet(params):

@@ -14,11 +14,7 @@ from _attention_reference import dense_attention, keep_mask
 import memwise as mw
 from memwise.measure import compiled_memory
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _float64_in_this_module():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("float64_module")
 
 
 def _qkv(B=2, T=13, S=11, N=4, K=2, H=8, dtype=jnp.float64, seed=0):
