@@ -174,26 +174,26 @@ def _run_child(n_devices: int, quick: bool, processes: int = 1) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _row(variant: str, r: dict, **extra) -> dict:
+    """A compiled-only table row from a child's row: its memory, then ``extra``."""
+    memory = ("temp_bytes", "peak_bytes", "argument_bytes", "output_bytes", "compile_s")
+    return {
+        "variant": variant,
+        **{k: r[k] for k in memory},
+        "time_s": None,
+        "time_ratio": None,
+        **extra,
+    }
+
+
 def _processes_table(one: dict, many: dict) -> dict:
     """The D = 4 ring programs as one process of 4 devices and as PROCESSES processes."""
-    rows = []
-    for label, result in ((f"1 process x {4} devices", one), (f"{PROCESSES} processes x 1", many)):
-        for r in result["rows"]:
-            if r["strategy"] != "ring":
-                continue
-            rows.append(
-                {
-                    "variant": f"{r['program']}: {label}",
-                    "temp_bytes": r["temp_bytes"],
-                    "peak_bytes": r["peak_bytes"],
-                    "argument_bytes": r["argument_bytes"],
-                    "output_bytes": r["output_bytes"],
-                    "compile_s": r["compile_s"],
-                    "time_s": None,
-                    "time_ratio": None,
-                    **{c: r[c] for c in COLLECTIVES},
-                }
-            )
+    rows = [
+        _row(f"{r['program']}: {label}", r, **{c: r[c] for c in COLLECTIVES})
+        for label, result in (("1 process x 4 devices", one), (f"{PROCESSES} processes x 1", many))
+        for r in result["rows"]
+        if r["strategy"] == "ring"
+    ]
     return {
         "title": "D = 4, value_and_grad, per device, ring mode: one process or four (jax.distributed)",
         "baseline": rows[0]["variant"],
@@ -215,19 +215,15 @@ def main(quick: bool = False) -> None:
             r = next(r for r in ring_rows[d] if r["program"] == program)
             per_device = r["argument_bytes"] + r["temp_bytes"]
             rows.append(
-                {
-                    "variant": f"D = {d}",
-                    "temp_bytes": r["temp_bytes"],
-                    "peak_bytes": r["peak_bytes"],
-                    "argument_bytes": r["argument_bytes"],
-                    "output_bytes": r["output_bytes"],
-                    "compile_s": r["compile_s"],
-                    "time_s": None,
-                    "time_ratio": None,
-                    "arguments + temp": harness.format_bytes(per_device),
-                    "x D / D=1's": round(per_device * d / base, 2),
-                    **{c: r[c] for c in COLLECTIVES},
-                }
+                _row(
+                    f"D = {d}",
+                    r,
+                    **{
+                        "arguments + temp": harness.format_bytes(per_device),
+                        "x D / D=1's": round(per_device * d / base, 2),
+                        **{c: r[c] for c in COLLECTIVES},
+                    },
+                )
             )
         table = {
             "title": f"{program}, value_and_grad, per device, ring mode",
@@ -244,21 +240,17 @@ def main(quick: bool = False) -> None:
             by = {r["strategy"]: r for r in results[d]["rows"] if r["program"] == program}
             ring, whole = by["ring"], by["whole"]
             rows.append(
-                {
-                    "variant": f"D = {d}",
-                    "temp_bytes": whole["temp_bytes"],
-                    "peak_bytes": whole["peak_bytes"],
-                    "argument_bytes": whole["argument_bytes"],
-                    "output_bytes": whole["output_bytes"],
-                    "compile_s": whole["compile_s"],
-                    "time_s": None,
-                    "time_ratio": None,
-                    "ring=None picks": ring["default"],
-                    "ring: peak": harness.format_bytes(ring["peak_bytes"]),
-                    "whole: peak": harness.format_bytes(whole["peak_bytes"]),
-                    "whole / ring": round(whole["peak_bytes"] / ring["peak_bytes"], 2),
-                    "whole: all-gathers": whole["all-gather"],
-                }
+                _row(
+                    f"D = {d}",
+                    whole,
+                    **{
+                        "ring=None picks": ring["default"],
+                        "ring: peak": harness.format_bytes(ring["peak_bytes"]),
+                        "whole: peak": harness.format_bytes(whole["peak_bytes"]),
+                        "whole / ring": round(whole["peak_bytes"] / ring["peak_bytes"], 2),
+                        "whole: all-gathers": whole["all-gather"],
+                    },
+                )
             )
         table = {
             "title": f"{program}, value_and_grad, per device: ring or whole (ring=None's choice)",
