@@ -33,34 +33,25 @@ def _sgd(loss):
     return step
 
 
+def _constants(traced) -> int:
+    """Bytes of the constants a traced program bakes in."""
+    return sum(int(np.asarray(c).nbytes) for c in traced.jaxpr.consts if hasattr(c, "shape"))
+
+
 def _program(fn, args) -> dict:
     # Program size and baked-in constants from the trace and the lowering (no compile;
     # the compiled memory comes from the harness's compiled_memory).
     traced = jax.jit(fn).trace(*args)
-    constants = sum(int(np.asarray(c).nbytes) for c in traced.jaxpr.consts if hasattr(c, "shape"))
-    return {"program bytes": len(traced.lower().as_text()), "constant bytes": constants}
+    return {"program bytes": len(traced.lower().as_text()), "constant bytes": _constants(traced)}
 
 
-# ViT-B/32 at the 384x384 fine-tuning resolution of the report's notebook.
-ORIGINAL = dict(image=384, patch=32, dim=768, depth=12, heads=12, mlp=3072, batch=1)
-
-
-def _constants(fn, args) -> int:
-    traced = jax.jit(fn).trace(*args)
-    return sum(int(np.asarray(c).nbytes) for c in traced.jaxpr.consts if hasattr(c, "shape"))
-
-
-def original_table() -> dict:
-    """The three steps at the report's size, compiled only (the program text is not
-    printed: the closure's holds every weight). The peak is XLA's own figure where it is
-    larger than arguments + outputs + temporaries, as for the closure, whose program
-    counts its constants."""
-    model, variables, moved, images, labels = scenario.setup(**ORIGINAL)
-    n_params = scenario.parameter_count(variables)
+def _steps(size: dict) -> tuple[int, list]:
+    """(parameter count, the three SGD steps as (name, fn, args)) for a ViT of ``size``."""
+    model, variables, moved, images, labels = scenario.setup(**size)
     ce = scenario.cross_entropy
     closure = scenario.closure_linearize(model.apply, variables)
     lin = linearize(model.apply, variables)
-    cases = [
+    steps = [
         (
             "train f (model.apply)",
             _sgd(lambda v, x, y: ce(model.apply(v, x), y)),
@@ -73,9 +64,24 @@ def original_table() -> dict:
         ),
         ("mw.linearize", _sgd(lambda v, lin, x, y: ce(lin(v, x), y)), (moved, lin, images, labels)),
     ]
+    return scenario.parameter_count(variables), steps
+
+
+# ViT-B/32 at the 384x384 fine-tuning resolution of the report's notebook.
+ORIGINAL = dict(image=384, patch=32, dim=768, depth=12, heads=12, mlp=3072, batch=1)
+
+
+def original_table() -> dict:
+    """The three steps at the report's size, compiled only (the program text is not
+    printed: the closure's holds every weight). The peak is XLA's own figure where it is
+    larger than arguments + outputs + temporaries, as for the closure, whose program
+    counts its constants."""
+    n_params, steps = _steps(ORIGINAL)
     variants = [
-        harness.Variant(name, fn, args, {"constants": _constants(fn, args)}, run=False)
-        for name, fn, args in cases
+        harness.Variant(
+            name, fn, args, {"constants": _constants(jax.jit(fn).trace(*args))}, run=False
+        )
+        for name, fn, args in steps
     ]
     title = (
         f"the report's model, compiled only: ViT-B/32 at 384x384, {n_params / 1e6:.1f}M "
@@ -92,21 +98,7 @@ def main(quick: bool = False) -> None:
     size = dict(scenario.SIZES["report"], batch=4 if quick else 16)
     if quick:
         size.update(dim=128, depth=2, mlp=512)
-    model, variables, moved, images, labels = scenario.setup(**size)
-    n_params = scenario.parameter_count(variables)
-    ce = scenario.cross_entropy
-
-    train_f = _sgd(lambda v, x, y: ce(model.apply(v, x), y))
-    closure = scenario.closure_linearize(model.apply, variables)
-    train_closure = _sgd(lambda v, x, y: ce(closure(v, x), y))
-    lin = linearize(model.apply, variables)
-    train_lin = _sgd(lambda v, lin, x, y: ce(lin(v, x), y))
-
-    cases = [
-        ("train f (model.apply)", train_f, (moved, images, labels)),
-        ("closure linearization (nt.linearize-style)", train_closure, (moved, images, labels)),
-        ("mw.linearize", train_lin, (moved, lin, images, labels)),
-    ]
+    n_params, cases = _steps(size)
     variants = [harness.Variant(name, fn, args, _program(fn, args)) for name, fn, args in cases]
     title = (
         f"SGD step of a Flax ViT and of its linearization: {n_params / 1e6:.2f}M parameters "
