@@ -90,12 +90,13 @@ def naive_loss(x_support, y_support, x_target, y_target, ridge=RIDGE, kernel="co
 
 
 def data(
-    n_support: int, n_target: int, side: int, classes: int = 10
+    n_support: int, n_target: int, side: int, classes: int = 10, channels: int = 1
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Random images standing in for MNIST, one-hot labels (centred as in KIP)."""
+    """Random images standing in for MNIST (or CIFAR, ``channels=3``), one-hot labels
+    (centred as in KIP)."""
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
-    x_support = jax.random.normal(keys[0], (n_support, side, side, 1))
-    x_target = jax.random.normal(keys[1], (n_target, side, side, 1))
+    x_support = jax.random.normal(keys[0], (n_support, side, side, channels))
+    x_target = jax.random.normal(keys[1], (n_target, side, side, channels))
     one_hot = lambda n: jax.nn.one_hot(jnp.arange(n) % classes, classes) - 1.0 / classes  # noqa: E731
     return x_support, one_hot(n_support), x_target, one_hot(n_target)
 
