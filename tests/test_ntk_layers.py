@@ -1,4 +1,5 @@
-"""The layers of memwise.ntk.kernels: argument checks and the public import paths."""
+"""The layers of memwise.ntk.kernels: argument checks, the public import paths, and the conv
+window over a full covariance against the same mean written out pixel by pixel."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import importlib
 
 import numpy as np
 import pytest
+from jax import lax
 
 from memwise.ntk import _covariance
 from memwise.ntk import kernels as k
+from memwise.ntk.linear import _window_mean
 
 # Every layer constructor's arguments: a TypeError/ValueError naming the layer and the
 # argument, before any tracing.
@@ -120,3 +123,35 @@ def test_public_import_paths_keep_working():
     with pytest.raises(TypeError) as info:
         k.serial(k.Dense(), "dense")
     assert all(name in str(info.value) for name in _covariance._LAYERS)
+
+
+@pytest.mark.parametrize(
+    ("batch", "pixels", "window", "strides", "padding"),
+    [
+        ((2, 3), (7, 6), (3, 3), (1, 1), "SAME"),
+        ((2, 3), (7, 6), (3, 2), (2, 1), "VALID"),
+        ((1,), (6, 5), (3, 3), (2, 2), "SAME"),
+        ((2, 1), (9,), (4,), (3,), "SAME"),
+        ((1, 2), (4, 3, 5), (2, 3, 1), (1, 2, 1), "VALID"),
+    ],
+)
+def test_conv_window_along_the_diagonal_of_a_full_covariance(
+    batch, pixels, window, strides, padding
+):
+    # Each output (p, q) is the mean of cov[p*s + d - lo, q*s + d - lo] over the window's
+    # offsets d, zeros outside the image: written out pixel by pixel.
+    rng = np.random.default_rng(0)
+    cov = rng.normal(size=batch + pixels + pixels).astype(np.float32)
+    layout = _covariance._Layout(len(batch), len(pixels), True)
+    got = np.asarray(_window_mean(cov, layout, window, strides, padding))
+    pads = lax.padtype_to_pads(pixels, window, strides, padding)
+    out = [(n + lo + hi - w) // s + 1 for n, (lo, hi), w, s in zip(pixels, pads, window, strides)]
+    want = np.zeros(batch + tuple(out) * 2, np.float64)
+    for p in np.ndindex(*out):
+        for q in np.ndindex(*out):
+            for d in np.ndindex(*window):
+                i = [pi * s + di - lo for pi, s, di, (lo, _) in zip(p, strides, d, pads)]
+                j = [qi * s + di - lo for qi, s, di, (lo, _) in zip(q, strides, d, pads)]
+                if all(0 <= a < n for a, n in zip(i + j, pixels + pixels)):
+                    want[(...,) + p + q] += cov[(...,) + tuple(i) + tuple(j)]
+    np.testing.assert_allclose(got, want / np.prod(window), rtol=1e-5, atol=1e-6)

@@ -39,13 +39,6 @@ class _Layout:
     spatial_ndim: int
     full: bool
 
-    def groups(self) -> list[int]:
-        """First axis of each group of pixel axes (one group, or two when full)."""
-        first = self.batch_ndim
-        if self.full:
-            return [first, first + self.spatial_ndim]
-        return [first]
-
     def spatial_axes(self) -> tuple[int, ...]:
         n_groups = 2 if self.full else 1
         return tuple(range(self.batch_ndim, self.batch_ndim + n_groups * self.spatial_ndim))

@@ -178,20 +178,20 @@ def _diagonal_window_sum(
 
     Entry ``(p, q)`` of the result sums ``cov[p + d, q + d]`` over the window's offsets
     ``d``. Flattened, a step of ``d`` along pixel axis ``i`` on both sides is one step of
-    ``stride(i) + stride(s + i)`` in the zero-padded array, so each pixel axis is one
-    dilated 1-D ``reduce_window``: no wrap-around, because the padding keeps ``p + d``
-    and ``q + d`` inside their axes. One ``reduce_window`` per axis, and one per axis in
+    ``step(i) + step(s + i)`` in the zero-padded array (``step``: the flat distance of
+    +1 along an axis), so each pixel axis is one dilated 1-D ``reduce_window``: no
+    wrap-around, because the padding keeps ``p + d`` and ``q + d`` inside their axes. One ``reduce_window`` per axis, and one per axis in
     the backward pass, rather than a sum of shifted slices: XLA:CPU fused the slices'
     transpose (pads of the cotangent) into the layer's whole elementwise backward chain
-    and recomputed it, cache-hostile, in every consumer (3x the time of a Myrtle
-    kernel's KIP gradient at 32x32 pixels, and 2x its memory).
+    and recomputed it, cache-hostile, in every consumer (2.6x the time of a Myrtle
+    kernel's KIP gradient at 32x32 pixels, and 1.9x its memory).
     """
     s = layout.spatial_ndim
     batch = cov.shape[: layout.batch_ndim]
     pixels = layout.pixels(cov)
     padded = jnp.pad(cov, [(0, 0)] * layout.batch_ndim + list(pads) * 2)
     dims = padded.shape[layout.batch_ndim :]
-    step = [math.prod(dims[i + 1 :]) for i in range(2 * s)]  # flat stride of each pixel axis
+    step = [math.prod(dims[i + 1 :]) for i in range(2 * s)]  # flat distance of +1 on each axis
     flat = padded.reshape(*batch, math.prod(dims))
     ones = (1,) * layout.batch_ndim
     for axis, k in enumerate(filter_shape):
