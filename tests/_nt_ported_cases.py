@@ -93,21 +93,22 @@ def build_net(
     b_std=B_STD,
     layer_norm=None,
     width=1024,
+    parameterization="ntk",
+    s=1,
 ):
     """Upstream's ``_get_net`` in NHWC with ``phi = Relu()``; returns (layer, input shape)."""
     is_conv = model == "conv"
     input_shape = INPUT_SHAPE if is_conv else (INPUT_SHAPE[0], int(np.prod(INPUT_SHAPE[1:])))
+    scaled = dict(W_std=W_std, b_std=b_std, parameterization=parameterization)
 
-    def fc(out_dim):
-        return stax.Dense(out_dim, W_std=W_std, b_std=b_std)
+    def fc(out_dim, s):
+        return stax.Dense(out_dim, s=s, **scaled)
 
-    def conv(out_chan):
-        return stax.Conv(
-            out_chan, filter_shape, strides=strides, padding=padding, W_std=W_std, b_std=b_std
-        )
+    def conv(out_chan, s):
+        return stax.Conv(out_chan, filter_shape, strides=strides, padding=padding, s=s, **scaled)
 
-    affine = conv(width) if is_conv else fc(width)
-    affine_bottom = conv(width) if is_conv else fc(width)
+    affine = conv(width, (s, s)) if is_conv else fc(width, (s, s))
+    affine_bottom = conv(width, (1, s)) if is_conv else fc(width, (1, s))
     pool = stax.AvgPool((2, 3), None, "SAME") if use_pooling else stax.Identity()
     norm = stax.Identity() if layer_norm is None else stax.LayerNorm(axis=layer_norm)
     res_unit = stax.serial(stax.Identity(), affine, pool)
@@ -123,7 +124,7 @@ def build_net(
     else:
         block = stax.serial(affine_bottom, res_unit, norm, stax.Relu())
     projection = stax.Flatten() if proj == "FLAT" else stax.GlobalAvgPool()
-    readout = stax.serial(projection, fc(1 if is_ntk else width))
+    readout = stax.serial(projection, fc(1 if is_ntk else width, (s, 1 if is_ntk else s)))
     return stax.serial(block, readout), input_shape
 
 
@@ -175,43 +176,59 @@ def build_pool(stax, *, is_ntk, padding, filter_shape, strides, width=1024):
 
 
 def linear_cases() -> list[dict]:
-    """ParameterizationTest.test_linear's grid for the NTK parameterization."""
-    return [
-        dict(get=g, depth=d, W_std=w, b_std=b)
-        for g, d, w, b in itertools.product(
-            ["nngp", "ntk"], [0, 1, 2], [0.0, 1.0, 2.0], [None, 0.0, 0.5**0.5, 2.0]
-        )
+    """ParameterizationTest.test_linear's grid: the NTK parameterization, and the standard
+    one at each width scaling ``s`` (the NTK one does not depend on it)."""
+    grid = list(
+        itertools.product(["nngp", "ntk"], [0, 1, 2], [0.0, 1.0, 2.0], [None, 0.0, 0.5**0.5, 2.0])
+    )
+    ntk = [dict(get=g, depth=d, W_std=w, b_std=b) for g, d, w, b in grid]
+    standard = [
+        dict(get=g, depth=d, W_std=w, b_std=b, parameterization="standard", s=s)
+        for s in (2**9, 2**8, 2**7)
+        for g, d, w, b in grid
     ]
+    return ntk + standard
 
 
-def build_linear(stax, *, get, depth, W_std, b_std, width=1024):  # noqa: N803
+def build_linear(stax, *, get, depth, W_std, b_std, parameterization="ntk", s=1):  # noqa: N803
+    width = 2**9 // s if parameterization == "standard" else 1024
     layers = []
     for i in range(depth + 1):
-        out_dim = 1 if (i == depth and get == "ntk") else width * (i + 1)
+        last = i == depth and get == "ntk"
+        out_dim = 1 if last else width * (i + 1)
         layers.append(
             stax.Dense(
-                out_dim, W_std=W_std / (i + 1), b_std=None if b_std is None else b_std / (i + 1)
+                out_dim,
+                W_std=W_std / (i + 1),
+                b_std=None if b_std is None else b_std / (i + 1),
+                parameterization=parameterization,
+                s=(1 if i == 0 else s, 1 if last else s),
             )
         )
     return stax.serial(*layers)
 
 
 def nonlinear_cases() -> list[dict]:
-    """ParameterizationTest.test_nonlinear's grid for the NTK parameterization."""
+    """ParameterizationTest.test_nonlinear's grid, both parameterizations (the standard
+    one at ``s = 1024``, width 1, as upstream)."""
     cases = []
-    for model, is_ntk, filter_shape, proj, w, b in itertools.product(
+    for model, is_ntk, filter_shape, proj, w, b, standard in itertools.product(
         ["fc", "conv"],
         [False, True],
         FILTER_SHAPES,
         ["FLAT", "POOL"],
         [0.0, 1.0, 2.0],
         [None, 0.0, 0.5**0.5],
+        [False, True],
     ):
         if model == "fc" and (proj != "FLAT" or filter_shape != FILTER_SHAPES[0]):
             continue
-        cases.append(
-            dict(model=model, is_ntk=is_ntk, filter_shape=filter_shape, proj=proj, W_std=w, b_std=b)
+        case = dict(
+            model=model, is_ntk=is_ntk, filter_shape=filter_shape, proj=proj, W_std=w, b_std=b
         )
+        if standard:
+            case.update(parameterization="standard", s=2**10, width=1)
+        cases.append(case)
     return cases
 
 

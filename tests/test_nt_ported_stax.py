@@ -6,9 +6,9 @@ held to neural-tangents' own analytic kernel on the same inputs, stored in
 tests/data/neural_tangents_ported.npz by data/make_neural_tangents_ported.py (float64,
 to 1e-6), and a few cases keep upstream's Monte Carlo check (slow). Changes from
 upstream: NHWC / NC layouts only (upstream draws random dimension orders), no
-CIRCULAR padding, attention, SumPool or ``parameterization="standard"`` (memwise.nt
-raises NotImplementedError for them; tested in test_ntk_compat_stax.py), and ``get`` a
-tuple where upstream reads neural-tangents' ``Kernel`` object.
+CIRCULAR padding, attention or SumPool (memwise.nt raises NotImplementedError for them;
+tested in test_ntk_compat_stax.py), and ``get`` a tuple where upstream reads
+neural-tangents' ``Kernel`` object.
 """
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ MONTE_CARLO = [
     dict(model="fc", is_ntk=False, is_res=True),
     dict(model="fc", is_ntk=True, is_res=False),
     dict(model="conv", padding="SAME", use_pooling=True, is_ntk=False, proj="POOL"),
+    # the standard parameterization: weights scaled at initialisation, widths times s
+    dict(model="fc", is_ntk=True, is_res=True, parameterization="standard", s=4),
+    dict(model="conv", padding="SAME", is_ntk=True, proj="POOL", parameterization="standard", s=2),
 ]
 
 

@@ -259,11 +259,7 @@ def test_parameter_layout_is_neural_tangents():
 BAD_INPUTS = {
     "FanInProd": (lambda: stax.FanInProd(), NotImplementedError, "stax.FanInProd"),
     "SumPool": (lambda: stax.SumPool((2, 2)), NotImplementedError, "stax.SumPool"),
-    "standard": (
-        lambda: stax.Dense(8, parameterization="standard"),
-        NotImplementedError,
-        "parameterization='standard'",
-    ),
+    "s": (lambda: stax.Dense(8, parameterization="standard", s=(0, 1)), ValueError, "Dense s"),
     "parameterization": (
         lambda: stax.Conv(8, (3, 3), parameterization="muP"),
         ValueError,

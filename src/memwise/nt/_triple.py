@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jax import random
 
 from memwise.ntk import kernels as _k
+from memwise.ntk._covariance import _is_zero_ntk, _State
 from memwise.ntk.branching import _ConcatChannels
 
 __all__ = ["FanInConcat", "FanInSum", "FanOut", "KernelFn", "Layer", "parallel", "serial"]
@@ -143,6 +145,30 @@ class _Channels(_k.Layer):
         return self.layer._walk(walk, flow)._replace(width=self.width)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Flattened(_k.Layer):
+    """``Flatten`` with the finite network's channel count after it: the channels times
+    the pixels, which a standard-parameterized layer after it reads as its fan-in."""
+
+    layer: _k.Layer
+
+    def __repr__(self) -> str:
+        return repr(self.layer)
+
+    def _leaves(self):
+        yield from self.layer._leaves()
+
+    def _walk(self, walk, flow):
+        pixels = flow.layout.pixels(flow.nngp)
+        width = None if flow.width is None else flow.width * math.prod(pixels)
+        return self.layer._walk(walk, flow)._replace(width=width)
+
+
+def flattened(init_fn: Callable, apply_fn: Callable) -> Layer:
+    """neural-tangents' ``Flatten`` (see :class:`_Flattened`)."""
+    return _layer(init_fn, apply_fn, _Flattened(_k.Flatten()))
+
+
 def sized(init_fn: Callable, apply_fn: Callable, kernel: _k.Layer, width: int) -> Layer:
     """A layer whose output has ``width`` channels (Dense, Conv)."""
     return _layer(init_fn, apply_fn, _Channels(kernel, width))
@@ -154,15 +180,96 @@ def _unsupported(layer: str, option: str, value: Any, use: str) -> NotImplemente
     )
 
 
-def _check_ntk_parameterization(layer: str, parameterization: str) -> None:
+def _parameterization(layer: str, parameterization: Any, s: Any) -> tuple[bool, int, int]:
+    """``(standard, s_in, s_out)`` of a Dense or Conv layer, checked."""
     if not isinstance(parameterization, str) or parameterization.lower() not in ("ntk", "standard"):
         raise ValueError(
             f"stax.{layer} parameterization must be 'ntk' or 'standard', got {parameterization!r}"
         )
-    if parameterization.lower() == "standard":
-        raise _unsupported(
-            layer, "parameterization", parameterization, "use parameterization='ntk' (the default)"
+    if (
+        not isinstance(s, (tuple, list))
+        or len(s) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in s)
+    ):
+        raise ValueError(
+            f"stax.{layer} s must be two positive ints (the input and output width "
+            f"scalings of the standard parameterization), got {s!r}"
         )
+    return parameterization.lower() == "standard", s[0], s[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Standard(_k.Layer):
+    """``layer`` (a Dense or Conv kernel) in the standard parameterization.
+
+    The finite layer draws its weights with variance ``W_std^2 / (fan_in / s_in)``
+    (Sohl-Dickstein et al. 2020, "On the infinite width limit of neural networks with a
+    standard parameterization"), so its NNGP is the NTK parameterization's and the
+    gradient with respect to its weights scales with the input width: ``ntk' = (fan_in /
+    s_in) unit(nngp) + W_std^2 unit(ntk)``, plus 1 with a bias, where ``unit`` is the
+    layer's window mean and ``fan_in`` the input channels times the window size, as in
+    neural-tangents. It reads the input's channel count on the way.
+    """
+
+    layer: _k.Layer
+    s_in: int
+    window_size: int
+
+    def __repr__(self) -> str:
+        return f"{self.layer!r} (standard parameterization)"
+
+    def _leaves(self):
+        yield from self.layer._leaves()
+
+    def _walk(self, walk, flow):
+        if flow.width is None:
+            raise NotImplementedError(
+                f"{self!r} after branches of different widths: the standard "
+                "parameterization needs its input's channel count; use "
+                "parameterization='ntk'"
+            )
+        fan_in = flow.width * self.window_size / self.s_in
+        return walk.step(_StandardAt(self.layer, fan_in), flow)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StandardAt(_k.Layer):
+    """:class:`_Standard` at an input of known width: ``fan_in / s_in`` fixed."""
+
+    layer: _k.Layer
+    fan_in: float
+    affine = True
+
+    def out_layout(self, layout):
+        return self.layer.out_layout(layout)
+
+    def out_width(self, width):
+        return None
+
+    def apply(self, state, layout):
+        layer = self.layer
+        unit = dataclasses.replace(layer, W_std=1.0, b_std=None)  # type: ignore[type-var]
+
+        def mean(a):
+            return unit.apply(_State(a, None, None, None), layout)[0]
+
+        nngp_mean = mean(state.nngp)
+        nngp = layer.W_std**2 * nngp_mean  # type: ignore[attr-defined]
+        if layer.b_std is not None:  # type: ignore[attr-defined]
+            nngp = nngp + layer.b_std**2  # type: ignore[attr-defined]
+        if state.ntk is None:
+            return nngp, None
+        ntk = self.fan_in * nngp_mean
+        if not _is_zero_ntk(state.ntk):
+            ntk = ntk + layer.W_std**2 * mean(state.ntk)  # type: ignore[attr-defined]
+        if layer.b_std is not None:  # type: ignore[attr-defined]
+            ntk = ntk + 1.0
+        return nngp, ntk
+
+
+def standard(kernel: _k.Layer, s_in: int, window_size: int = 1) -> _k.Layer:
+    """``kernel`` in the standard parameterization (see :class:`_Standard`)."""
+    return _Standard(kernel, s_in, window_size)
 
 
 def _check_default_axes(layer: str, batch_axis: int, channel_axis: int) -> None:

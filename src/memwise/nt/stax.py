@@ -4,12 +4,14 @@ Each constructor takes neural-tangents 0.6.5's arguments with its defaults and r
 :class:`Layer`, a ``(init_fn, apply_fn, kernel_fn)`` tuple:
 
 * ``init_fn(rng, input_shape) -> (output_shape, params)`` and ``apply_fn(params, inputs,
-  **kwargs)``: the finite network under the NTK parameterization, in neural-tangents'
+  **kwargs)``: the finite network, in neural-tangents'
   parameter layout (``Dense``: ``(W, b)`` with ``W`` (in, out) and ``b`` of the input's
   rank with ``out`` on the channel axis, or ``None`` without a bias; ``Conv``: ``W`` HWIO
   and ``b`` (1, ..., 1, out); weights and biases standard normal, scaled in ``apply_fn``
-  by ``W_std / sqrt(fan_in)`` and ``b_std``), as ``jax.example_libraries.stax``
-  combines them (``serial`` params a list, ``parallel`` a tuple);
+  by ``W_std / sqrt(fan_in)`` and ``b_std``; under ``parameterization="standard"``
+  scaled at initialisation instead, with neural-tangents' width scalings ``s``), as
+  ``jax.example_libraries.stax`` combines them (``serial`` params a list, ``parallel``
+  a tuple);
 * ``kernel_fn(x1, x2=None, get=...)``: the infinite-width kernel, computed by
   :mod:`memwise.ntk.kernels` (``get`` a string gives the array, a tuple a namedtuple of
   them in that order, as neural-tangents).
@@ -19,7 +21,7 @@ The kernels follow the recursion of Lee et al. 2018, Arora et al. 2019 and Novak
 widths grow (Jacot et al. 2018), which the tests check by Monte Carlo. Defaults that
 differ from memwise's own layers: ``Conv`` pads ``"VALID"`` (``memwise.ntk.kernels.Conv``:
 ``"SAME"``). Layers and options of neural-tangents that are not here (``FanInProd``,
-``parameterization="standard"``, ``"CIRCULAR"`` padding, ``FanInConcat`` along a batch or
+``"CIRCULAR"`` padding, ``FanInConcat`` along a batch or
 pixel axis, ...) raise ``NotImplementedError`` naming them.
 """
 
@@ -41,13 +43,15 @@ from memwise.nt._triple import (
     KernelFn,
     Layer,
     _check_default_axes,
-    _check_ntk_parameterization,
     _check_width,
     _elementwise,
     _layer,
+    _parameterization,
     _shape_only,
     _unsupported,
+    flattened,
     sized,
+    standard,
 )
 from memwise.nt._triple import parallel as parallel
 from memwise.nt._triple import serial as serial
@@ -93,8 +97,14 @@ def Dense(  # noqa: N802 (neural-tangents' layer names)
     batch_axis: int = 0,
     channel_axis: int = -1,
     parameterization: str = "ntk",
+    s: tuple[int, int] = (1, 1),
 ) -> Layer:
     """A dense layer on the channel (last) axis, as ``stax.Dense``.
+
+    ``parameterization="standard"`` draws ``W`` with standard deviation ``W_std /
+    sqrt(in_dim / s[0])`` and ``b`` with ``b_std`` (``out_dim * s[1]`` outputs) and
+    applies ``x W / sqrt(s[0]) + b``, as neural-tangents; its kernel reads the input's
+    channel count.
 
     Example::
 
@@ -105,27 +115,34 @@ def Dense(  # noqa: N802 (neural-tangents' layer names)
         >>> shape, W.shape, b.shape, apply_fn((W, b), jnp.ones((2, 3))).shape
         ((-1, 4), (3, 4), (1, 4), (2, 4))
     """
-    _check_ntk_parameterization("Dense", parameterization)
+    is_standard, s_in, s_out = _parameterization("Dense", parameterization, s)
     _check_default_axes("Dense", batch_axis, channel_axis)
     _check_width("Dense", "out_dim", out_dim)
     kernel = _k.Dense(W_std=W_std, b_std=b_std)
+    width = out_dim * s_out if is_standard else out_dim
 
     def init_fn(rng, input_shape):
         rng_w, rng_b = random.split(rng)
-        w = random.normal(rng_w, (input_shape[-1], out_dim))
+        w = random.normal(rng_w, (input_shape[-1], width))
         b = (
             None
             if b_std is None
-            else random.normal(rng_b, (1,) * (len(input_shape) - 1) + (out_dim,))
+            else random.normal(rng_b, (1,) * (len(input_shape) - 1) + (width,))
         )
-        return tuple(input_shape[:-1]) + (out_dim,), (w, b)
+        if is_standard:
+            w = w * (kernel.W_std / math.sqrt(input_shape[-1] / s_in))
+            b = None if b is None or kernel.b_std is None else b * kernel.b_std
+        return tuple(input_shape[:-1]) + (width,), (w, b)
 
     def apply_fn(params, inputs, **kwargs):
         w, b = params
+        if is_standard:
+            outputs = (inputs @ w) / math.sqrt(s_in)
+            return outputs if b is None else outputs + b
         outputs = kernel.W_std / math.sqrt(inputs.shape[-1]) * (inputs @ w)
         return outputs if b is None else outputs + kernel.b_std * b
 
-    return sized(init_fn, apply_fn, kernel, out_dim)
+    return sized(init_fn, apply_fn, standard(kernel, s_in) if is_standard else kernel, width)
 
 
 def _dimension_numbers(n_spatial: int) -> lax.ConvDimensionNumbers:
@@ -155,8 +172,12 @@ def Conv(  # noqa: N802
     b_std: float | None = None,
     dimension_numbers: Any = None,
     parameterization: str = "ntk",
+    s: tuple[int, int] = (1, 1),
 ) -> Layer:
     """A convolution over the pixel axes of NHWC inputs, as ``stax.Conv`` (``"VALID"``).
+
+    ``parameterization="standard"`` as :func:`Dense`, with ``fan_in`` the input channels
+    times the window size.
 
     Example::
 
@@ -167,8 +188,9 @@ def Conv(  # noqa: N802
         >>> shape, W.shape, b
         ((2, 4, 4, 8), (3, 3, 3, 8), None)
     """
-    _check_ntk_parameterization("Conv", parameterization)
+    is_standard, s_in, s_out = _parameterization("Conv", parameterization, s)
     _check_width("Conv", "out_chan", out_chan)
+    width = out_chan * s_out if is_standard else out_chan
     if padding == "CIRCULAR":
         raise _unsupported("Conv", "padding", padding, "use 'VALID' or 'SAME'")
     kernel = _k.Conv(
@@ -199,19 +221,26 @@ def Conv(  # noqa: N802
 
     def init_fn(rng, input_shape):
         rng_w, rng_b = random.split(rng)
-        w_shape = window + (input_shape[-1], out_chan)
+        w_shape = window + (input_shape[-1], width)
         w = random.normal(rng_w, w_shape)
-        b = None if b_std is None else random.normal(rng_b, (1,) * (len(window) + 1) + (out_chan,))
+        b = None if b_std is None else random.normal(rng_b, (1,) * (len(window) + 1) + (width,))
+        if is_standard:
+            w = w * (kernel.W_std / math.sqrt(input_shape[-1] * math.prod(window) / s_in))
+            b = None if b is None or kernel.b_std is None else b * kernel.b_std
         shape = _output_shape(conv, input_shape, jax.ShapeDtypeStruct(w_shape, jnp.float32))
         return shape, (w, b)
 
     def apply_fn(params, inputs, **kwargs):
         w, b = params
+        if is_standard:
+            outputs = conv(inputs, w.astype(inputs.dtype)) / math.sqrt(s_in)
+            return outputs if b is None else outputs + b
         fan_in = inputs.shape[-1] * math.prod(window)
         outputs = kernel.W_std / math.sqrt(fan_in) * conv(inputs, w.astype(inputs.dtype))
         return outputs if b is None else outputs + kernel.b_std * b
 
-    return sized(init_fn, apply_fn, kernel, out_chan)
+    standard_kernel = standard(kernel, s_in, math.prod(window)) if is_standard else kernel
+    return sized(init_fn, apply_fn, standard_kernel, width)
 
 
 def AvgPool(  # noqa: N802
@@ -297,7 +326,7 @@ def Flatten(batch_axis: int = 0, batch_axis_out: int = 0) -> Layer:  # noqa: N80
     def apply_fn(params, inputs, **kwargs):
         return inputs.reshape(inputs.shape[0], -1)
 
-    return _layer(init_fn, apply_fn, _k.Flatten())
+    return flattened(init_fn, apply_fn)
 
 
 def Identity() -> Layer:  # noqa: N802
