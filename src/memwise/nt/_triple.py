@@ -211,9 +211,9 @@ class _Standard(_k.Layer):
     neural-tangents. It reads the input's channel count on the way.
     """
 
-    layer: _k.Layer
+    layer: _k.Dense | _k.Conv
     s_in: int
-    window_size: int
+    window_size: int = 1
 
     def __repr__(self) -> str:
         return f"{self.layer!r} (standard parameterization)"
@@ -236,7 +236,7 @@ class _Standard(_k.Layer):
 class _StandardAt(_k.Layer):
     """:class:`_Standard` at an input of known width: ``fan_in / s_in`` fixed."""
 
-    layer: _k.Layer
+    layer: _k.Dense | _k.Conv
     fan_in: float
     affine = True
 
@@ -248,28 +248,23 @@ class _StandardAt(_k.Layer):
 
     def apply(self, state, layout):
         layer = self.layer
-        unit = dataclasses.replace(layer, W_std=1.0, b_std=None)  # type: ignore[type-var]
+        unit = dataclasses.replace(layer, W_std=1.0, b_std=None)
 
         def mean(a):
             return unit.apply(_State(a, None, None, None), layout)[0]
 
         nngp_mean = mean(state.nngp)
-        nngp = layer.W_std**2 * nngp_mean  # type: ignore[attr-defined]
-        if layer.b_std is not None:  # type: ignore[attr-defined]
-            nngp = nngp + layer.b_std**2  # type: ignore[attr-defined]
+        nngp = layer.W_std**2 * nngp_mean
+        if layer.b_std is not None:
+            nngp = nngp + layer.b_std**2
         if state.ntk is None:
             return nngp, None
         ntk = self.fan_in * nngp_mean
         if not _is_zero_ntk(state.ntk):
-            ntk = ntk + layer.W_std**2 * mean(state.ntk)  # type: ignore[attr-defined]
-        if layer.b_std is not None:  # type: ignore[attr-defined]
+            ntk = ntk + layer.W_std**2 * mean(state.ntk)
+        if layer.b_std is not None:
             ntk = ntk + 1.0
         return nngp, ntk
-
-
-def standard(kernel: _k.Layer, s_in: int, window_size: int = 1) -> _k.Layer:
-    """``kernel`` in the standard parameterization (see :class:`_Standard`)."""
-    return _Standard(kernel, s_in, window_size)
 
 
 def _check_default_axes(layer: str, batch_axis: int, channel_axis: int) -> None:

@@ -48,10 +48,10 @@ from memwise.nt._triple import (
     _layer,
     _parameterization,
     _shape_only,
+    _Standard,
     _unsupported,
     flattened,
     sized,
-    standard,
 )
 from memwise.nt._triple import parallel as parallel
 from memwise.nt._triple import serial as serial
@@ -142,7 +142,7 @@ def Dense(  # noqa: N802 (neural-tangents' layer names)
         outputs = kernel.W_std / math.sqrt(inputs.shape[-1]) * (inputs @ w)
         return outputs if b is None else outputs + kernel.b_std * b
 
-    return sized(init_fn, apply_fn, standard(kernel, s_in) if is_standard else kernel, width)
+    return sized(init_fn, apply_fn, _Standard(kernel, s_in) if is_standard else kernel, width)
 
 
 def _dimension_numbers(n_spatial: int) -> lax.ConvDimensionNumbers:
@@ -239,7 +239,7 @@ def Conv(  # noqa: N802
         outputs = kernel.W_std / math.sqrt(fan_in) * conv(inputs, w.astype(inputs.dtype))
         return outputs if b is None else outputs + kernel.b_std * b
 
-    standard_kernel = standard(kernel, s_in, math.prod(window)) if is_standard else kernel
+    standard_kernel = _Standard(kernel, s_in, math.prod(window)) if is_standard else kernel
     return sized(init_fn, apply_fn, standard_kernel, width)
 
 
