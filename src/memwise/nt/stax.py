@@ -4,12 +4,12 @@ Each constructor takes neural-tangents 0.6.5's arguments with its defaults and r
 :class:`Layer`, a ``(init_fn, apply_fn, kernel_fn)`` tuple:
 
 * ``init_fn(rng, input_shape) -> (output_shape, params)`` and ``apply_fn(params, inputs,
-  **kwargs)``: the finite network, in neural-tangents'
-  parameter layout (``Dense``: ``(W, b)`` with ``W`` (in, out) and ``b`` of the input's
-  rank with ``out`` on the channel axis, or ``None`` without a bias; ``Conv``: ``W`` HWIO
-  and ``b`` (1, ..., 1, out); weights and biases standard normal, scaled in ``apply_fn``
-  by ``W_std / sqrt(fan_in)`` and ``b_std``; under ``parameterization="standard"``
-  scaled at initialisation instead, with neural-tangents' width scalings ``s``), as
+  **kwargs)``: the finite network, in neural-tangents' parameter layout (``Dense``:
+  ``(W, b)`` with ``W`` (in, out) and ``b`` of the input's rank with ``out`` on the
+  channel axis, or ``None`` without a bias; ``Conv``: ``W`` HWIO and ``b`` (1, ..., 1,
+  out); weights and biases standard normal, scaled in ``apply_fn`` by ``W_std /
+  sqrt(fan_in)`` and ``b_std``; under ``parameterization="standard"`` scaled at
+  initialisation instead, with neural-tangents' width scalings ``s``), as
   ``jax.example_libraries.stax`` combines them (``serial`` params a list, ``parallel``
   a tuple);
 * ``kernel_fn(x1, x2=None, get=...)``: the infinite-width kernel, computed by
@@ -21,8 +21,8 @@ The kernels follow the recursion of Lee et al. 2018, Arora et al. 2019 and Novak
 widths grow (Jacot et al. 2018), which the tests check by Monte Carlo. Defaults that
 differ from memwise's own layers: ``Conv`` pads ``"VALID"`` (``memwise.ntk.kernels.Conv``:
 ``"SAME"``). Layers and options of neural-tangents that are not here (``FanInProd``,
-``"CIRCULAR"`` padding, ``FanInConcat`` along a batch or
-pixel axis, ...) raise ``NotImplementedError`` naming them.
+``"CIRCULAR"`` padding, ``FanInConcat`` along a batch or pixel axis, ...) raise
+``NotImplementedError`` naming them.
 """
 
 from __future__ import annotations
@@ -90,6 +90,21 @@ _SIGMOID_LIKE_SCALE = 2.4020563531719796  # neural-tangents' Sigmoid_like: erf(x
 # Linear layers
 
 
+def _scales(
+    kernel: _k.Dense | _k.Conv, is_standard: bool, fan_in: int, s_in: int
+) -> tuple[float, float, float, float]:
+    """``(W, b)`` scales at initialisation, then ``(W, b)`` scales in ``apply_fn``.
+
+    The NTK parameterization draws standard normals and scales them when applied; the
+    standard one scales them when drawn (neural-tangents' ``s[0]``: the input's width
+    scaling).
+    """
+    b_std = 0.0 if kernel.b_std is None else kernel.b_std
+    if is_standard:
+        return kernel.W_std / math.sqrt(fan_in / s_in), b_std, 1 / math.sqrt(s_in), 1.0
+    return 1.0, 1.0, kernel.W_std / math.sqrt(fan_in), b_std
+
+
 def Dense(  # noqa: N802 (neural-tangents' layer names)
     out_dim: int,
     W_std: float = 1.0,  # noqa: N803
@@ -129,18 +144,14 @@ def Dense(  # noqa: N802 (neural-tangents' layer names)
             if b_std is None
             else random.normal(rng_b, (1,) * (len(input_shape) - 1) + (width,))
         )
-        if is_standard:
-            w = w * (kernel.W_std / math.sqrt(input_shape[-1] / s_in))
-            b = None if b is None or kernel.b_std is None else b * kernel.b_std
-        return tuple(input_shape[:-1]) + (width,), (w, b)
+        w_scale, b_scale, _, _ = _scales(kernel, is_standard, input_shape[-1], s_in)
+        return tuple(input_shape[:-1]) + (width,), (w * w_scale, None if b is None else b * b_scale)
 
     def apply_fn(params, inputs, **kwargs):
         w, b = params
-        if is_standard:
-            outputs = (inputs @ w) / math.sqrt(s_in)
-            return outputs if b is None else outputs + b
-        outputs = kernel.W_std / math.sqrt(inputs.shape[-1]) * (inputs @ w)
-        return outputs if b is None else outputs + kernel.b_std * b
+        _, _, w_scale, b_scale = _scales(kernel, is_standard, inputs.shape[-1], s_in)
+        outputs = w_scale * (inputs @ w)
+        return outputs if b is None else outputs + b_scale * b
 
     return sized(init_fn, apply_fn, _Standard(kernel, s_in) if is_standard else kernel, width)
 
@@ -224,20 +235,17 @@ def Conv(  # noqa: N802
         w_shape = window + (input_shape[-1], width)
         w = random.normal(rng_w, w_shape)
         b = None if b_std is None else random.normal(rng_b, (1,) * (len(window) + 1) + (width,))
-        if is_standard:
-            w = w * (kernel.W_std / math.sqrt(input_shape[-1] * math.prod(window) / s_in))
-            b = None if b is None or kernel.b_std is None else b * kernel.b_std
+        fan_in = input_shape[-1] * math.prod(window)
+        w_scale, b_scale, _, _ = _scales(kernel, is_standard, fan_in, s_in)
         shape = _output_shape(conv, input_shape, jax.ShapeDtypeStruct(w_shape, jnp.float32))
-        return shape, (w, b)
+        return shape, (w * w_scale, None if b is None else b * b_scale)
 
     def apply_fn(params, inputs, **kwargs):
         w, b = params
-        if is_standard:
-            outputs = conv(inputs, w.astype(inputs.dtype)) / math.sqrt(s_in)
-            return outputs if b is None else outputs + b
         fan_in = inputs.shape[-1] * math.prod(window)
-        outputs = kernel.W_std / math.sqrt(fan_in) * conv(inputs, w.astype(inputs.dtype))
-        return outputs if b is None else outputs + kernel.b_std * b
+        _, _, w_scale, b_scale = _scales(kernel, is_standard, fan_in, s_in)
+        outputs = w_scale * conv(inputs, w.astype(inputs.dtype))
+        return outputs if b is None else outputs + b_scale * b
 
     standard_kernel = _Standard(kernel, s_in, math.prod(window)) if is_standard else kernel
     return sized(init_fn, apply_fn, standard_kernel, width)

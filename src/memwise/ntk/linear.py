@@ -180,11 +180,13 @@ def _diagonal_window_sum(
     ``d``. Flattened, a step of ``d`` along pixel axis ``i`` on both sides is one step of
     ``step(i) + step(s + i)`` in the zero-padded array (``step``: the flat distance of
     +1 along an axis), so each pixel axis is one dilated 1-D ``reduce_window``: no
-    wrap-around, because the padding keeps ``p + d`` and ``q + d`` inside their axes. One ``reduce_window`` per axis, and one per axis in
-    the backward pass, rather than a sum of shifted slices: XLA:CPU fused the slices'
-    transpose (pads of the cotangent) into the layer's whole elementwise backward chain
-    and recomputed it, cache-hostile, in every consumer (2.6x the time of a Myrtle
-    kernel's KIP gradient at 32x32 pixels, and 1.9x its memory).
+    wrap-around, because the padding keeps ``p + d`` and ``q + d`` inside their axes.
+
+    One ``reduce_window`` per axis, and one per axis in the backward pass, rather than a
+    sum of shifted slices: XLA:CPU fused the slices' transpose (pads of the cotangent)
+    into the layer's whole elementwise backward chain and recomputed it, cache-hostile,
+    in every consumer (2.6x the time of a Myrtle kernel's KIP gradient at 32x32 pixels,
+    and 1.9x its memory).
     """
     s = layout.spatial_ndim
     batch = cov.shape[: layout.batch_ndim]
