@@ -129,10 +129,10 @@ def test_causal_skips_tiles_above_the_diagonal():
     np.testing.assert_allclose(val, val_d, rtol=1e-10)
     for a, b in zip(grads, grads_d):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
-    # the tile loops (forward and backward) hold a conditional: dead tiles are branched
-    # around, not computed and masked
-    hlo = vg.lower(q, k, v).as_text()
-    assert hlo.count("stablehlo.case") + hlo.count("conditional") >= 2
+    # the tile loops (forward and backward) run over the live tiles alone: no branch
+    # around dead ones (test_engine.py counts the tiles each pass visits)
+    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(f, (0, 1, 2)))(q, k, v))
+    assert " cond[" not in jaxpr and jaxpr.count(" while[") >= 2
 
 
 def test_bad_sharding_options():

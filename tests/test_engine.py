@@ -200,6 +200,82 @@ def test_softmax_reduction_is_attention_with_skipped_tiles():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shared", [(2, 1), (1, 3), (1, 1)], ids=["group", "lead", "all"])
+def test_softmax_tile_heads_share_values(shared):
+    """Scores with head dims (2, 3) leading, values shared over some of them: over the
+    last ones (a group of query heads per K/V head: merged with the rows in one matmul)
+    or the first (summed over by the general rule); dense softmax per head."""
+    heads = (2, 3)
+    q = jax.random.normal(jax.random.PRNGKey(2), (9, *heads, 4))
+    k = jax.random.normal(jax.random.PRNGKey(3), (7, *shared, 4))
+    v = jax.random.normal(jax.random.PRNGKey(4), (7, *shared, 5))
+
+    def tile_fn(qb, kv, _pairs, _consts, _rids, _cids):
+        s = jnp.einsum("rabh,cabh->abrc", qb, jnp.broadcast_to(kv["k"], (len(kv["k"]), *heads, 4)))
+        return s, jnp.moveaxis(kv["v"], 0, 2)  # values shared + (C, 5)
+
+    def loss(q, k, v):
+        tiles = tiling(9, 7, (4, 3), backward=(2, 5))
+        out, _ = tiled_reduce(tile_fn, q, {"k": k, "v": v}, reduce="softmax", tiles=tiles)
+        return jnp.sum(jnp.sin(out))
+
+    def dense(q, k, v):
+        s = jnp.einsum("rabh,cabh->abrc", q, jnp.broadcast_to(k, (7, *heads, 4)))
+        out = jnp.einsum(
+            "abrc,cabp->rabp", jax.nn.softmax(s, -1), jnp.broadcast_to(v, (7, *heads, 5))
+        )
+        return jnp.sum(jnp.sin(out))
+
+    np.testing.assert_allclose(loss(q, k, v), dense(q, k, v), rtol=1e-5)
+    for a, b in zip(jax.grad(loss, (0, 1, 2))(q, k, v), jax.grad(dense, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backward", ["rows", "split"])
+def test_dead_tiles_are_never_visited(backward):
+    """Block sparsity: each pass evaluates the tiles ``live`` keeps and no others."""
+    q = jax.random.normal(jax.random.PRNGKey(2), (10, 4))
+    k = jax.random.normal(jax.random.PRNGKey(3), (10, 4))
+    v = jax.random.normal(jax.random.PRNGKey(4), (10, 3))
+    tiles = tiling(10, 10, (3, 4), backward=(5, 2))
+    visited = []
+
+    def tile_fn(qb, kv, _pairs, _consts, rids, cids):
+        jax.debug.callback(lambda r, c: visited.append((int(r), int(c))), rids[0], cids[0])
+        s = qb @ kv["k"].T
+        return jnp.where(cids[None, :] <= rids[:, None], s, -jnp.inf), kv["v"]
+
+    def loss(q, k, v):
+        out, _ = tiled_reduce(
+            tile_fn,
+            q,
+            {"k": k, "v": v},
+            reduce="softmax",
+            tiles=tiles,
+            backward=backward,
+            live=lambda rids, cids, _consts: cids[0] <= rids[-1],
+        )
+        return jnp.sum(out**2)
+
+    def causal_tiles(rows, cols):
+        """(first row, first column) of every tile with a visible pair; a ragged last
+        block slides back to end at 10 (rows 0, 3, 6, 7 for blocks of 3)."""
+        starts = lambda size: [min(i, 10 - size) for i in range(0, 10, size)]  # noqa: E731
+        return [(r, c) for r in starts(rows) for c in starts(cols) if c <= r + rows - 1]
+
+    jax.block_until_ready(jax.jit(loss)(q, k, v))
+    assert sorted(visited) == sorted(causal_tiles(3, 4))  # 10 of 12
+    visited.clear()
+    jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+    forward = causal_tiles(3, 4)
+    backward_tiles = causal_tiles(5, 2)
+    passes = 1 if backward == "rows" else 2  # "split": a row-major and a column-major pass
+    assert sorted(visited) == sorted(forward + backward_tiles * passes)
+    # Not visited at all: no branch that would still add a dead tile's zero cotangent
+    # into the carried accumulators (what made a sliding window's gradient slow).
+    assert " cond[" not in str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v))
+
+
 def test_max_reduction_returns_argmax():
     x = jnp.arange(6.0)[:, None]
     y = jnp.array([[0.5], [4.2], [2.0]])

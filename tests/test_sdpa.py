@@ -139,17 +139,6 @@ def test_unbatched_layout_and_broadcast_mask():
     np.testing.assert_allclose(out, ref, atol=1e-6)  # jax.nn's softmax is float32
 
 
-def test_invisible_tiles_are_branched_around_in_both_passes():
-    q, k, v = _qkv(T=16, S=16)
-    seg = jnp.repeat(jnp.arange(4), 4)[None].repeat(2, 0)
-    for kw in ({"local_window_size": (2, 0)}, {"q_segment_ids": seg}):
-        f = jax.jit(
-            jax.grad(lambda q: jnp.sum(mw.dot_product_attention(q, k, v, **kw, chunk_size=4)))
-        )
-        hlo = f.lower(q).as_text()
-        assert hlo.count("stablehlo.case") + hlo.count("conditional") >= 2, kw
-
-
 @pytest.mark.slow
 def test_packed_sequences_match_each_sequence_alone():
     lengths = [5, 9, 3, 7]

@@ -207,8 +207,12 @@ def attend(
         if groups is None:
             s = jnp.dot(r["q"], c["k"].T, preferred_element_type=score_dtype)
             vals = c["v"]
-        else:  # (K, G, R, C): each K/V head against its group of query heads
-            s = jnp.einsum("kgrh,ckh->kgrc", r["q"], c["k"], preferred_element_type=score_dtype)
+        else:  # (K, G, R, C): each K/V head against its group of query heads, whose
+            # rows are one matmul dim (so dK is one product, not a sum over the group)
+            kh, g, rows, d = r["q"].shape
+            q = r["q"].reshape(kh, g * rows, d)
+            s = jnp.einsum("krh,ckh->krc", q, c["k"], preferred_element_type=score_dtype)
+            s = s.reshape(kh, g, rows, -1)
             vals = jnp.moveaxis(c["v"], 0, 1)[:, None]  # (K, 1, C, Hv): serves the group
         s = s * consts["scale"].astype(score_dtype)
         if vis.softcap is not None:

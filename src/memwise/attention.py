@@ -10,7 +10,7 @@ here. Memory both ways: q, k, v, the output and one ``chunk_size`` tile (per bat
 element and head), never the L x L score matrix; a mask or bias shared over batch or
 heads is sliced from its own shape and its gradient summed tile by tile, so it adds no
 more than its own size (and its gradient's). With ``causal=True`` tiles above the
-diagonal are skipped (a ``lax.cond`` in the one tile loop), about half the work.
+diagonal are never visited (the tile loop runs over the live ones), about half the work.
 
 Low precision: as in fused attention kernels, scores, the running max and sum and the
 output accumulator are float32 for bfloat16/float16 inputs, and the backward sums its

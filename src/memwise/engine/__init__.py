@@ -32,8 +32,8 @@ reduced over the broadcast dims tile by tile, never materialised at full size.
 
 Memory in both directions: inputs + outputs + one tile. The forward and backward tiles
 are explicit in the :class:`~memwise.tiling.Tiling` the caller resolves. Tiles that
-cannot hold a finite score (above a causal diagonal) are skipped by a ``lax.cond`` in
-the one loop body. Used by :func:`memwise.pairwise_reduce` (and so :mod:`memwise.ot`)
+cannot hold a finite score (above a causal diagonal) are never visited: each loop runs
+over the live blocks alone. Used by :func:`memwise.pairwise_reduce` (and so :mod:`memwise.ot`)
 and :func:`memwise.attention`.
 
 The package: :mod:`.reductions` (one object per reduction kind: every rule that

@@ -31,7 +31,7 @@ from memwise.engine.tiles import (
     store_block,
     store_order,
 )
-from memwise.sharding import psum_replicated, typed_zeros, vary, varying_over
+from memwise.sharding import psum_replicated, vary, varying_over
 
 __all__ = ["add_block", "backward"]
 
@@ -88,48 +88,31 @@ def backward(spec, values, residual, flags, ct, running=None):
 
     def tile_vjp(fl, r_ids, c_ids, operands):
         """The cotangents of one tile's inputs selected by ``fl`` (the four flags).
-        ``operands()`` gives ``(row block, per-row data, row validity, column block,
-        pair block, column validity)``: called in the live branch only, so a dead tile
-        slices nothing."""
-
-        def primal_in():
-            row_blk, row_data, r_valid, col_blk, pblk, c_valid = operands()
-            blocks = [row_blk, col_blk, pblk]
-            if spec.upcast:
-                blocks = promote(blocks)
-            primals = tuple(select(b, f_) for b, f_ in zip((*blocks, consts), fl))
-            return blocks, row_data, r_valid, c_valid, primals
-
-        def tile_grads():
-            blocks, row_data, r_valid, c_valid, primals = primal_in()
-            tile = spec.over_batch(
-                lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
-            )
-
-            def f(r_d, c_d, p_d, k_d):
-                return tile(
-                    fill(blocks[0], fl[0], r_d),
-                    fill(blocks[1], fl[1], c_d),
-                    fill(blocks[2], fl[2], p_d),
-                    fill(consts, fl[3], k_d),
-                )
-
-            score_ct = spec.over_batch(
-                lambda out, rd: reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
-                lambda level: (0, 0),
-            )
-            out, vjp = jax.vjp(f, *primals)
-            return vjp(score_ct(out, row_data))
-
-        if spec.live is None:
-            return tile_grads()
-        # Only the tile's cotangents are branched (not the carried accumulators), so
-        # the cond never copies an O(n) or O(n m) buffer.
-        return lax.cond(
-            spec.is_live(r_ids, c_ids, consts),
-            tile_grads,
-            lambda: tuple(typed_zeros(group) for group in primal_in()[-1]),
+        ``operands`` is ``(row block, per-row data, row validity, column block, pair
+        block, column validity)``. Only live tiles get here (``TileSpec.over_live``)."""
+        row_blk, row_data, r_valid, col_blk, pblk, c_valid = operands
+        blocks = [row_blk, col_blk, pblk]
+        if spec.upcast:
+            blocks = promote(blocks)
+        primals = tuple(select(b, f_) for b, f_ in zip((*blocks, consts), fl))
+        tile = spec.over_batch(
+            lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
         )
+
+        def f(r_d, c_d, p_d, k_d):
+            return tile(
+                fill(blocks[0], fl[0], r_d),
+                fill(blocks[1], fl[1], c_d),
+                fill(blocks[2], fl[2], p_d),
+                fill(consts, fl[3], k_d),
+            )
+
+        score_ct = spec.over_batch(
+            lambda out, rd: reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
+            lambda level: (0, 0),
+        )
+        out, vjp = jax.vjp(f, *primals)
+        return vjp(score_ct(out, row_data))
 
     def row_side(k):
         """Row block ``k``: its ids, validity, start, the block as sliced (its own
@@ -197,11 +180,9 @@ def backward(spec, values, residual, flags, ct, running=None):
                 c_ids, c_valid = C.chunk_ids(inp2)
                 c0 = c_ids[0]
 
-                def operands():
-                    col_blk = col_side(inp2)[3]
-                    pblk = pair_blocks(R, C, pairs, r0, c0, lead)
-                    return row_blk, row_data, r_valid, col_blk, pblk, c_valid
-
+                col_blk = col_side(inp2)[3]
+                pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+                operands = (row_blk, row_data, r_valid, col_blk, pblk, c_valid)
                 dr, dc, dp, dk = tile_vjp(fl, r_ids, c_ids, operands)
                 d_cols = [
                     store_block(acc, g, C, c0, k, add=True)
@@ -211,12 +192,14 @@ def backward(spec, values, residual, flags, ct, running=None):
                     add_block(acc, g, (r0, c0), k)
                     for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
                 ]
-                return (add(d_row, dr), d_cols, d_pairs, add(d_consts, dk)), None
+                return add(d_row, dr), d_cols, d_pairs, add(d_consts, dk)
 
-            (d_row, d_cols, d_pairs, d_consts), _ = lax.scan(
+            d_row, d_cols, d_pairs, d_consts = spec.over_live(
                 col_body,
                 (accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
-                C.indices(),
+                C,
+                r_ids,
+                consts,
             )
             d_row = rows_back(block, d_row, fl)
             if running is None:
@@ -243,24 +226,25 @@ def backward(spec, values, residual, flags, ct, running=None):
                 r_ids, r_valid = R.chunk_ids(inp2)
                 r0 = r_ids[0]
 
-                def operands():
-                    row_blk, row_data = row_side(inp2)[4:]
-                    pblk = pair_blocks(R, C, pairs, r0, c0, lead)
-                    return row_blk, row_data, r_valid, col_blk, pblk, c_valid
-
+                _, _, _, block, row_blk, row_data = row_side(inp2)
+                pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+                operands = (row_blk, row_data, r_valid, col_blk, pblk, c_valid)
                 dr, dc, dp, dk = tile_vjp(fl, r_ids, c_ids, operands)
-                dr = rows_back(row_side(inp2)[3], dr, fl)
+                dr = rows_back(block, dr, fl)
                 d_rows = [store_block(acc, g, R, r0, nb, add=True) for acc, g in zip(d_rows, dr)]
                 d_pairs = [
                     add_block(acc, g, (r0, c0), k)
                     for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
                 ]
-                return (d_rows, add(d_col, dc), d_pairs, add(d_consts, dk)), None
+                return d_rows, add(d_col, dc), d_pairs, add(d_consts, dk)
 
-            (d_rows, d_col, d_pairs, d_consts), _ = lax.scan(
+            d_rows, d_col, d_pairs, d_consts = spec.over_live(
                 row_body,
                 (d_rows, accumulators(select(col_blk, col_f)), d_pairs, d_consts),
-                R.indices(),
+                R,
+                c_ids,
+                consts,
+                over="rows",
             )
             d_cols = [
                 store_block(acc, g, C, c0, k)

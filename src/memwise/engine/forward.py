@@ -4,9 +4,9 @@ Each problem of a batch is one call of :func:`statistics` under ``vmap`` (pairs
 broadcast over the batch dims they lack, never expanded); within it, row blocks are
 sliced by index and their statistics written in place into one carried buffer, and
 each row block's pass over the column tiles is a ``lax.scan`` whose step is the
-reduction's :meth:`~memwise.engine.reductions.Reduction.update`. Tiles a ``live``
-predicate marks invisible are skipped by ``lax.cond`` (a real branch: the predicate
-reads tile indices only).
+reduction's :meth:`~memwise.engine.reductions.Reduction.update`; with a ``live``
+predicate, a loop over the live column blocks alone
+(:meth:`~memwise.engine.tiles.TileSpec.over_live`).
 """
 
 from __future__ import annotations
@@ -62,14 +62,6 @@ def _row_pass(
 
     init = vary(reduction.init(first), varying_over(rows, cols, pairs, consts))
 
-    def body(state, k):
-        if spec.live is None:
-            return step(state, k), None
-        # The predicate depends on tile indices only (never on vmapped data), so under
-        # vmap this stays a real branch; a dead tile slices nothing.
-        keep = spec.is_live(row_ids, spec.tiles.cols.chunk_ids(k)[0], consts)
-        return lax.cond(keep, step, lambda s, _: s, state, k), None
-
     def step(state, k):
         # Column blocks sliced by index from the unsplit columns: splitting them into
         # (chunks, size, ...) made a copy (under vmap, a transposed one) of k and v.
@@ -80,8 +72,7 @@ def _row_pass(
         c_ids, c_valid = spec.tiles.cols.chunk_ids(k)
         return reduction.update(state, scores_of(col_blk, c_ids), c_valid, c_ids)
 
-    state, _ = lax.scan(body, init, spec.tiles.cols.indices())
-    return reduction.close(state)
+    return reduction.close(spec.over_live(step, init, spec.tiles.cols, row_ids, consts))
 
 
 def _problem_forward(

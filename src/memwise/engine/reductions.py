@@ -344,6 +344,18 @@ def _letters(first: str, n: int) -> str:
     return "".join(chr(ord(first) + i) for i in range(n))
 
 
+def _grouped(s: jax.Array, vals: jax.Array) -> int:
+    """How many head dims right before the rows the values are shared over (size 1 in
+    ``vals``, not in the scores; a K/V head serving its group of query heads), when
+    those are the only shared ones: they then merge with the rows into one matmul dim,
+    so the tile's products neither broadcast the values nor sum over the group after."""
+    nh = s.ndim - 2
+    shared = [i for i in range(nh) if vals.shape[i] == 1 and s.shape[i] != 1]
+    if not shared or shared != list(range(nh - len(shared), nh)):
+        return 0
+    return len(shared)
+
+
 class Softmax(Reduction):
     """``(sum_j p_ij w_ij v_j, lse_i)`` with ``p`` the softmax of the scores over ``j``
     (attention; value weights ``w``, dropout's ``keep / (1 - rate)``, leave the
@@ -366,6 +378,19 @@ class Softmax(Reduction):
         """The einsum letters of the head dims and of the value dims."""
         nh = s_ndim - 2
         return _letters("a", nh), _letters("p", v_ndim - 1 - nh)
+
+    @staticmethod
+    def _values_sum(pw, vals, h, dv):
+        """``sum_j pw_ij vals_j`` per head, ``h + (R,) + dv``; a group of heads sharing
+        the values is one matmul of its rows (see :func:`_grouped`)."""
+        g = _grouped(pw, vals)
+        if not g:
+            return jnp.einsum(f"{h}rj,{h}j{dv}->{h}r{dv}", pw, vals)
+        lead, hl = pw.shape[: pw.ndim - 2 - g], h[: len(h) - g]
+        merged = pw.reshape(lead + (-1, pw.shape[-1]))
+        shared = vals.reshape(lead + vals.shape[len(h) :])
+        out = jnp.einsum(f"{hl}rj,{hl}j{dv}->{hl}r{dv}", merged, shared)
+        return out.reshape(pw.shape[:-1] + vals.shape[len(h) + 1 :])
 
     def init(self, first):
         s_type, v_type = first[:2]
@@ -391,7 +416,7 @@ class Softmax(Reduction):
         denom = denom * scale + jnp.sum(p, axis=-1)
         # Value weights (dropout) scale the sum of values, not the denominator.
         pw = p if len(out) == 2 else p * out[2].astype(m.dtype)
-        summed = jnp.einsum(f"{h}rj,{h}j{dv}->{h}r{dv}", pw, vals.astype(acc.dtype))
+        summed = self._values_sum(pw, vals.astype(acc.dtype), h, dv)
         acc = acc * expand(scale, acc.ndim).astype(acc.dtype) + summed
         return m_new, denom, acc
 
@@ -436,16 +461,25 @@ class Softmax(Reduction):
         valid = c_valid & seen[..., None]
         p = jnp.where(valid, jnp.exp(s.astype(acc) - safe_max(lse)[..., None]), 0.0)
         ct_acc, v_acc = ct_out.astype(acc), vals.astype(acc)
-        dp = jnp.einsum(f"{h}r{dv},{h}j{dv}->{h}rj", ct_acc, v_acc)
+        g = _grouped(s, vals)
+        lead, hl = s.shape[: nh - g], h[: nh - g]
+        if g:  # a group of heads sharing the values: its rows are one matmul dim
+            ct_acc = ct_acc.reshape(lead + (-1,) + ct_acc.shape[nh + 1 :])
+            v_acc = v_acc.reshape(lead + vals.shape[nh:])
+        dp = jnp.einsum(f"{hl}r{dv},{hl}j{dv}->{hl}rj", ct_acc, v_acc).reshape(s.shape)
         # With value weights w: out = sum_j p_j w_j v_j, so d/ds_j = p_j (w_j dp_j - delta)
         # (FlashAttention's dropout backward); the weights themselves get no gradient.
         pw = p if len(out) == 2 else p * out[2].astype(acc)
         if len(out) == 3:
             dp = dp * out[2].astype(acc)
         ds = p * (dp + ct_lse_minus_delta[..., None])
-        # A value head shared by a group of heads (size 1 in vals) sums over the group.
-        v_h = "".join(c for i, c in enumerate(h) if vals.shape[i] != 1 or s.shape[i] == 1)
-        d_vals = jnp.einsum(f"{h}rj,{h}r{dv}->{v_h}j{dv}", pw, ct_acc)
+        if g:
+            d_vals = jnp.einsum(
+                f"{hl}rj,{hl}r{dv}->{hl}j{dv}", pw.reshape(lead + (-1, s.shape[-1])), ct_acc
+            )
+        else:  # a value head shared otherwise (size 1 in vals) sums over its heads
+            v_h = "".join(c for i, c in enumerate(h) if vals.shape[i] != 1 or s.shape[i] == 1)
+            d_vals = jnp.einsum(f"{h}rj,{h}r{dv}->{v_h}j{dv}", pw, ct_acc)
         d_vals = d_vals.reshape(vals.shape).astype(vals.dtype)
         if len(out) == 2:
             return ds.astype(s.dtype), d_vals

@@ -135,7 +135,7 @@ class TileSpec:
     upcast: bool = False  # differentiate tiles on float32 copies of the blocks
     vary_consts: bool = True  # see memwise.sharding.convert
     # live(row_ids, col_ids, consts) -> bool scalar: False when every score of the tile is
-    # -inf (e.g. above a causal diagonal); such tiles are skipped with lax.cond.
+    # -inf (e.g. above a causal diagonal); such tiles are never visited (over_live).
     live: Callable | None = None
     # The TypeError forward mode raises, naming the caller's public function and the fix.
     forward_mode_error: str = ""
@@ -174,9 +174,41 @@ class TileSpec:
             one = jax.vmap(one)
         return list(one(*leaves))
 
-    def is_live(self, row_ids: jax.Array, col_ids: jax.Array, const_leaves: list) -> jax.Array:
-        assert self.live is not None  # called only for a spec with live
-        return self.live(row_ids, col_ids, jax.tree.unflatten(self.trees[3], const_leaves))
+    def over_live(
+        self,
+        body: Callable[[Any, jax.Array], Any],
+        init: Any,
+        chunks: Chunking,
+        ids: jax.Array,
+        const_leaves: list,
+        over: str = "cols",
+    ) -> Any:
+        """``body(carry, k)`` folded over the blocks ``k`` of ``chunks`` in order: the
+        column blocks of the row block whose indices are ``ids`` (``over="cols"``), or
+        the row blocks of a column block (``"rows"``), visiting only the tiles ``live``
+        keeps.
+
+        Block sparsity as Splash attention's: the live blocks' indices are listed first
+        (one predicate per tile) and a loop runs over them alone, so a tile a causal
+        mask, a window or segment boundaries hide costs neither pass anything, not even
+        the zero a branch would add into a carried accumulator (which cost a sliding
+        window's gradient 4.6 times its forward at T = 8,192). Without ``live``, one scan
+        over every block. The predicate reads tile indices and constants only, so the
+        count is unbatched under the engine's own vmap.
+        """
+        if self.live is None:
+            return lax.scan(lambda carry, k: (body(carry, k), None), init, chunks.indices())[0]
+        consts = jax.tree.unflatten(self.trees[3], const_leaves)
+        live = self.live
+
+        def alive(k):
+            other = chunks.chunk_ids(k)[0]
+            return live(ids, other, consts) if over == "cols" else live(other, ids, consts)
+
+        keep = lax.map(alive, chunks.indices())
+        (order,) = jnp.nonzero(keep, size=chunks.n_chunks, fill_value=0)
+        count = jnp.sum(keep, dtype=jnp.int32)
+        return lax.fori_loop(0, count, lambda i, carry: body(carry, order[i]), init)
 
     def pair_axes(self, level: int) -> list:
         """vmap in_axes of the (squeezed) pair leaves at batch dim ``level``."""
