@@ -33,8 +33,8 @@ reduced over the broadcast dims tile by tile, never materialised at full size.
 Memory in both directions: inputs + outputs + one tile. The forward and backward tiles
 are explicit in the :class:`~memwise.tiling.Tiling` the caller resolves. Tiles that
 cannot hold a finite score (above a causal diagonal) are never visited: each loop runs
-over the live blocks alone. Used by :func:`memwise.pairwise_reduce` (and so :mod:`memwise.ot`)
-and :func:`memwise.attention`.
+over the live blocks alone. Used by :func:`memwise.pairwise_reduce` (and so
+:mod:`memwise.ot`) and :func:`memwise.attention`.
 
 The package: :mod:`.reductions` (one object per reduction kind: every rule that
 differs between sum, log-sum-exp, max and softmax), :mod:`.tiles` (the static spec and

@@ -154,8 +154,8 @@ def tiled_reduce(
 
     ``live(row_ids, col_ids, consts) -> bool scalar`` (optional) marks tiles that can
     hold a finite score; the others are never visited, forward or backward (each loop
-    runs over the live blocks alone). It must depend on the indices and ``consts`` only: a causal
-    mask halves the work this way.
+    runs over the live blocks alone). It must depend on the indices and ``consts``
+    only: a causal mask halves the work this way.
 
     ``ring`` (inside ``shard_map`` only): ``cols`` is this device's block of columns
     split over ``ring.axes``; the blocks travel around the devices (``ppermute``), each

@@ -344,16 +344,27 @@ def _letters(first: str, n: int) -> str:
     return "".join(chr(ord(first) + i) for i in range(n))
 
 
-def _grouped(s: jax.Array, vals: jax.Array) -> int:
-    """How many head dims right before the rows the values are shared over (size 1 in
-    ``vals``, not in the scores; a K/V head serving its group of query heads), when
-    those are the only shared ones: they then merge with the rows into one matmul dim,
-    so the tile's products neither broadcast the values nor sum over the group after."""
+def _grouped(s: jax.Array, vals: jax.Array) -> tuple[Callable, jax.Array, str]:
+    """A softmax tile's group of heads sharing the values, merged with the rows.
+
+    The head dims right before the rows that the values are shared over (size 1 in
+    ``vals``, not in the scores ``h + (R, C)``; a K/V head serving its group of query
+    heads), when those are the only shared ones, become one matmul dim with the rows:
+    the tile's products then neither broadcast the values nor sum over the group after.
+    Returns ``rows(a)`` (``a`` of ``h + (R,) + rest`` with the group folded into its
+    rows), the values without the group's dims, and the einsum letters of the heads
+    left. Without such a group: ``a`` and ``vals`` as they are (other shared dims are
+    broadcast by the einsums and summed by the values' cotangent).
+    """
     nh = s.ndim - 2
     shared = [i for i in range(nh) if vals.shape[i] == 1 and s.shape[i] != 1]
-    if not shared or shared != list(range(nh - len(shared), nh)):
-        return 0
-    return len(shared)
+    g = len(shared) if shared == list(range(nh - len(shared), nh)) else 0
+    lead = s.shape[: nh - g]
+    return (
+        lambda a: a.reshape(lead + (-1,) + a.shape[nh + 1 :]),
+        vals.reshape(lead + vals.shape[nh:]) if g else vals,
+        _letters("a", nh - g),
+    )
 
 
 class Softmax(Reduction):
@@ -379,19 +390,6 @@ class Softmax(Reduction):
         nh = s_ndim - 2
         return _letters("a", nh), _letters("p", v_ndim - 1 - nh)
 
-    @staticmethod
-    def _values_sum(pw, vals, h, dv):
-        """``sum_j pw_ij vals_j`` per head, ``h + (R,) + dv``; a group of heads sharing
-        the values is one matmul of its rows (see :func:`_grouped`)."""
-        g = _grouped(pw, vals)
-        if not g:
-            return jnp.einsum(f"{h}rj,{h}j{dv}->{h}r{dv}", pw, vals)
-        lead, hl = pw.shape[: pw.ndim - 2 - g], h[: len(h) - g]
-        merged = pw.reshape(lead + (-1, pw.shape[-1]))
-        shared = vals.reshape(lead + vals.shape[len(h) :])
-        out = jnp.einsum(f"{hl}rj,{hl}j{dv}->{hl}r{dv}", merged, shared)
-        return out.reshape(pw.shape[:-1] + vals.shape[len(h) + 1 :])
-
     def init(self, first):
         s_type, v_type = first[:2]
         acc = accumulation_dtype(s_type.dtype)
@@ -406,7 +404,7 @@ class Softmax(Reduction):
     def update(self, state, out, c_valid, c_ids):
         m, denom, acc = state
         s, vals = out[:2]
-        h, dv = self._dims(s.ndim, vals.ndim)
+        dv = self._dims(s.ndim, vals.ndim)[1]
         # Widened inside the fused exp/sum only; the tile itself stays as produced.
         s = jnp.where(c_valid, s, -jnp.inf).astype(m.dtype)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -416,7 +414,9 @@ class Softmax(Reduction):
         denom = denom * scale + jnp.sum(p, axis=-1)
         # Value weights (dropout) scale the sum of values, not the denominator.
         pw = p if len(out) == 2 else p * out[2].astype(m.dtype)
-        summed = self._values_sum(pw, vals.astype(acc.dtype), h, dv)
+        rows, shared, hl = _grouped(s, vals.astype(acc.dtype))
+        summed = jnp.einsum(f"{hl}rj,{hl}j{dv}->{hl}r{dv}", rows(pw), shared)
+        summed = summed.reshape(acc.shape)
         acc = acc * expand(scale, acc.ndim).astype(acc.dtype) + summed
         return m_new, denom, acc
 
@@ -453,19 +453,15 @@ class Softmax(Reduction):
     def score_cotangent(self, out, row_data, r_valid, c_valid, c_ids):
         s, vals = out[:2]
         nh = s.ndim - 2
-        h, dv = self._dims(s.ndim, vals.ndim)
+        dv = self._dims(s.ndim, vals.ndim)[1]
         # The rows' data with the heads leading, as in the tile.
         ct_out, ct_lse_minus_delta, lse = (jnp.moveaxis(a, 0, nh) for a in row_data)
         acc = lse.dtype
         seen = r_valid & jnp.isfinite(lse)
         valid = c_valid & seen[..., None]
         p = jnp.where(valid, jnp.exp(s.astype(acc) - safe_max(lse)[..., None]), 0.0)
-        ct_acc, v_acc = ct_out.astype(acc), vals.astype(acc)
-        g = _grouped(s, vals)
-        lead, hl = s.shape[: nh - g], h[: nh - g]
-        if g:  # a group of heads sharing the values: its rows are one matmul dim
-            ct_acc = ct_acc.reshape(lead + (-1,) + ct_acc.shape[nh + 1 :])
-            v_acc = v_acc.reshape(lead + vals.shape[nh:])
+        rows, v_acc, hl = _grouped(s, vals.astype(acc))
+        ct_acc = rows(ct_out.astype(acc))
         dp = jnp.einsum(f"{hl}r{dv},{hl}j{dv}->{hl}rj", ct_acc, v_acc).reshape(s.shape)
         # With value weights w: out = sum_j p_j w_j v_j, so d/ds_j = p_j (w_j dp_j - delta)
         # (FlashAttention's dropout backward); the weights themselves get no gradient.
@@ -473,13 +469,9 @@ class Softmax(Reduction):
         if len(out) == 3:
             dp = dp * out[2].astype(acc)
         ds = p * (dp + ct_lse_minus_delta[..., None])
-        if g:
-            d_vals = jnp.einsum(
-                f"{hl}rj,{hl}r{dv}->{hl}j{dv}", pw.reshape(lead + (-1, s.shape[-1])), ct_acc
-            )
-        else:  # a value head shared otherwise (size 1 in vals) sums over its heads
-            v_h = "".join(c for i, c in enumerate(h) if vals.shape[i] != 1 or s.shape[i] == 1)
-            d_vals = jnp.einsum(f"{h}rj,{h}r{dv}->{v_h}j{dv}", pw, ct_acc)
+        # A value head shared otherwise (size 1 in vals) sums over the heads it serves.
+        v_h = "".join(c for i, c in enumerate(hl) if v_acc.shape[i] != 1 or s.shape[i] == 1)
+        d_vals = jnp.einsum(f"{hl}rj,{hl}r{dv}->{v_h}j{dv}", rows(pw), ct_acc)
         d_vals = d_vals.reshape(vals.shape).astype(vals.dtype)
         if len(out) == 2:
             return ds.astype(s.dtype), d_vals
