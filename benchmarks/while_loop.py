@@ -11,6 +11,8 @@ whose evaluations are counted with ``jax.debug.callback`` at c = 8, 16, 64, next
 offline optimum ``memwise.schedule.evaluations(t, c)``; and the online schedule's worst
 ratio to that optimum over every trip count up to 10,000 (pure Python, the same decisions
 the executor takes; the tests check that they agree step by step and count by count).
+Last, whether ``scan`` and ``while_loop`` could share one revolve backward: the same body
+through both executors at t = 10,000, their forward and backward rules timed apart.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from memwise import schedule
+from memwise.scan import scan as memwise_scan
 from memwise.scan import while_loop as memwise_while_loop
 
 # Dormand-Prince 5(4) tableau
@@ -223,6 +226,60 @@ def _synthetic_table(c, lengths, quick):
     return table
 
 
+def _executor_table(c, t, quick):
+    """The two revolve backwards on one body: scan's, table-driven, and while_loop's,
+    stack-driven (what one merged backward would run), forward and backward rules timed
+    apart (``jax.vjp`` jitted, then its pullback)."""
+    hidden = 32
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(hidden, hidden)) / hidden**0.5)
+    h0 = jnp.ones(hidden)
+
+    def scan_loss(counter=None):
+        def loss(w):
+            def step(h, _):
+                if counter is not None:
+                    jax.debug.callback(counter)
+                return jnp.tanh(w @ h), None
+
+            return jnp.sum(memwise_scan(step, h0, length=t, checkpoints=c)[0])
+
+        return loss
+
+    def while_loss(counter=None):
+        def loss(w):
+            def body(s):
+                if counter is not None:
+                    jax.debug.callback(counter)
+                return jnp.tanh(w @ s[0]), s[1] + 1
+
+            return jnp.sum(memwise_while_loop(lambda s: s[1] < t, body, (h0, 0), checkpoints=c)[0])
+
+        return loss
+
+    variants = []
+    for name, make in (
+        ("scan (table-driven)", scan_loss),
+        ("while_loop (stack-driven)", while_loss),
+    ):
+        evaluations = _count(lambda k, make=make: jax.grad(make(k)), (w,))
+        forward = lambda w, make=make: jax.vjp(make(), w)  # noqa: E731
+        _, pullback = jax.jit(forward)(w)
+        extra = {"evaluations": evaluations}
+        variants.append(harness.Variant(f"{name}: forward rule", forward, (w,), extra=extra))
+        backward = lambda pullback: pullback(jnp.ones(()))  # noqa: E731
+        variants.append(
+            harness.Variant(f"{name}: backward rule", backward, (pullback,), extra=extra)
+        )
+    return harness.run_table(
+        f"one revolve backward for scan and while_loop? the same body (tanh(W h), hidden "
+        f"{hidden}), t={t:,}, c={c}",
+        variants,
+        baseline=variants[1].name,
+        repeats=REPEATS,
+        quick=quick,
+    )
+
+
 def _schedule_table(n_max):
     rows = []
     for c in (4, 8, 16, 64):
@@ -280,6 +337,10 @@ def main(quick: bool = False) -> None:
     lengths = (100, 1000) if quick else (100, 500, 2_000, 10_000)
     for c in (8,) if quick else (8, 16, 64):
         table = _synthetic_table(c, lengths, quick)
+        harness.print_table(table)
+        tables.append(table)
+    for c in (8,) if quick else (8, 16, 64):
+        table = _executor_table(c, 1_000 if quick else 10_000, quick)
         harness.print_table(table)
         tables.append(table)
     notes = harness.timing_notes(__doc__, load_before, 1 if quick else REPEATS)
