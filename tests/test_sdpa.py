@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _attention_reference import dense_attention, keep_mask
+from _multidevice import run_on_devices
 
 import memwise as mw
 from memwise.measure import compiled_memory
@@ -294,3 +295,58 @@ def test_a_row_hidden_by_the_bias_is_a_masked_row():
         q, empty[:1], empty[:1], return_residual=True, implementation="xla"
     )
     np.testing.assert_array_equal(lse, ref)
+
+
+@pytest.mark.slow
+def test_every_option_on_8_devices_matches_one_device():
+    """Queries split over their sequence (and batch) dim: K/V, their key-side masks and
+    segment ids travel on a ring (no all-gather), and every option gives one device's
+    values and gradients (sinks' and the bias' too). A per-head mask with grouped K/V
+    holds K/V whole instead (their columns broadcast over the group)."""
+    out = run_on_devices(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import memwise as mw
+        mesh = jax.make_mesh((8,), ("d",))
+        batch_and_sequence = NamedSharding(jax.make_mesh((2, 4), ("b", "s")), P("b", "s"))
+        B, T, N, K, H = 2, 128, 4, 2, 8
+        ks = jax.random.split(jax.random.key(0), 6)
+        q = jax.random.normal(ks[0], (B, T, N, H))
+        k, v = (jax.random.normal(kk, (B, T, K, H)) for kk in ks[1:3])
+        seg = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 4, (B, T)), 1), jnp.int32)
+        cases = {
+            "causal": dict(is_causal=True),
+            "window": dict(is_causal=True, local_window_size=(20, 0)),
+            "segments": dict(q_segment_ids=seg, kv_segment_ids=seg, is_causal=True),
+            "lengths": dict(query_seq_lengths=jnp.array([100, 128]),
+                            key_value_seq_lengths=jnp.array([50, 128])),
+            "cap+sinks": dict(logit_soft_cap=5.0, sinks=jnp.linspace(-1.0, 1.0, N)),
+            "dropout": dict(dropout_rate=0.2, dropout_rng=jax.random.key(3)),
+            "mask+bias": dict(mask=jax.random.bernoulli(ks[3], 0.8, (B, 1, T, T)),
+                              bias=jax.random.normal(ks[4], (1, 1, T, T))),
+            "per-head mask": dict(mask=jax.random.bernoulli(ks[5], 0.8, (B, N, T, T))),
+        }
+        for name, kw in cases.items():
+            floats = {n: a for n, a in kw.items() if n in ("sinks", "bias")}
+            def loss(q, k, v, floats):
+                out = mw.dot_product_attention(q, k, v, **{**kw, **floats}, chunk_size=(8, 8))
+                return jnp.sum(jnp.sin(out))
+            grad = jax.value_and_grad(loss, (0, 1, 2, 3))
+            ref = jax.jit(grad)(q, k, v, floats)
+            sequence = NamedSharding(mesh, P(None, "d"))
+            for where in (sequence, batch_and_sequence) if name == "causal" else (sequence,):
+                split = [jax.device_put(a, where) for a in (q, k, v)]
+                compiled = jax.jit(grad).lower(*split, floats).compile()
+                got = compiled(*split, floats)
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+                    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=name)
+                hlo = compiled.as_text()
+                ring = name != "per-head mask"
+                assert ("collective-permute" in hlo) == ring, (name, where)
+                assert ("all-gather" in hlo) == (not ring), (name, where)
+                print(name, where.spec, "ok")
+        """,
+        n_devices=8,
+    )
+    assert out.count("ok") == 9

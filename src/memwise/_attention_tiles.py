@@ -152,8 +152,8 @@ def attend(
     H)``, masks, segments and keeps as above (shared by every head), the row hashes
     ``batch + (T, K, G)``; ``out`` is ``batch + (T, K, G, Hv)``, ``lse``
     ``batch + (T, K, G)``. ``live_segments``: the same segment
-    ids as ``(B, T)`` and ``(B, S)`` tables (any common leading ``B``) from which a tile
-    is found invisible; ``live_lengths``: the largest query and key length over the
+    ids as whole ``(B, T)`` and ``(B, S)`` tables (any common leading ``B``; on a ring
+    too) from which a tile is found invisible; ``live_lengths``: the largest query and key length over the
     batch (or None). ``dropout``: ``(seed (2,) uint32, row hashes batch + (T,))`` from
     :func:`dropout_rows`. ``row_offset``: the global index of the first query.
     ``stripes``: ``(s, Lq, Lk)`` when q and k are in :func:`memwise.stripe`'s order of
@@ -193,8 +193,11 @@ def attend(
         if length is not None:
             consts[name] = length
 
+    def global_rows(row_ids, consts):  # the ids of this device's queries in the whole
+        return row_ids + consts["offset"] if "offset" in consts else row_ids
+
     def positions(row_ids, consts):
-        index = row_ids + consts["offset"] if "offset" in consts else row_ids
+        index = global_rows(row_ids, consts)
         return index if stripes is None else unstriped_position(index, stripes[0], stripes[1])
 
     def key_positions(col_ids):
@@ -258,12 +261,13 @@ def attend(
             left, right = vis.window
             ok &= (last_k >= first_q - left) & (first_k <= last_q + right)
         if "live_q_length" in consts:
-            ok &= row_ids[0] < consts["live_q_length"]
+            ok &= global_rows(row_ids, consts)[0] < consts["live_q_length"]
         if "live_kv_length" in consts:
             ok &= col_ids[0] < consts["live_kv_length"]
         if "live_segments" in consts:
             q_seg, kv_seg = consts["live_segments"]
-            same = _clamped(q_seg, row_ids)[:, :, None] == _clamped(kv_seg, col_ids)[:, None, :]
+            rows_seg = _clamped(q_seg, global_rows(row_ids, consts))
+            same = rows_seg[:, :, None] == _clamped(kv_seg, col_ids)[:, None, :]
             ok &= jnp.any(same)
         return ok
 

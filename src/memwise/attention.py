@@ -283,7 +283,7 @@ def attention(
     ringed = auto_shape = None
     if row_axes is not None:
         n_devices = devices(mesh, row_axes)
-        if use_ring(ring, (k, v), lk, mesh, row_axes, "k", beside=q):
+        if use_ring(ring, (k, v), lk, mesh, row_axes, "k", beside=q, dim=-2):
             ringed = Ring(row_axes, n_devices)
         auto_shape = ring_step(lq, lk, n_devices)
     elif ring:

@@ -35,10 +35,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from memwise._attention_tiles import Visibility, attend, dropout_rows
 from memwise._dtypes import accumulation_dtype
-from memwise.attention import _check_scale, as_array
+from memwise.attention import _attention_sharding, _check_scale, as_array
+from memwise.engine.ring import Ring
+from memwise.sharding import devices, ring_step, sharded_call, use_ring
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]
@@ -155,6 +159,69 @@ def _dropout_seed(rate: Any, rng: Any) -> tuple[float, jax.Array | None]:
     return float(rate), seed
 
 
+def _split(
+    q4: jax.Array, kv_length: int, kv: tuple, broadcast_cols: bool
+) -> tuple[Any, Any, Any, bool] | None:
+    """``(mesh, batch axes, sequence axes, ring)`` when the queries are split over their
+    batch or sequence dim (``q``'s ``NamedSharding``, an Explicit-axes type under ``jit``,
+    or a mesh with Auto axes, as :func:`memwise.attention`), else None.
+
+    Heads split (tensor parallelism) are left to XLA's partitioner, as for ``jax.nn``. A
+    split sequence sends K/V around the devices (a ring) when :func:`memwise.sharding.
+    use_ring` chooses it, else holds them whole; whole also when a per-head mask meets
+    grouped K/V (their columns then broadcast over the group, which a ring cannot carry).
+    """
+    found = _attention_sharding(q4, None, None, 1)
+    if found is None or found[1][2] is not None:
+        return None
+    mesh, (b_axes, t_axes, _, _) = found
+    ring = (
+        t_axes is not None
+        and not broadcast_cols
+        and use_ring(None, kv, kv_length, mesh, t_axes, "key", beside=q4, dim=1)
+    )
+    return mesh, b_axes, t_axes, ring
+
+
+def _run_split(
+    run: Any, split: tuple, operands: dict, whole: dict, t_axis: int, lengths: tuple
+) -> tuple[jax.Array, jax.Array]:
+    """``run`` in ``shard_map``: each of ``operands`` (``name: (array, role)``) cut along
+    the batch and along its queries (rows, pairs) or, on a ring, its keys (cols);
+    ``whole`` on every device."""
+    mesh, b_axes, t_axes, ring = split
+    B, T, S = lengths
+
+    def spec(arr: jax.Array, role: str) -> P:
+        dims: list = [None] * arr.ndim
+        if b_axes is not None and arr.shape[0] == B:
+            dims[0] = b_axes
+        if t_axes is not None and arr.shape[t_axis] != 1 and (role != "cols" or ring):
+            dims[t_axis] = t_axes
+        return P(*dims)
+
+    def local(arrays: dict, whole: dict) -> tuple[jax.Array, jax.Array]:
+        if t_axes is None:
+            return run(arrays, whole)
+        n = devices(mesh, t_axes)
+        # Causal masks, windows and lengths compare global positions: this device's first
+        # query (and, on a ring, the engine adds each key block's first key).
+        offset = lax.axis_index(t_axes).astype(jnp.int32) * (T // n)
+        return run(arrays, whole, Ring(t_axes, n) if ring else None, offset, ring_step(T, S, n))
+
+    out_dims = [b_axes] + [None] * 4
+    out_dims[t_axis] = t_axes
+    in_specs = ({name: spec(a, role) for name, (a, role) in operands.items()}, P())
+    return sharded_call(
+        local,
+        mesh,
+        in_specs,
+        (P(*out_dims), P(*out_dims[:4])),
+        {name: a for name, (a, _) in operands.items()},
+        whole,
+    )
+
+
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -197,6 +264,14 @@ def dot_product_attention(
     2.5 forward passes for the gradient; tiles that ``is_causal``, ``local_window_size``, the sequence lengths or
     the segment ids make invisible are skipped in both passes (a window of ``W`` keys
     costs about ``T * W``, not ``T * S``).
+
+    Many devices: when ``query``'s data is split over its batch or sequence dim (a
+    ``NamedSharding``, an Explicit-axes type under ``jit``, or a mesh with Auto axes set
+    with ``jax.set_mesh``), each device attends its own queries under ``shard_map``;
+    with the sequence split, ``key`` and ``value`` (their padding, segment ids and
+    dropout rows with them) travel around the devices on a ring, or are held whole where
+    :func:`memwise.sharding.use_ring` finds that cheaper, with every option above. A
+    split over the heads is left to XLA's partitioner, as ``jax.nn``'s computation is.
 
     Args:
       query: ``(B, T, N, H)`` or ``(T, N, H)``.
@@ -388,28 +463,60 @@ def dot_product_attention(
         mask, bias = (None if a is None else a[:, 0] for a in (mask, bias))  # (B, T, S)
         rows_of = cols_of = lambda a: a  # noqa: E731
         groups = (K, G)
-    out, lse = attend(
-        qg,
-        kg,
-        vg,
-        scale=scale,
-        visibility=Visibility(bool(is_causal), window, softcap, rate),
-        chunk_size=chunk_size,
-        caller="memwise.dot_product_attention",
-        mask=mask,
-        bias=bias,
-        q_segments=None if q_seg is None else rows_of(q_seg),
-        kv_segments=None if kv_seg is None else cols_of(kv_seg),
-        q_keep=None if q_valid is None else rows_of(q_valid),
-        kv_keep=None if kv_valid is None else cols_of(kv_valid),
-        live_segments=None if q_seg is None or kv_seg is None else (q_seg, kv_seg),
-        live_lengths=(
+    # Each array attend reads, with the axis of its queries (rows, pairs) or keys
+    # (cols): what a split over the batch or the sequence cuts.
+    t_axis = 3 if per_head else 1
+    operands: dict = {"q": (qg, "rows"), "k": (kg, "cols"), "v": (vg, "cols")}
+    optional = {
+        "mask": (mask, "pairs"),
+        "bias": (bias, "pairs"),
+        "q_segments": (None if q_seg is None else rows_of(q_seg), "rows"),
+        "kv_segments": (None if kv_seg is None else cols_of(kv_seg), "cols"),
+        "q_keep": (None if q_valid is None else rows_of(q_valid), "rows"),
+        "kv_keep": (None if kv_valid is None else cols_of(kv_valid), "cols"),
+        "hash": (None if dropout is None else dropout[1], "rows"),
+    }
+    operands.update({name: a for name, a in optional.items() if a[0] is not None})
+    whole = {  # read whole on every device (scalars, and segment ids: 4 bytes a token)
+        "scale": scale,
+        "seed": None if dropout is None else dropout[0],
+        "live_segments": None if q_seg is None or kv_seg is None else (q_seg, kv_seg),
+        "live_lengths": (
             None if q_len is None else jnp.max(q_len),
             None if kv_len is None else jnp.max(kv_len),
         ),
-        dropout=dropout,
-        groups=groups,
-    )
+    }
+
+    def run(parts, whole, ring=None, row_offset=None, auto_shape=None):
+        seed = whole["seed"]
+        return attend(
+            parts["q"],
+            parts["k"],
+            parts["v"],
+            scale=whole["scale"],
+            visibility=Visibility(bool(is_causal), window, softcap, rate),
+            chunk_size=chunk_size,
+            caller="memwise.dot_product_attention",
+            mask=parts.get("mask"),
+            bias=parts.get("bias"),
+            q_segments=parts.get("q_segments"),
+            kv_segments=parts.get("kv_segments"),
+            q_keep=parts.get("q_keep"),
+            kv_keep=parts.get("kv_keep"),
+            live_segments=whole["live_segments"],
+            live_lengths=whole["live_lengths"],
+            dropout=None if seed is None else (seed, parts["hash"]),
+            groups=groups,
+            ring=ring,
+            row_offset=row_offset,
+            auto_shape=auto_shape,
+        )
+
+    split = _split(q4, S, (k4, v4), per_head and G > 1)
+    if split is None:
+        out, lse = run({name: a for name, (a, _) in operands.items()}, whole)
+    else:
+        out, lse = _run_split(run, split, operands, whole, t_axis, (B, T, S))
     if per_head:  # back to (B, T, K, G, .)
         out, lse = out.transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)
     # Per-row corrections, in at least float32 (O(T) per head: never a tile), only

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from memwise import knobs
 from memwise._jax_private import varying_axes
@@ -263,16 +264,14 @@ def sharded_call(local: Callable, mesh: Any, in_specs: tuple, out_specs: Any, *a
     )
     explicit = has_explicit_axes(mesh)
 
+    def to_spec(spec: Any, arg: Any) -> Any:  # every array of ``arg`` laid out as ``spec``
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        return jax.tree.map(lambda a: jax.sharding.reshard(a, sharding), arg)
+
     def call(*args):
-        if explicit:
-            args = tuple(
-                jax.tree.map(
-                    lambda a, spec=spec: jax.sharding.reshard(
-                        a, jax.sharding.NamedSharding(mesh, spec)
-                    ),
-                    arg,
-                )
-                for spec, arg in zip(in_specs, args)
+        if explicit:  # in_specs is a prefix of args: one spec may cover a subtree
+            args = jax.tree.map(
+                to_spec, in_specs, args, is_leaf=lambda s: isinstance(s, PartitionSpec)
             )
         return mapped(*args)
 
@@ -297,7 +296,15 @@ RING_COST = 1.05
 
 
 def use_ring(
-    ring: Any, tree: Any, n: int, mesh: Any, axes: Any, arg: str, *, beside: Any = ()
+    ring: Any,
+    tree: Any,
+    n: int,
+    mesh: Any,
+    axes: Any,
+    arg: str,
+    *,
+    beside: Any = (),
+    dim: int = 0,
 ) -> bool:
     """Whether the second operand ``tree`` (``n`` points) is split over ``axes`` as well
     and passed around the devices (a ring), rather than held whole on every device (one
@@ -307,12 +314,13 @@ def use_ring(
     (:func:`declared_replicated`) or ``n`` does not divide evenly; otherwise a
     ``"ring"`` knob (:func:`memwise.knobs.auto`: candidates whole, then ring) that
     :func:`memwise.fit` sets under a budget, and that is :func:`ring_pays` outside it.
-    ``beside`` is the first operand, split over the same devices. ``True``
+    ``beside`` is the first operand, split over the same devices; ``dim`` the axis of
+    ``tree``'s first leaf that holds its ``n`` points. ``True``
     insists (``n`` must divide), ``False`` holds it whole.
     """
     if ring is None:
         n_devices = devices(mesh, axes)
-        if declared_replicated(tree) or n % n_devices:
+        if declared_replicated(tree, dim) or n % n_devices:
             return False
         return knobs.auto(
             "ring",
