@@ -1,7 +1,8 @@
 """Benchmark ``sharding``: per-device memory and collectives on D = 1, 2, 4, 8 devices.
 
 The point-cloud gradients (log-sum-exp, Sinkhorn divergence) at n = m = 200,000 and
-attention at L = 65,536, each with its gradient, compiled on D virtual CPU devices
+attention at L = 65,536 (and ``dot_product_attention`` with 8:1 grouped K/V and segment
+ids, where ``ring=None``'s choice stands: a ring from 8 devices), each with its gradient, compiled on D virtual CPU devices
 (``--xla_force_host_platform_device_count``, one process per D) with both operands
 split over the devices and no ``mesh=`` argument: the sharding of the inputs decides,
 and the second operand travels on a ring (``ring=True``). Memory is the compiled per-device
@@ -31,6 +32,7 @@ import harness
 DEVICES = (1, 2, 4, 8)
 N_POINTS = 200_000
 LENGTH, DIM = 65_536, 64
+HEADS = 8  # query heads of the grouped-query program (one K/V head)
 COLLECTIVES = ("all-gather", "collective-permute", "all-reduce", "all-to-all")
 PROCESSES = 4  # the D = 4 programs again, as this many processes of one device each
 
@@ -50,8 +52,8 @@ def _child(n_devices: int, quick: bool) -> None:
     mesh = jax.make_mesh((n_devices,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     scale = 8 if quick else 1
 
-    def placed(shape, spec):
-        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+    def placed(shape, spec, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
     def lse(x, y, **kw):
         return jnp.sum(
@@ -63,6 +65,10 @@ def _child(n_devices: int, quick: bool) -> None:
 
     def attention(q, k, v, **kw):
         return jnp.sum(mw.attention(q, k, v, causal=True, **kw) ** 2)
+
+    def grouped(q, k, v, segments):  # jax.nn's layout, ring=None's choice
+        out = mw.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=segments)
+        return jnp.sum(out**2)
 
     n = N_POINTS // scale
     length = LENGTH // scale
@@ -77,6 +83,18 @@ def _child(n_devices: int, quick: bool) -> None:
             (qkv, qkv, qkv),
             (0, 1, 2),
             True,
+        ),
+        f"8:1 grouped-query causal attention with segment ids, L = {length:,}, N = "
+        f"{HEADS}, H = {DIM}": (
+            grouped,
+            (
+                placed((1, length, HEADS, DIM), P(None, "d")),
+                placed((1, length, 1, DIM), P(None, "d")),
+                placed((1, length, 1, DIM), P(None, "d")),
+                placed((1, length), P(None, "d"), jnp.int32),
+            ),
+            (0, 1, 2),
+            False,
         ),
     }
     rows = []
@@ -207,7 +225,12 @@ def main(quick: bool = False) -> None:
     processes = _run_child(4, quick, processes=PROCESSES)
     tables = []
     ring_rows = {d: [r for r in results[d]["rows"] if r["strategy"] == "ring"] for d in DEVICES}
+    takes_ring = {r["program"] for r in results[2]["rows"] if r["strategy"] == "whole"}
     for program in [r["program"] for r in ring_rows[1]]:
+        # a program without ring= whose split records the knob: ring=None decides
+        chosen = program not in takes_ring and any(
+            r["default"] for r in results[8]["rows"] if r["program"] == program
+        )
         one = next(r for r in ring_rows[1] if r["program"] == program)
         base = one["argument_bytes"] + one["temp_bytes"]
         rows = []
@@ -221,12 +244,14 @@ def main(quick: bool = False) -> None:
                     **{
                         "arguments + temp": harness.format_bytes(per_device),
                         "x D / D=1's": round(per_device * d / base, 2),
+                        **({"ring=None picks": r["default"] or "-"} if chosen else {}),
                         **{c: r[c] for c in COLLECTIVES},
                     },
                 )
             )
         table = {
-            "title": f"{program}, value_and_grad, per device, ring mode",
+            "title": f"{program}, value_and_grad, per device, "
+            + ("ring=None's choice" if chosen else "ring mode"),
             "baseline": "D = 1",
             "repeats": 0,
             "rows": rows,
