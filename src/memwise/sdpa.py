@@ -268,10 +268,12 @@ def dot_product_attention(
     Many devices: when ``query``'s data is split over its batch or sequence dim (a
     ``NamedSharding``, an Explicit-axes type under ``jit``, or a mesh with Auto axes set
     with ``jax.set_mesh``), each device attends its own queries under ``shard_map``;
-    with the sequence split, ``key`` and ``value`` (their padding, segment ids and
-    dropout rows with them) travel around the devices on a ring, or are held whole where
-    :func:`memwise.sharding.use_ring` finds that cheaper, with every option above. A
-    split over the heads is left to XLA's partitioner, as ``jax.nn``'s computation is.
+    with the sequence split, ``key`` and ``value`` (their padding and segment ids with
+    them) travel around the devices on a ring, or are held whole where
+    :func:`memwise.sharding.use_ring` finds that cheaper, with every option above (the
+    dropout mask is drawn from global positions: one device's). Segment ids are also
+    read whole on every device (4 bytes a token) to skip tiles. A split over the heads is
+    left to XLA's partitioner, as ``jax.nn``'s computation is.
 
     Args:
       query: ``(B, T, N, H)`` or ``(T, N, H)``.
