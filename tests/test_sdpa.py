@@ -309,7 +309,10 @@ def test_every_option_on_8_devices_matches_one_device():
         from jax.sharding import NamedSharding, PartitionSpec as P
         import memwise as mw
         mesh = jax.make_mesh((8,), ("d",))
-        batch_and_sequence = NamedSharding(jax.make_mesh((2, 4), ("b", "s")), P("b", "s"))
+        mesh24 = jax.make_mesh((2, 4), ("b", "s"))
+        batch_and_sequence = NamedSharding(mesh24, P("b", "s"))
+        # the sequence over both axes, not in the mesh's order (the ring follows the data)
+        both_reversed = NamedSharding(mesh24, P(None, ("s", "b")))
         B, T, N, K, H = 2, 128, 4, 2, 8
         ks = jax.random.split(jax.random.key(0), 6)
         q = jax.random.normal(ks[0], (B, T, N, H))
@@ -335,7 +338,8 @@ def test_every_option_on_8_devices_matches_one_device():
             grad = jax.value_and_grad(loss, (0, 1, 2, 3))
             ref = jax.jit(grad)(q, k, v, floats)
             sequence = NamedSharding(mesh, P(None, "d"))
-            for where in (sequence, batch_and_sequence) if name == "causal" else (sequence,):
+            extra = (batch_and_sequence, both_reversed) if name == "causal" else ()
+            for where in (sequence, *extra):
                 split = [jax.device_put(a, where) for a in (q, k, v)]
                 compiled = jax.jit(grad).lower(*split, floats).compile()
                 got = compiled(*split, floats)
@@ -346,7 +350,18 @@ def test_every_option_on_8_devices_matches_one_device():
                 assert ("collective-permute" in hlo) == ring, (name, where)
                 assert ("all-gather" in hlo) == (not ring), (name, where)
                 print(name, where.spec, "ok")
+        # key on another mesh than query: a memwise error naming the fix
+        elsewhere = NamedSharding(mesh24, P("b"))
+        try:
+            jax.jit(mw.dot_product_attention)(
+                jax.device_put(q, NamedSharding(mesh, P(None, "d"))),
+                jax.device_put(k, elsewhere),
+                jax.device_put(v, elsewhere),
+            )
+        except ValueError as err:
+            assert "put query, key and value on one mesh" in str(err), err
+            print("meshes ok")
         """,
         n_devices=8,
     )
-    assert out.count("ok") == 9
+    assert out.count("ok") == 11

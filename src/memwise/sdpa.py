@@ -42,7 +42,7 @@ from memwise._attention_tiles import Visibility, attend, dropout_rows
 from memwise._dtypes import accumulation_dtype
 from memwise.attention import _attention_sharding, _check_scale, as_array
 from memwise.engine.ring import Ring
-from memwise.sharding import devices, ring_step, sharded_call, use_ring
+from memwise.sharding import declared_split, devices, ring_step, sharded_call, use_ring
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]
@@ -171,10 +171,23 @@ def _split(
     use_ring` chooses it, else holds them whole; whole also when a per-head mask meets
     grouped K/V (their columns then broadcast over the group, which a ring cannot carry).
     """
+    if any(declared_split(q4, dim) for dim in (2, 3)):
+        return None  # heads or features split: XLA partitions it, as jax.nn's
     found = _attention_sharding(q4, None, None, 1)
     if found is None or found[1][2] is not None:
         return None
     mesh, (b_axes, t_axes, _, _) = found
+    for arr, name in zip(kv, ("key", "value")):
+        other = next((s[0] for s in map(lambda d: declared_split(arr, d), range(4)) if s), None)
+        if other is not None and (other.axis_names, other.axis_sizes) != (
+            mesh.axis_names,
+            mesh.axis_sizes,
+        ):
+            raise ValueError(
+                f"{name} is split over a mesh with axes {dict(zip(other.axis_names, other.axis_sizes))} "
+                f"and query over {dict(zip(mesh.axis_names, mesh.axis_sizes))}: put query, key "
+                f"and value on one mesh (e.g. jax.device_put({name}, query.sharding))"
+            )
     ring = (
         t_axes is not None
         and not broadcast_cols

@@ -67,9 +67,42 @@ def ring_spec(spec: TileSpec) -> TileSpec:
     )
 
 
+def _ring_permutation(ring: Ring) -> list[tuple[int, int]]:
+    """``ppermute``'s pairs sending each device's block to the next device of the ring.
+
+    The ring's order is ``lax.axis_index(ring.axes)``'s, the axes in the order given
+    (that of the data's blocks), while ``ppermute`` over several axes numbers the
+    devices in the mesh's order of those axes: each pair is translated from one to the
+    other (``P(None, ("s", "b"))`` on a ``("b", "s")`` mesh otherwise sent block 1 to
+    block 6's device, and causal masks read the wrong key positions).
+    """
+    given = tuple(ring.axes) if isinstance(ring.axes, (tuple, list)) else (ring.axes,)
+    mesh_order = [name for name in jax.sharding.get_abstract_mesh().axis_names if name in given]
+    if len(given) == 1 or list(given) == mesh_order:
+        return [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    sizes = {name: lax.axis_size(name) for name in given}
+
+    def coordinates(index: int) -> dict:  # an index in the given order, per axis
+        out = {}
+        for name in reversed(given):
+            index, out[name] = divmod(index, sizes[name])
+        return out
+
+    def numbered(coords: dict) -> int:  # ppermute's number of those coordinates
+        index = 0
+        for name in mesh_order:
+            index = index * sizes[name] + coords[name]
+        return index
+
+    return [
+        (numbered(coordinates(i)), numbered(coordinates((i + 1) % ring.size)))
+        for i in range(ring.size)
+    ]
+
+
 def _rotate(tree: Any, ring: Ring) -> Any:
     """Every device's ``tree`` sent to the next device of the ring."""
-    perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    perm = _ring_permutation(ring)
     return jax.tree.map(lambda a: lax.ppermute(a, ring.axes, perm), tree)
 
 
