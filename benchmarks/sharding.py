@@ -2,8 +2,9 @@
 
 The point-cloud gradients (log-sum-exp, Sinkhorn divergence) at n = m = 200,000 and
 attention at L = 65,536 (and ``dot_product_attention`` with 8:1 grouped K/V and segment
-ids, where ``ring=None``'s choice stands: a ring from 8 devices), each with its gradient, compiled on D virtual CPU devices
-(``--xla_force_host_platform_device_count``, one process per D) with both operands
+ids, where ``ring=None``'s choice stands: a ring from 8 devices), each with its gradient,
+compiled on D virtual CPU devices (``--xla_force_host_platform_device_count``, one
+process per D) with both operands
 split over the devices and no ``mesh=`` argument: the sharding of the inputs decides,
 and the second operand travels on a ring (``ring=True``). Memory is the compiled per-device
 ``memory_analysis()``; the collectives are counted in the compiled HLO. At D = 4 the
@@ -225,7 +226,8 @@ def main(quick: bool = False) -> None:
     processes = _run_child(4, quick, processes=PROCESSES)
     tables = []
     ring_rows = {d: [r for r in results[d]["rows"] if r["strategy"] == "ring"] for d in DEVICES}
-    takes_ring = {r["program"] for r in results[2]["rows"] if r["strategy"] == "whole"}
+    # the programs taking ring=, compiled with the second operand whole beside the ring
+    takes_ring = [r["program"] for r in results[2]["rows"] if r["strategy"] == "whole"]
     for program in [r["program"] for r in ring_rows[1]]:
         # a program without ring= whose split records the knob: ring=None decides
         chosen = program not in takes_ring and any(
@@ -259,7 +261,7 @@ def main(quick: bool = False) -> None:
         harness.print_table(table)
         tables.append(table)
     # The chooser: what ring=None picks at each D, beside both strategies' memory.
-    for program in [r["program"] for r in results[2]["rows"] if r["strategy"] == "whole"]:
+    for program in takes_ring:
         rows = []
         for d in DEVICES[1:]:
             by = {r["strategy"]: r for r in results[d]["rows"] if r["program"] == program}

@@ -35,14 +35,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from memwise._attention_tiles import Visibility, attend, dropout_rows
 from memwise._dtypes import accumulation_dtype
-from memwise.attention import _attention_sharding, _check_scale, as_array
-from memwise.engine.ring import Ring
-from memwise.sharding import declared_split, devices, ring_step, sharded_call, use_ring
+from memwise._sdpa_split import run_split, sequence_split
+from memwise.attention import _check_scale, as_array
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]
@@ -157,82 +154,6 @@ def _dropout_seed(rate: Any, rng: Any) -> tuple[float, jax.Array | None]:
             f"dropout_rng must be a PRNG key (jax.random.key or PRNGKey), got {rng!r}"
         ) from e
     return float(rate), seed
-
-
-def _split(
-    q4: jax.Array, kv_length: int, kv: tuple, broadcast_cols: bool
-) -> tuple[Any, Any, Any, bool] | None:
-    """``(mesh, batch axes, sequence axes, ring)`` when the queries are split over their
-    batch or sequence dim (``q``'s ``NamedSharding``, an Explicit-axes type under ``jit``,
-    or a mesh with Auto axes, as :func:`memwise.attention`), else None.
-
-    Heads split (tensor parallelism) are left to XLA's partitioner, as for ``jax.nn``. A
-    split sequence sends K/V around the devices (a ring) when :func:`memwise.sharding.
-    use_ring` chooses it, else holds them whole; whole also when a per-head mask meets
-    grouped K/V (their columns then broadcast over the group, which a ring cannot carry).
-    """
-    if any(declared_split(q4, dim) for dim in (2, 3)):
-        return None  # heads or features split: XLA partitions it, as jax.nn's
-    found = _attention_sharding(q4, None, None, 1)
-    if found is None or found[1][2] is not None:
-        return None
-    mesh, (b_axes, t_axes, _, _) = found
-    for arr, name in zip(kv, ("key", "value")):
-        other = next((s[0] for s in map(lambda d: declared_split(arr, d), range(4)) if s), None)
-        if other is not None and (other.axis_names, other.axis_sizes) != (
-            mesh.axis_names,
-            mesh.axis_sizes,
-        ):
-            raise ValueError(
-                f"{name} is split over a mesh with axes {dict(zip(other.axis_names, other.axis_sizes))} "
-                f"and query over {dict(zip(mesh.axis_names, mesh.axis_sizes))}: put query, key "
-                f"and value on one mesh (e.g. jax.device_put({name}, query.sharding))"
-            )
-    ring = (
-        t_axes is not None
-        and not broadcast_cols
-        and use_ring(None, kv, kv_length, mesh, t_axes, "key", beside=q4, dim=1)
-    )
-    return mesh, b_axes, t_axes, ring
-
-
-def _run_split(
-    run: Any, split: tuple, operands: dict, whole: dict, t_axis: int, lengths: tuple
-) -> tuple[jax.Array, jax.Array]:
-    """``run`` in ``shard_map``: each of ``operands`` (``name: (array, role)``) cut along
-    the batch and along its queries (rows, pairs) or, on a ring, its keys (cols);
-    ``whole`` on every device."""
-    mesh, b_axes, t_axes, ring = split
-    B, T, S = lengths
-
-    def spec(arr: jax.Array, role: str) -> P:
-        dims: list = [None] * arr.ndim
-        if b_axes is not None and arr.shape[0] == B:
-            dims[0] = b_axes
-        if t_axes is not None and arr.shape[t_axis] != 1 and (role != "cols" or ring):
-            dims[t_axis] = t_axes
-        return P(*dims)
-
-    def local(arrays: dict, whole: dict) -> tuple[jax.Array, jax.Array]:
-        if t_axes is None:
-            return run(arrays, whole)
-        n = devices(mesh, t_axes)
-        # Causal masks, windows and lengths compare global positions: this device's first
-        # query (and, on a ring, the engine adds each key block's first key).
-        offset = lax.axis_index(t_axes).astype(jnp.int32) * (T // n)
-        return run(arrays, whole, Ring(t_axes, n) if ring else None, offset, ring_step(T, S, n))
-
-    out_dims = [b_axes] + [None] * 4
-    out_dims[t_axis] = t_axes
-    in_specs = ({name: spec(a, role) for name, (a, role) in operands.items()}, P())
-    return sharded_call(
-        local,
-        mesh,
-        in_specs,
-        (P(*out_dims), P(*out_dims[:4])),
-        {name: a for name, (a, _) in operands.items()},
-        whole,
-    )
 
 
 def dot_product_attention(
@@ -527,11 +448,11 @@ def dot_product_attention(
             auto_shape=auto_shape,
         )
 
-    split = _split(q4, S, (k4, v4), per_head and G > 1)
+    split = sequence_split(q4, S, (k4, v4), per_head and G > 1)
     if split is None:
         out, lse = run({name: a for name, (a, _) in operands.items()}, whole)
     else:
-        out, lse = _run_split(run, split, operands, whole, t_axis, (B, T, S))
+        out, lse = run_split(run, split, operands, whole, t_axis, (B, T, S))
     if per_head:  # back to (B, T, K, G, .)
         out, lse = out.transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)
     # Per-row corrections, in at least float32 (O(T) per head: never a tile), only
