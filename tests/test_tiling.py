@@ -95,6 +95,36 @@ def test_item_bytes_counts_intermediates_three_times():
     assert tiling.item_bytes(lambda x: jnp.tanh(x * 2.0), jnp.ones(4)) == 3 * 32
 
 
+def test_pair_bytes_counts_what_depends_on_one_point_once_per_row_or_column():
+    # The expanded squared distance: two squared norms (one a row's, one a column's) and
+    # a dot product. Counted per pair, 64 dimensions made it 1,608 bytes and the auto
+    # tile 64 x 64; a tile computes each norm once per row or column.
+    def sqdist(a, b):
+        return jnp.sum(a * a) + jnp.sum(b * b) - 2.0 * jnp.dot(a, b)
+
+    point = jnp.zeros(64)
+    per_pair = tiling.item_bytes(sqdist, point, point)
+    split = tiling.pair_bytes(sqdist, point, point)
+    assert int(split) < 64 < int(per_pair) // 16
+    # a norm: a (64,) square, its sum and a scalar or two; three times that
+    assert split.per_row == split.per_col and 3 * 256 < split.per_row <= 3 * (256 + 16)
+    n = 8192
+    tile = tiling.tiling(n, n, "auto", pair_bytes=split)
+    rows, cols = tile.rows.size, tile.cols.size
+    assert (
+        rows * cols >= 256 * 256 > tiling.tiling(n, n, "auto", pair_bytes=per_pair).rows.size ** 2
+    )
+    assert int(split) * rows * cols + split.per_row * (rows + cols) <= tiling.TILE_BYTES
+
+    # The model stays an upper bound of what XLA holds for the gradient.
+    def loss(x, y):
+        return jnp.sum(mw.pairwise_reduce(lambda a, b: -sqdist(a, b), x, y, reduce="logsumexp"))
+
+    pts = jnp.zeros((n, 64))
+    grad = compiled_memory(loss, pts, pts, grad=True, argnums=(0, 1))
+    assert grad.temp_bytes < tiling.TILE_BYTES, grad
+
+
 def test_explicit_backward_tile_changes_the_backward_memory_only():
     def loss(x, y, chunk_size):
         return jnp.sum(

@@ -39,7 +39,7 @@ from memwise.sharding import (
     use_ring,
     varying_over,
 )
-from memwise.tiling import ChunkSize, Tiling, item_bytes, leading_length, tiling
+from memwise.tiling import ChunkSize, Tiling, leading_length, pair_bytes, tiling
 
 __all__ = ["pairwise_reduce"]
 
@@ -320,7 +320,7 @@ def _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim, ring=None, au
         leading_length(x, "x"),
         leading_length(y, "y"),
         chunk_size,
-        pair_bytes=lambda: item_bytes(converted, first_items(x), first_items(y), *consts),
+        pair_bytes=lambda: pair_bytes(converted, first_items(x), first_items(y), *consts),
         auto_shape=auto_shape,
     )
     if kind.index:  # an index: no derivative, in either mode

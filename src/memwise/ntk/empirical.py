@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from memwise._dtypes import accumulation_dtype
 from memwise.chunked import chunked_map, over_row_chunks
-from memwise.tiling import ChunkSize, item_bytes, tiling
+from memwise.tiling import ChunkSize, pair_bytes, tiling
 
 __all__ = ["empirical"]
 
@@ -154,7 +154,7 @@ def empirical(
             pair = jax.eval_shape(one_pair, x_first, x_first)  # (1, *block)
             return jnp.zeros((n1, n2) + pair.shape[1:], pair.dtype)
         tiles = tiling(
-            n1, n2, chunk_size, pair_bytes=lambda: item_bytes(one_pair, x_first, x_first)
+            n1, n2, chunk_size, pair_bytes=lambda: pair_bytes(one_pair, x_first, x_first)
         )
 
         def block(x_rows):

@@ -41,7 +41,7 @@ from memwise._dtypes import accumulation_dtype
 from memwise.chunked import chunked_map, chunked_sum, over_row_chunks, sum_over_chunks
 from memwise.ntk.kernels import KernelFn
 from memwise.sharding import check_divisible, devices, row_sharding, sharded_call
-from memwise.tiling import Chunking, ChunkSize, Tiling, item_bytes, tiling
+from memwise.tiling import Chunking, ChunkSize, Tiling, pair_bytes, tiling
 
 __all__ = ["kernel_regression", "kip_loss"]
 
@@ -108,10 +108,10 @@ class _PairKernel:
     def tiles(self, x_rows: jax.Array, x_cols: jax.Array, chunk_size: ChunkSize) -> Tiling:
         """The tiling of rows x columns; for ``"auto"`` sized by one pair's intermediates."""
 
-        def pair_bytes():
-            return item_bytes(self.pair, self.first(x_rows), self.first(x_cols))
+        def nbytes():
+            return pair_bytes(self.pair, self.first(x_rows), self.first(x_cols))
 
-        return tiling(x_rows.shape[0], x_cols.shape[0], chunk_size, pair_bytes=pair_bytes)
+        return tiling(x_rows.shape[0], x_cols.shape[0], chunk_size, pair_bytes=nbytes)
 
 
 def _matrix(kernel: _PairKernel, p1: Any, p2: Any, rows: Chunking, cols: Chunking) -> jax.Array:

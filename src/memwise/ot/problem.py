@@ -33,7 +33,7 @@ from memwise.ot.gradients import reverse_mode_only
 from memwise.ot.marginals import HARD, Side
 from memwise.ot.passes import Placed, default_epsilon, placement
 from memwise.sharding import first_items
-from memwise.tiling import ChunkSize, item_bytes, tiling
+from memwise.tiling import ChunkSize, pair_bytes, tiling
 
 __all__ = ["EpsilonSchedule", "Problem", "prepare"]
 
@@ -165,9 +165,7 @@ def prepare(
             x.shape[0],
             y.shape[0],
             chunk_size,
-            pair_bytes=lambda: item_bytes(
-                lambda xi, yj: cost_fn(xi, yj, *consts), first_items(x), first_items(y)
-            ),
+            pair_bytes=lambda: pair_bytes(cost_fn, first_items(x), first_items(y), *consts),
         ),
     )
     if epsilon is None:
