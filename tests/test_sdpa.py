@@ -102,6 +102,44 @@ def test_dropout_same_mask_both_passes_any_tile():
     )
 
 
+def test_striped_inputs_give_the_unstriped_result_striped():
+    # Every option that compares positions (causal, window, lengths, dropout) reads the
+    # positions before striping; segment ids, masks and biases are striped with the rest.
+    s, T = 4, 16
+    q, k, v = _qkv(T=T, S=T)
+    seg = jnp.array([[0] * 6 + [1] * 10, [2] * 16])
+    bias = jax.random.normal(jax.random.PRNGKey(5), (2, 1, T, T))
+    kw = dict(
+        is_causal=True,
+        local_window_size=(5, 0),
+        query_seq_lengths=jnp.array([16, 11]),
+        key_value_seq_lengths=jnp.array([13, 16]),
+        dropout_rate=0.3,
+        dropout_rng=jax.random.key(2),
+    )
+
+    def striped(x, *axes):
+        for axis in axes:
+            x = mw.stripe(x, s, axis=axis)
+        return x
+
+    def loss(q, k, v, bias, seg, stripes=None):  # (a sum: the same in either order)
+        out = mw.dot_product_attention(
+            q, k, v, bias, **kw, q_segment_ids=seg, stripes=stripes, chunk_size=(4, 8)
+        )
+        return jnp.sum(jnp.sin(out)), out
+
+    grad = jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)
+    (_, ref), ref_grads = grad(q, k, v, bias, seg)
+    args = [striped(a, 1) for a in (q, k, v)] + [striped(bias, 2, 3), striped(seg, 1)]
+    (_, out), grads = grad(*args, stripes=s)
+    np.testing.assert_allclose(mw.unstripe(out, s, axis=1), ref, atol=1e-12)
+    for g, r, axes in zip(grads, ref_grads, [(1,), (1,), (1,), (2, 3)]):
+        np.testing.assert_allclose(g, striped(r, *axes), atol=1e-11)
+    with pytest.raises(ValueError, match="stripes=3"):
+        mw.dot_product_attention(*args[:3], stripes=3)
+
+
 def test_residual_is_the_log_sum_exp_and_optionally_differentiable():
     q, k, v = _qkv()
     sinks = jnp.array([0.3, -1.0, 2.0, 0.0])
@@ -350,6 +388,27 @@ def test_every_option_on_8_devices_matches_one_device():
                 assert ("collective-permute" in hlo) == ring, (name, where)
                 assert ("all-gather" in hlo) == (not ring), (name, where)
                 print(name, where.spec, "ok")
+        # The striped order: one device's unstriped values and gradients, striped.
+        kw = dict(is_causal=True, local_window_size=(40, 0), dropout_rate=0.2,
+                  dropout_rng=jax.random.key(3), key_value_seq_lengths=jnp.array([90, 128]))
+        def loss_with(seg, stripes):  # the segment ids closed over, as in the cases above
+            def loss(q, k, v):
+                out = mw.dot_product_attention(q, k, v, **kw, q_segment_ids=seg,
+                                               stripes=stripes, chunk_size=(8, 8))
+                return jnp.sum(jnp.sin(out))
+            return jax.value_and_grad(loss, (0, 1, 2))
+        value, grads = jax.jit(loss_with(seg, None))(q, k, v)
+        sequence = NamedSharding(mesh, P(None, "d"))
+        striped = [jax.device_put(mw.stripe(a, 8, axis=1), sequence) for a in (q, k, v)]
+        grad = loss_with(mw.stripe(seg, 8, axis=1), 8)
+        compiled = jax.jit(grad).lower(*striped).compile()
+        got_value, got = compiled(*striped)
+        np.testing.assert_allclose(got_value, value, rtol=2e-5)
+        for a, b in zip(got, grads):
+            np.testing.assert_allclose(a, mw.stripe(b, 8, axis=1), rtol=2e-5, atol=2e-6)
+        hlo = compiled.as_text()
+        assert "collective-permute" in hlo and "all-gather" not in hlo
+        print("striped ok")
         # key on another mesh than query: a memwise error naming the fix
         elsewhere = NamedSharding(mesh24, P("b"))
         try:
@@ -364,4 +423,4 @@ def test_every_option_on_8_devices_matches_one_device():
         """,
         n_devices=8,
     )
-    assert out.count("ok") == 11
+    assert out.count("ok") == 12

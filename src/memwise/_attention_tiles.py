@@ -29,6 +29,7 @@ K/V are never repeated beyond one tile and their gradients keep their own size.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from memwise.engine import Ring, tiled_reduce
 from memwise.engine.kernels import Pattern
 from memwise.tiling import ChunkSize, Tiling, item_bytes, tiling
 
-__all__ = ["Visibility", "attend", "dropout_rows"]
+__all__ = ["Visibility", "attend", "check_stripes", "dropout_rows", "stripe_count"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,33 @@ def dropout_rows(
         p = jnp.zeros(batch + (1,), jnp.uint32)
     t = jnp.arange(length, dtype=jnp.uint32)
     return _mix(_mix(p * np.uint32(0x9E3779B1) + seed[0]) ^ t)
+
+
+def stripe_count(stripes: Any, prefix: str) -> int:
+    """``stripes`` as an int >= 1 (the ``s`` of :func:`memwise.stripe`), or a clear error."""
+    if isinstance(stripes, bool) or not isinstance(stripes, (int, np.integer)):
+        raise TypeError(
+            f"{prefix}stripes must be an int >= 1 (as given to mw.stripe), got {stripes!r}"
+        )
+    if stripes < 1:
+        raise ValueError(
+            f"{prefix}stripes must be an int >= 1 (as given to mw.stripe), got {stripes}"
+        )
+    return int(stripes)
+
+
+def check_stripes(stripes: Any, lq: int, lk: int) -> tuple[int, int, int] | None:
+    """``(s, Lq, Lk)`` for :func:`attend`, or None; a clear error for a bad ``stripes``."""
+    if stripes is None:
+        return None
+    stripes = stripe_count(stripes, "")
+    if lq != lk or lq % stripes:
+        raise ValueError(
+            f"stripes={stripes} needs q and k of one length divisible by it (the striped "
+            f"order of mw.stripe(x, {stripes})); got Lq={lq}, Lk={lk}: pad the sequence to a "
+            f"multiple of {stripes}"
+        )
+    return stripes, lq, lk
 
 
 def _keep_mask(row_hash: jax.Array, col_ids: jax.Array, seed1: jax.Array, rate: float) -> jax.Array:
@@ -157,8 +185,9 @@ def attend(
     batch (or None). ``dropout``: ``(seed (2,) uint32, row hashes batch + (T,))`` from
     :func:`dropout_rows`. ``row_offset``: the global index of the first query.
     ``stripes``: ``(s, Lq, Lk)`` when q and k are in :func:`memwise.stripe`'s order of
-    ``s`` stripes (global lengths ``Lq``, ``Lk``): causal masks and windows compare the
-    positions before striping.
+    ``s`` stripes (global lengths ``Lq``, ``Lk``): causal masks, windows, the length
+    skips and the dropout mask's columns use the positions before striping (``q_keep``,
+    ``kv_keep`` and the row hashes are the caller's, in the striped order).
     ``auto_shape``: the ``(queries, keys)`` a ``"auto"`` tile is chosen for
     (:func:`memwise.tiling.tiling`). Gradients: q, k, v, bias and a traced scale.
     ``caller`` names the public function in the error forward mode raises.
@@ -244,7 +273,7 @@ def attend(
         if "hash" not in r:
             return s, vals
         row_hash = r["hash"] if groups is None else jnp.moveaxis(r["hash"], 0, -1)
-        kept = _keep_mask(row_hash, col_ids, consts["seed"][1], vis.dropout_rate)
+        kept = _keep_mask(row_hash, key_positions(col_ids), consts["seed"][1], vis.dropout_rate)
         weights = jnp.where(kept, 1.0 / (1.0 - vis.dropout_rate), 0.0).astype(score_dtype)
         return s, vals, weights
 
@@ -261,9 +290,9 @@ def attend(
             left, right = vis.window
             ok &= (last_k >= first_q - left) & (first_k <= last_q + right)
         if "live_q_length" in consts:
-            ok &= global_rows(row_ids, consts)[0] < consts["live_q_length"]
+            ok &= first_q < consts["live_q_length"]
         if "live_kv_length" in consts:
-            ok &= col_ids[0] < consts["live_kv_length"]
+            ok &= first_k < consts["live_kv_length"]
         if "live_segments" in consts:
             q_seg, kv_seg = consts["live_segments"]
             rows_seg = _clamped(q_seg, global_rows(row_ids, consts))

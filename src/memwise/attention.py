@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise._attention_tiles import Visibility, attend
+from memwise._attention_tiles import Visibility, attend, check_stripes, stripe_count
 from memwise.engine import Ring
 from memwise.sharding import (
     auto_split,
@@ -238,7 +238,7 @@ def attention(
         raise TypeError(f"q, k, v must be float arrays, got {q.dtype}, {k.dtype}, {v.dtype}")
     dtype = jnp.result_type(q, k, v)
     scale = _check_scale(scale, d)
-    striped = _check_stripes(stripes, lq, lk)
+    striped = check_stripes(stripes, lq, lk)
     if mask is not None:
         mask = as_array(mask, "mask")
         if mask.dtype != jnp.bool_:
@@ -314,37 +314,11 @@ def attention(
     return sharded_call(local, mesh, in_specs, P(*spec), q, k, v, mask, bias, scale)
 
 
-def _stripe_count(stripes: Any, prefix: str) -> int:
-    if isinstance(stripes, bool) or not isinstance(stripes, (int, np.integer)):
-        raise TypeError(
-            f"{prefix}stripes must be an int >= 1 (as given to mw.stripe), got {stripes!r}"
-        )
-    if stripes < 1:
-        raise ValueError(
-            f"{prefix}stripes must be an int >= 1 (as given to mw.stripe), got {stripes}"
-        )
-    return int(stripes)
-
-
-def _check_stripes(stripes: Any, lq: int, lk: int) -> tuple[int, int, int] | None:
-    """``(s, Lq, Lk)`` for :func:`attend`, or None; a clear error for a bad ``stripes``."""
-    if stripes is None:
-        return None
-    stripes = _stripe_count(stripes, "")
-    if lq != lk or lq % stripes:
-        raise ValueError(
-            f"stripes={stripes} needs q and k of one length divisible by it (the striped "
-            f"order of mw.stripe(x, {stripes})); got Lq={lq}, Lk={lk}: pad the sequence to a "
-            f"multiple of {stripes}"
-        )
-    return stripes, lq, lk
-
-
 def _regroup(x: Any, stripes: Any, axis: Any, name: str, *, inverse: bool) -> jax.Array:
     """``x`` with axis ``axis`` read as ``(n, s)`` groups written as ``(s, n)`` (striping;
     the reverse with ``inverse``), after the checks that name ``name``."""
     x = as_array(x, "x")
-    stripes = _stripe_count(stripes, f"{name}: ")
+    stripes = stripe_count(stripes, f"{name}: ")
     if (
         isinstance(axis, bool)
         or not isinstance(axis, (int, np.integer))

@@ -36,7 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memwise._attention_tiles import Visibility, attend, dropout_rows
+from memwise._attention_tiles import (
+    Visibility,
+    attend,
+    check_stripes,
+    dropout_rows,
+    unstriped_position,
+)
 from memwise._dtypes import accumulation_dtype
 from memwise._sdpa_split import run_split, sequence_split
 from memwise.attention import _check_scale, as_array
@@ -178,6 +184,7 @@ def dot_product_attention(
     dropout_rng: jax.Array | None = None,
     dropout_broadcast: bool = False,
     differentiable_residual: bool = False,
+    stripes: int | None = None,
     chunk_size: ChunkSize = "auto",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``jax.nn.dot_product_attention`` in tiles: same arguments, values and gradients.
@@ -207,7 +214,9 @@ def dot_product_attention(
     :func:`memwise.sharding.use_ring` finds that cheaper, with every option above (the
     dropout mask is drawn from global positions: one device's). Segment ids are also
     read whole on every device (4 bytes a token) to skip tiles. A split over the heads is
-    left to XLA's partitioner, as ``jax.nn``'s computation is.
+    left to XLA's partitioner, as ``jax.nn``'s computation is. A causal ring gives the
+    devices unequal work unless the tokens are striped: pass inputs in
+    :func:`memwise.stripe`'s order with ``stripes=``.
 
     Args:
       query: ``(B, T, N, H)`` or ``(T, N, H)``.
@@ -249,6 +258,13 @@ def dot_product_attention(
         ``broadcast_dropout=True``); default a mask per batch element and head.
       differentiable_residual: give the residual its gradient (to combine partial
         attentions over key blocks, as ring and split-K attention do).
+      stripes: ``None``, or the ``s`` of :func:`memwise.stripe` when every sequence
+        axis (of query, key, value, mask, bias and the segment ids) is in its striped
+        order (``mw.stripe(query, s, axis=1)``): causal masks, windows, lengths and
+        dropout then use the positions before striping, so the result is the unstriped
+        one in striped order (:func:`memwise.unstripe` it back). Split over ``s``
+        devices along the sequence, every device then does the same causal work at
+        every ring step. Needs ``T == S``, a multiple of ``s``; not in ``jax.nn``.
       chunk_size: tile ``(query rows, key cols)`` as for :func:`memwise.attention`,
         each tile holding every head; the backward runs the same tile (a
         :class:`memwise.tiling.Tiling` sets its own).
@@ -315,6 +331,7 @@ def dot_product_attention(
     dtype = jnp.result_type(*arrays)
     scale = _check_scale(scale, H)
     window = _window(local_window_size)
+    striped = check_stripes(stripes, T, S)
     softcap = _positive_float(logit_soft_cap, "logit_soft_cap")
     rate, seed = _dropout_seed(dropout_rate, dropout_rng)
     full = (B, N, T, S)
@@ -380,11 +397,15 @@ def dot_product_attention(
         # joins dV before its one rounding: a bfloat16 dV was off by up to one ulp
         # instead of half. Costs a float32 copy of V.
         v4 = v4.astype(acc)
-    q_valid = None if q_len is None else jnp.arange(T) < q_len[:, None]  # (B, T)
-    kv_valid = None if kv_len is None else jnp.arange(S) < kv_len[:, None]
+    # Each index's position in the sequence (in mw.stripe's order, not the index).
+    q_pos = jnp.arange(T) if striped is None else unstriped_position(jnp.arange(T), *striped[:2])
+    kv_pos = q_pos if striped is not None else jnp.arange(S)
+    q_valid = None if q_len is None else q_pos < q_len[:, None]  # (B, T)
+    kv_valid = None if kv_len is None else kv_pos < kv_len[:, None]
     dropout = None
     if seed is not None:
         row_hash = dropout_rows(seed, (B, K, G), T, shared=bool(dropout_broadcast))
+        row_hash = row_hash if striped is None else row_hash[..., q_pos]
         dropout = (seed, row_hash if per_head else row_hash.transpose(0, 3, 1, 2))
     if per_head:
         batch = (B, K, G)
@@ -445,6 +466,7 @@ def dot_product_attention(
             groups=groups,
             ring=ring,
             row_offset=row_offset,
+            stripes=striped,
             auto_shape=auto_shape,
         )
 
