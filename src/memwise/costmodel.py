@@ -24,6 +24,10 @@ and only its arithmetic counts. It orders candidate tiles, it does not promise s
 XLA's counts leave out fusion-internal reuse and multithreading, and the benchmark
 (``benchmarks/fit.py``) checks the resulting choices against measured hand-picked tiles.
 
+:func:`tile_cost` gives a candidate tile's cost for ``chunk_size="auto"``
+(:mod:`memwise.tiling`): the user's function over a tile, compiled at two reference
+sizes, read off the line through them.
+
 The balance is cached in the process and, unless ``MEMWISE_CACHE_DIR`` is ``""``, on
 disk under ``$MEMWISE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/memwise`` or
 ``~/.cache/memwise``), one JSON file per backend and device kind.
@@ -277,3 +281,90 @@ def tile_time(cost: Cost, tiles: int, machine: Machine) -> float:
         return compute
     memory = cost.bytes_accessed / machine.bandwidth_at(cost.working_set)
     return tiles * (max(compute, memory) + cost.operations * machine.op_overhead_s)
+
+
+# Below: the cost of one tile body of a user's function (memwise.tiling's "auto" reads
+# it), compiled once per function, shapes and tile.
+_TILE_COSTS: dict[tuple, Cost | None] = {}
+
+
+def tile_body(fn: Callable, n_cols: int | None) -> Callable:
+    """One tile's work: ``fn`` over every pair (or item), reduced as the engine reduces.
+
+    The max-shifted sum of exponentials over the columns makes XLA hold the tile of
+    scores between two reductions, as the engine's online log-sum-exp does.
+    """
+
+    def scores(rows, cols, consts):
+        if n_cols is None:
+            out = jax.vmap(lambda a: fn(a, *consts))(rows)
+        else:
+            out = jax.vmap(jax.vmap(lambda a, b: fn(a, b, *consts), (None, 0)), (0, None))(
+                rows, cols
+            )
+        leaves = [jnp.real(leaf).astype(jnp.float32) for leaf in jax.tree.leaves(out)]
+        return sum(
+            leaf.reshape(leaf.shape[: 1 if n_cols is None else 2] + (-1,)).sum(-1)
+            for leaf in leaves
+        )
+
+    def body(rows, cols, consts):
+        s = scores(rows, cols, consts)
+        if n_cols is None:
+            return jnp.sum(s)
+        top = lax.stop_gradient(jnp.max(s, axis=1, keepdims=True))
+        return jnp.sum(jnp.log(jnp.sum(jnp.exp(s - top), axis=1)) + top[:, 0])
+
+    return body
+
+
+def batched(tree: Any, size: int) -> Any:
+    """Abstract ``tree`` with a leading axis of ``size`` items on every leaf."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((size,) + tuple(a.shape), a.dtype), tree)
+
+
+def tile_cost(profile: Any, shape: tuple[int, ...], tile: tuple[int, ...]) -> Cost | None:
+    """XLA's cost of one tile body of ``tile``, from the body compiled at two sizes.
+
+    ``profile`` is a :class:`memwise.tiling.ItemBytes`: the function, its example item
+    (or pair) and constants, and a key for the compilations' cache.
+
+    A tile body's flops and bytes are an affine function of its pairs (items): each pair
+    is the same work, plus a fixed part (the reductions' outputs). So the body is
+    compiled at a small and a larger reference tile (clipped to the problem) and every
+    candidate is read off the line through them: two compilations per function and
+    shapes instead of one per candidate.
+    """
+    references = [
+        tuple(min(n, r) for n, r in zip(shape, (64,) * len(shape))),
+        tuple(min(n, r) for n, r in zip(shape, (256,) * len(shape))),
+    ]
+    low, high = (_compiled_tile(profile, *ref, *((None,) * (2 - len(ref)))) for ref in references)
+    if low is None or high is None:
+        return None
+    p_low, p_high = (math.prod(r) for r in references)
+    pairs = math.prod(tile)
+    if p_high == p_low:
+        return high
+    slope = (pairs - p_low) / (p_high - p_low)
+
+    def line(field: str) -> float:
+        a, b = getattr(low, field), getattr(high, field)
+        return max(0.0, a + slope * (b - a))
+
+    return Cost(line("flops"), line("bytes_accessed"), high.operations, line("working_set"))
+
+
+def _compiled_tile(profile: Any, rows: int, cols: int | None) -> Cost | None:
+    key = (profile.key, rows, cols)
+    if profile.fn is None:
+        return None
+    if key not in _TILE_COSTS:
+        consts = profile.examples[1 if cols is None else 2 :]
+        try:
+            first = batched(profile.examples[0], rows)
+            second = None if cols is None else batched(profile.examples[1], cols)
+            _TILE_COSTS[key] = compiled_cost(tile_body(profile.fn, cols), first, second, consts)
+        except Exception:  # noqa: BLE001 - e.g. fn closes over traced values: no model
+            _TILE_COSTS[key] = None
+    return _TILE_COSTS[key]

@@ -22,7 +22,7 @@ object that the loops then follow:
   for its time (:func:`_tile_costs`): a tile's body (the user function over the tile,
   reduced over its columns with the engine's max-shifted sum of exponentials) is
   compiled and XLA's ``cost_analysis()`` of it, flops and bytes accessed at each
-  candidate's size (:func:`_tile_cost`), is combined with the machine's measured balance
+  candidate's size (:func:`memwise.costmodel.tile_cost`), is combined with the machine's measured balance
   into a roofline time (:mod:`memwise.costmodel`), times the number of tiles. So a cheap, memory-bound pair function gets a cache-sized tile on a CPU and a
   compute-bound one the largest tile. The tile bodies are compiled only inside
   ``mw.fit`` (where the costs are read), once per function, shapes and tile. Where the
@@ -337,7 +337,10 @@ def pair_bytes(fn: Callable, first: Any, second: Any, *consts: Any) -> int:
     try:
         traced = {
             (r, c): _traced_bytes(
-                tile, _batched(_abstract(first), r), _batched(_abstract(second), c), *abstract
+                tile,
+                costmodel.batched(_abstract(first), r),
+                costmodel.batched(_abstract(second), c),
+                *abstract,
             )
             for r in (1, 2)
             for c in (1, 2)
@@ -380,94 +383,6 @@ def _bytes(estimate: int | Callable[[], int] | None) -> int:
     return max(int(estimate or _FALLBACK_ITEM_BYTES), 1)
 
 
-# Predicted seconds of one tile body, per (function and shapes, tile): compiled once.
-_TILE_COSTS: dict[tuple, costmodel.Cost | None] = {}
-
-
-def _tile_body(fn: Callable, n_cols: int | None) -> Callable:
-    """One tile's work: ``fn`` over every pair (or item), reduced as the engine reduces.
-
-    The max-shifted sum of exponentials over the columns makes XLA hold the tile of
-    scores between two reductions, as the engine's online log-sum-exp does.
-    """
-
-    def scores(rows, cols, consts):
-        if n_cols is None:
-            out = jax.vmap(lambda a: fn(a, *consts))(rows)
-        else:
-            out = jax.vmap(jax.vmap(lambda a, b: fn(a, b, *consts), (None, 0)), (0, None))(
-                rows, cols
-            )
-        leaves = [jnp.real(leaf).astype(jnp.float32) for leaf in jax.tree.leaves(out)]
-        return sum(
-            leaf.reshape(leaf.shape[: 1 if n_cols is None else 2] + (-1,)).sum(-1)
-            for leaf in leaves
-        )
-
-    def body(rows, cols, consts):
-        s = scores(rows, cols, consts)
-        if n_cols is None:
-            return jnp.sum(s)
-        top = lax.stop_gradient(jnp.max(s, axis=1, keepdims=True))
-        return jnp.sum(jnp.log(jnp.sum(jnp.exp(s - top), axis=1)) + top[:, 0])
-
-    return body
-
-
-def _batched(tree: Any, size: int) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((size,) + tuple(a.shape), a.dtype), tree)
-
-
-def _tile_cost(
-    profile: ItemBytes, shape: tuple[int, ...], tile: tuple[int, ...]
-) -> costmodel.Cost | None:
-    """XLA's cost of one tile body of ``tile``, from the body compiled at two sizes.
-
-    A tile body's flops and bytes are an affine function of its pairs (items): each pair
-    is the same work, plus a fixed part (the reductions' outputs). So the body is
-    compiled at a small and a larger reference tile (clipped to the problem) and every
-    candidate is read off the line through them: two compilations per function and
-    shapes instead of one per candidate.
-    """
-    references = [
-        tuple(min(n, r) for n, r in zip(shape, (64,) * len(shape))),
-        tuple(min(n, r) for n, r in zip(shape, (256,) * len(shape))),
-    ]
-    low, high = (_compiled_tile(profile, *ref, *((None,) * (2 - len(ref)))) for ref in references)
-    if low is None or high is None:
-        return None
-    p_low, p_high = (math.prod(r) for r in references)
-    pairs = math.prod(tile)
-    if p_high == p_low:
-        return high
-    slope = (pairs - p_low) / (p_high - p_low)
-
-    def line(field: str) -> float:
-        a, b = getattr(low, field), getattr(high, field)
-        return max(0.0, a + slope * (b - a))
-
-    return costmodel.Cost(
-        line("flops"), line("bytes_accessed"), high.operations, line("working_set")
-    )
-
-
-def _compiled_tile(profile: ItemBytes, rows: int, cols: int | None) -> costmodel.Cost | None:
-    key = (profile.key, rows, cols)
-    if profile.fn is None:
-        return None
-    if key not in _TILE_COSTS:
-        consts = profile.examples[1 if cols is None else 2 :]
-        try:
-            first = _batched(profile.examples[0], rows)
-            second = None if cols is None else _batched(profile.examples[1], cols)
-            _TILE_COSTS[key] = costmodel.compiled_cost(
-                _tile_body(profile.fn, cols), first, second, consts
-            )
-        except Exception:  # noqa: BLE001 - e.g. fn closes over traced values: no model
-            _TILE_COSTS[key] = None
-    return _TILE_COSTS[key]
-
-
 def _tile_costs(
     per_item: int,
     shape: tuple[int, ...],
@@ -484,7 +399,7 @@ def _tile_costs(
         machine = costmodel.machine()
         times = []
         for tile in candidates:
-            cost = _tile_cost(per_item, shape, tile)
+            cost = costmodel.tile_cost(per_item, shape, tile)
             if cost is None:
                 times = None
                 break
