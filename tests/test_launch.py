@@ -38,10 +38,11 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
         return np.asarray(jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))(a))
 
 
-    def check(name, f, args, global_args):
+    def check(name, f, args, global_args, n_diff=None):
         # The same function, sharded over both processes vs in this process alone.
-        value, grads = jax.jit(jax.value_and_grad(f, tuple(range(len(args)))))(*global_args)
-        ref_value, ref_grads = jax.jit(jax.value_and_grad(f, tuple(range(len(args)))))(*args)
+        argnums = tuple(range(len(args) if n_diff is None else n_diff))
+        value, grads = jax.jit(jax.value_and_grad(f, argnums))(*global_args)
+        ref_value, ref_grads = jax.jit(jax.value_and_grad(f, argnums))(*args)
         np.testing.assert_allclose(gather(value), ref_value, rtol=RTOL, err_msg=name)
         for g, r in zip(grads, ref_grads):
             np.testing.assert_allclose(gather(g), r, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -56,6 +57,32 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
     check("attention (ring, causal)",
           lambda q, k: jnp.sum(jnp.sin(mw.attention(q, k, k, causal=True, chunk_size=(4, 4)))),
           (q, q), (global_array(q, 1), global_array(q, 1)))
+    # masks and biases on the ring (split like the queries), and jax.nn's layout with
+    # 2:1 grouped K/V, segment ids, key padding and a causal mask (a ring at 4 devices);
+    # in float64, where the two summation orders agree to rounding far below 1e-5
+    with jax.enable_x64(True):
+        f64 = lambda seed, shape: jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float64)
+        qd = f64(2, (2, 32, 4))
+        mask = jax.random.bernoulli(jax.random.PRNGKey(3), 0.8, (2, 32, 32))
+        bias = f64(4, (2, 32, 32))
+        check("attention (ring, mask and bias)",
+              lambda q, k, b, m: jnp.sum(jnp.sin(mw.attention(
+                  q, k, k, mask=m, bias=b, chunk_size=(4, 4)))),
+              (qd, qd, bias, mask),
+              (global_array(qd, 1), global_array(qd, 1), global_array(bias, 1),
+               global_array(mask, 1)),
+              n_diff=3)
+        qh, kh = f64(5, (2, 32, 4, 8)), f64(6, (2, 32, 2, 8))
+        segments = jnp.asarray([[0] * 10 + [1] * 14 + [2] * 8, [0] * 20 + [1] * 12], jnp.int32)
+        lengths = jnp.asarray([30, 32], jnp.int32)
+        check("dot_product_attention (ring, grouped, segments, padding, causal)",
+              lambda q, k, v, s: jnp.sum(jnp.sin(mw.dot_product_attention(
+                  q, k, v, is_causal=True, q_segment_ids=s, kv_segment_ids=s,
+                  key_value_seq_lengths=lengths, chunk_size=(4, 4)))),
+              (qh, kh, kh, segments),
+              (global_array(qh, 1), global_array(kh, 1), global_array(kh, 1),
+               global_array(segments, 1)),
+              n_diff=3)
     check("sinkhorn_divergence",
           lambda x, y: ot.sinkhorn_divergence(x, y, epsilon=0.5, chunk_size=4, threshold=1e-6),
           (x, y), (global_array(x), global_array(y)))
@@ -90,8 +117,9 @@ def launch(tmp_path, program, *args, timeout=300):
 @pytest.mark.slow
 def test_processes_match_one(tmp_path, processes, devices):
     # Each process feeds its own rows (make_array_from_process_local_data); no mesh=
-    # anywhere: pairwise_reduce and attention (rings), sinkhorn_divergence and
-    # accumulate_grad, values and gradients equal to one process's to 1e-5.
+    # anywhere: pairwise_reduce and attention (rings, with masks, biases and segment
+    # ids), sinkhorn_divergence and accumulate_grad, values and gradients equal to one
+    # process's to 1e-5.
     proc = launch(
         tmp_path,
         MULTI_HOST_PROGRAM,

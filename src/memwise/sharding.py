@@ -341,13 +341,12 @@ def ring_pays(whole: int, block: int, n_devices: int) -> bool:
 
     Both move the same bytes ((D - 1) / D of the operand per device) and run the same
     tiles; the whole operand moves in one collective, a ring in D - 1 overlapped steps
-    that each wait for their block. What differs is the bytes held: a ring holds its
-    own block of the operand and of its gradient where the other holds all of them,
-    ``whole * (1 - 1 / D)`` more (a ring's blocks in flight cost about what the whole
-    operand's accumulators do: measured, pairwise log-sum-exp gradient). The ring is
+    that each wait for their slice. What differs is the bytes held: a ring holds its
+    own block of the operand and of its gradient (and a few tile-wide slices in
+    flight) where the other holds all of them, ``whole * (1 - 1 / D)`` more. The ring is
     chosen when that is more than the device holds of the first operand (``block``):
     holding the operand whole may at most about double the device's share. So two
-    devices with operands of equal size hold it whole (1.06x a ring's per-device peak
+    devices with operands of equal size hold it whole (1.31x a ring's per-device peak
     at 200,000 points, measured), and so does a second operand small beside the first
     (grouped-query K/V at a few devices: MaxText's all-gather case).
 

@@ -158,10 +158,10 @@ def tiled_reduce(
     only: a causal mask halves the work this way.
 
     ``ring`` (inside ``shard_map`` only): ``cols`` is this device's block of columns
-    split over ``ring.axes``; the blocks travel around the devices (``ppermute``), each
-    reduced against the local rows while the next is in flight, and in the backward
-    each block's cotangent travels with it back to its owner. Memory per device: the
-    local rows, one block of columns (two while one is in flight) and one tile. The
+    split over ``ring.axes``; the blocks travel around the devices (``ppermute``) as
+    tile-wide slices, each reduced against the local rows while the next is in flight,
+    and in the backward each slice's cotangent travels with it back to its owner.
+    Memory per device: the local rows and columns, one tile and a few slices. The
     results are over every device's columns (argmax: global indices); ``tiles`` are
     resolved for one block, and ``tile_fn``/``live`` see global column ids. ``pairs``
     hold this device's rows and every column: each step reads its block's columns.

@@ -46,6 +46,15 @@ def closed_lse(m: jax.Array, denom: jax.Array) -> jax.Array:
     return jnp.where(seen, safe_max(m) + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
 
 
+def merged_lse(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``logaddexp(a, b)``, with a zero derivative where both are ``-inf`` (``jnp``'s
+    is NaN there: two ring slices in a row that a row does not see made
+    forward-over-reverse NaN)."""
+    unseen = jnp.isneginf(a) & jnp.isneginf(b)
+    merged = jnp.logaddexp(jnp.where(unseen, 0.0, a), jnp.where(unseen, 0.0, b))
+    return jnp.where(unseen, -jnp.inf, merged)
+
+
 def expand(a: jax.Array, ndim: int) -> jax.Array:
     """Append singleton axes so a per-row ``(R,)`` array broadcasts against ``ndim`` dims."""
     return a.reshape(a.shape + (1,) * (ndim - a.ndim))
@@ -188,7 +197,7 @@ class LogSumExp(Reduction):
         return closed_lse(m, denom)
 
     def combine(self, a, b):
-        return jnp.logaddexp(a, b)
+        return merged_lse(a, b)
 
     def finish(self, first, stats):
         return stats.astype(first.dtype), stats
@@ -430,7 +439,7 @@ class Softmax(Reduction):
 
     def combine(self, a, b):
         (oa, la), (ob, lb) = a, b
-        lse = jnp.logaddexp(la, lb)
+        lse = merged_lse(la, lb)
         shift = safe_max(lse)
         wa, wb = (expand(jnp.exp(w - shift), oa.ndim) for w in (la, lb))
         return oa * wa.astype(oa.dtype) + ob * wb.astype(ob.dtype), lse

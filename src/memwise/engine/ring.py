@@ -1,16 +1,18 @@
 """The engine's ring form: columns split over a mesh axis, each block passed around.
 
-Inside ``shard_map``, every device holds ``m / size`` columns; block by block they
+Inside ``shard_map``, every device holds ``m / size`` columns; slice by slice they
 travel to the next device (``ppermute``) while the current one is reduced against the
-local rows, and the blocks' statistics merge with the reduction's
+local rows, and the slices' statistics merge with the reduction's
 :meth:`~memwise.engine.reductions.Reduction.combine` (ring attention: Liu, Zaharia,
-Abbeel, arXiv:2310.01889). In the backward each block's cotangent travels with it, so
-after ``size`` steps every block is home with the cotangent summed over every device's
-rows. No all-gather: the memory per device is the local rows, one block of columns (two
-while one is in flight) and one tile. Pairs (masks, biases) are split like the rows and
-whole along the columns: each step reads the columns of the block it holds, and a pair's
-cotangent is written there, so pairs cost what they hold (1/size of the whole).
-"""
+Abbeel, arXiv:2310.01889). In the backward each slice's cotangent travels with it, so
+after ``size`` steps every slice is home with the cotangent summed over every device's
+rows. A block goes round as tile-wide slices, one after the other (sub-block
+pipelining): no all-gather, and beyond its own rows and columns a device holds one
+tile and a few slices (the one reduced, the one in flight and, in the backward, their
+cotangents), not whole blocks, so its memory falls as 1/size. Pairs (masks, biases)
+are split like the rows and whole along the columns: each step reads the columns of
+the slice it holds, and a pair's cotangent is written there, so pairs cost what they
+hold (1/size of the whole)."""
 
 from __future__ import annotations
 
@@ -122,29 +124,73 @@ def _pair_columns(pairs: Leaves, nb: int, offset: jax.Array, m_local: int) -> li
     ]
 
 
+def _slices(spec: TileSpec, m_local: int) -> list[tuple[int, int]]:
+    """``(count, width)`` runs of the column slices a ring sends, in order: as many
+    tile-wide slices as fit in a device's ``m_local`` columns, then the rest as one.
+
+    Each slice goes round the whole ring before the next one leaves home, so a device
+    holds one slice and receives another (and, in the backward, their cotangents), not
+    whole blocks: the working set is a few tiles, whatever the share of the operand."""
+    tiles = spec.tiles
+    width = min(m_local, max(tiles.cols.size, tiles.backward_cols.size))
+    full, rest = divmod(m_local, width)
+    return [(full, width)] + ([(1, rest)] if rest else [])
+
+
+def _over_slices(sub_ring: Any, carry: Any, spec: TileSpec, m_local: int) -> Any:
+    """``carry`` through ``sub_ring(carry, start, width)`` for every slice, in order (a
+    ``lax.scan`` over the tile-wide ones after the first)."""
+    (full, width), *rest = _slices(spec, m_local)
+    carry = sub_ring(carry, 0, width)
+    if full > 1:
+        over = lambda carry, s: (sub_ring(carry, s * width, width), None)  # noqa: E731
+        carry, _ = lax.scan(over, carry, jnp.arange(1, full, dtype=jnp.int32))
+    for _, last in rest:
+        carry = sub_ring(carry, full * width, last)
+    return carry
+
+
+def _sliced_spec(spec: TileSpec, width: int) -> TileSpec:
+    """``spec`` for a column slice of ``width`` (the same tile sizes, clipped to it)."""
+    return dataclasses.replace(spec, tiles=spec.tiles.resized(spec.tiles.rows.length, width))
+
+
 def _ring_statistics(
     spec: TileSpec, ring: Ring, rows: Leaves, cols: Leaves, pairs: Leaves, consts: Leaves
 ) -> tuple[Any, Any]:
     """``(tile type, statistics over every device's columns)``."""
     nb = len(spec.batch)
     m_local = cols[0].shape[nb]
+    combine = spec.reduction.combine
+    tile_type = []  # the first slice's (every slice's tiles have one type)
 
-    def block(blk, step):
-        offset = _block_offset(ring, m_local, step)
-        pair_blk = _pair_columns(pairs, nb, offset, m_local)
-        first, stats = statistics(spec, rows, blk, pair_blk, [*consts, offset])
-        return first, spec.reduction.globalize(stats, offset)
+    def sub_ring(stats, start, width):
+        """``stats`` combined with the slice ``[start, start + width)`` of every
+        device's block, the slice travelling round the ring."""
+        sub = _sliced_spec(spec, width)
 
-    in_flight = _rotate(cols, ring)  # the next block travels while this one is reduced
-    first, stats = block(cols, 0)
+        def block(blk, step):
+            offset = _block_offset(ring, m_local, step) + start
+            pair_blk = _pair_columns(pairs, nb, offset, width)
+            first, stats = statistics(sub, rows, blk, pair_blk, [*consts, offset])
+            return first, spec.reduction.globalize(stats, offset)
 
-    def step(carry, i):
-        blk, stats = carry
-        in_flight = _rotate(blk, ring)  # (the last step's send is not used)
-        return (in_flight, spec.reduction.combine(stats, block(blk, i)[1])), None
+        blk = [lax.dynamic_slice_in_dim(c, start, width, axis=nb) for c in cols]
+        in_flight = _rotate(blk, ring)  # the next slice travels while this one is reduced
+        first, here = block(blk, 0)
+        tile_type.append(first)
+        stats = here if stats is None else combine(stats, here)
 
-    (_, stats), _ = lax.scan(step, (in_flight, stats), jnp.arange(1, ring.size))
-    return first, stats
+        def step(carry, i):
+            blk, stats = carry
+            in_flight = _rotate(blk, ring)  # (the last step's send is not used)
+            return (in_flight, combine(stats, block(blk, i)[1])), None
+
+        (_, stats), _ = lax.scan(step, (in_flight, stats), jnp.arange(1, ring.size))
+        return stats
+
+    stats = _over_slices(sub_ring, None, spec, m_local)
+    return tile_type[0], stats
 
 
 @functools.partial(
@@ -165,63 +211,87 @@ def _ring_core_fwd(spec, ring, *primals):
 
 
 def _ring_core_bwd(spec, ring, res, ct):
-    """The tiled backward of each block against the global statistics, the block and
-    its cotangent travelling on together: after ``size`` steps every block is home with
-    the cotangent summed over every device's rows (ring attention's backward). The
-    tile loops add straight into the carried accumulators (no per-block copies)."""
+    """The tiled backward of each slice against the global statistics, the slice and
+    its cotangent travelling on together: after ``size`` steps every slice is home with
+    the cotangent summed over every device's rows (ring attention's backward), written
+    into the block's cotangent in the columns' dtype. The tile loops add straight into
+    the carried accumulators (no per-slice copies)."""
     values, residual, flags = res
     row_f, col_f, pair_f, const_f = flags.value
     rows, cols, pairs, consts = values
     nb = len(spec.batch)
     m_local = cols[0].shape[nb]
-    R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
+    R = spec.tiles.backward_rows
     block_flags = (row_f, col_f, pair_f, const_f + (False,))
 
     # A pair's cotangent, squeezed as the backward pass squeezes it, whole along the
-    # columns: each block's share is written at the block's columns.
+    # columns: each slice's share is written at the slice's columns.
     squeezed = spec.squeeze_pairs(select(pairs, pair_f))
     lead = select([sum(s != 1 for s in pb) for pb in spec.pair_batch], pair_f)
     axes = varying_over(values, [c for c in jax.tree.leaves(ct) if not is_zero(c)])
     d_pairs0 = [vary(jnp.zeros(p.shape, accumulation_dtype(p.dtype)), axes) for p in squeezed]
 
-    def pair_share(g, p, k):
-        # the block's pair cotangent without the backward pass's padding
+    def pair_share(g, p, k, width):
+        # the slice's pair cotangent without the backward pass's padding
         limits = list(g.shape)
         limits[k] = min(g.shape[k], p.shape[k])
-        limits[k + 1] = min(g.shape[k + 1], m_local)
+        limits[k + 1] = min(g.shape[k + 1], width)
         return lax.slice(g, (0,) * g.ndim, tuple(limits))
 
-    def step(carry, i):
-        blk, d_blk, d_rows, d_pairs, d_consts = carry
-        in_flight = _rotate(blk, ring)
-        offset = _block_offset(ring, m_local, i)
-        res_b = spec.reduction.localize(residual, offset)
-        d_rows, d_blk, d_pair_blk, d_consts = backward(
-            spec,
-            (rows, blk, _pair_columns(pairs, nb, offset, m_local), [*consts, offset]),
-            res_b,
-            block_flags,
-            ct,
-            running=(d_rows, d_blk, None, d_consts),
-        )
-        d_pairs = [
-            add_block(acc, pair_share(g, p, k), (0, offset), k)
-            for acc, g, p, k in zip(d_pairs, d_pair_blk, squeezed, lead)
-        ]
-        # d_blk follows its block
-        return (in_flight, _rotate(d_blk, ring), d_rows, d_pairs, d_consts), None
+    def sub_ring(carry, start, width):
+        """The slice ``[start, start + width)`` of every device's block round the ring;
+        its cotangent, complete once home, written into the block's."""
+        d_home, d_rows, d_pairs, d_consts = carry
+        sub = _sliced_spec(spec, width)
 
-    d_blk0, d_rows0, d_pairs0 = made_after(
+        def step(carry, i):
+            blk, d_blk, d_rows, d_pairs, d_consts = carry
+            in_flight = _rotate(blk, ring)
+            offset = _block_offset(ring, m_local, i) + start
+            res_b = spec.reduction.localize(residual, offset)
+            d_rows, d_blk, d_pair_blk, d_consts = backward(
+                sub,
+                (rows, blk, _pair_columns(pairs, nb, offset, width), [*consts, offset]),
+                res_b,
+                block_flags,
+                ct,
+                running=(d_rows, d_blk, None, d_consts),
+            )
+            d_pairs = [
+                add_block(acc, pair_share(g, p, k, width), (0, offset), k)
+                for acc, g, p, k in zip(d_pairs, d_pair_blk, squeezed, lead)
+            ]
+            # d_blk follows its slice
+            return (in_flight, _rotate(d_blk, ring), d_rows, d_pairs, d_consts), None
+
+        blk = [lax.dynamic_slice_in_dim(c, start, width, axis=nb) for c in cols]
+        C = sub.tiles.backward_cols
+        d_blk = made_after(
+            [padded_zeros(a, C, accumulation_dtype(a.dtype), nb) for a in select(blk, col_f)],
+            ct,
+            residual,
+        )
+        init = (blk, d_blk, d_rows, d_pairs, d_consts)
+        (_, d_blk, d_rows, d_pairs, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
+        d_home = [
+            lax.dynamic_update_slice_in_dim(
+                h, lax.slice_in_dim(d, 0, width, axis=nb).astype(h.dtype), start, axis=nb
+            )
+            for h, d in zip(d_home, d_blk)
+        ]
+        return d_home, d_rows, d_pairs, d_consts
+
+    d_home, d_rows, d_pairs = made_after(
         (
-            [padded_zeros(a, C, accumulation_dtype(a.dtype), nb) for a in select(cols, col_f)],
+            [jnp.zeros(a.shape, a.dtype) for a in select(cols, col_f)],
             [padded_zeros(a, R, accumulation_dtype(a.dtype), nb) for a in select(rows, row_f)],
             d_pairs0,
         ),
         ct,
         residual,
     )
-    init = (list(cols), d_blk0, d_rows0, d_pairs0, accumulators(select(consts, const_f)))
-    (_, d_blk, d_rows, d_pairs, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
+    carry = (d_home, d_rows, d_pairs, accumulators(select(consts, const_f)))
+    d_home, d_rows, d_pairs, d_consts = _over_slices(sub_ring, carry, spec, m_local)
     primal_pairs = select(pairs, pair_f)
     d_pairs = [
         d.astype(p.dtype).reshape(p.shape)
@@ -235,7 +305,7 @@ def _ring_core_bwd(spec, ring, res, ct):
 
     return (
         finish(d_rows, rows, row_f, R),
-        finish(d_blk, cols, col_f, C),
+        finish(d_home, cols, col_f),
         cotangents(pair_f, d_pairs),
         finish(d_consts, consts, const_f),
     )
