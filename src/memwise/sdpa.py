@@ -385,11 +385,17 @@ def dot_product_attention(
     # q, k, v and the output moved there and back.
     per_head = any(a is not None and a.shape[1] != 1 for a in (mask, bias))
     acc = accumulation_dtype(dtype)
-    # (A causal query always sees key 0; within a window, query i sees key i if i < S.
-    # A bias of -inf can hide a whole row too: it gets the values' mean, as a masked
-    # row, whether or not a mask is passed.)
-    may_see_nothing = any(a is not None for a in (mask, bias, q_len, kv_len, q_seg)) or (
-        window is not None and T > S
+    # (A causal query always sees key 0; within a window, query i sees key i if i < S;
+    # with one array of segment ids for queries and keys of one sequence, every query
+    # sees its own key. A bias of -inf can hide a whole row too: it gets the values'
+    # mean, as a masked row, whether or not a mask is passed.)
+    own_segments = T == S and (
+        q_segment_ids is None or kv_segment_ids is None or q_segment_ids is kv_segment_ids
+    )
+    may_see_nothing = (
+        any(a is not None for a in (mask, bias, q_len, kv_len))
+        or (q_seg is not None and not own_segments)
+        or (window is not None and T > S)
     )
     if acc != jnp.dtype(v4.dtype) and (sinks is not None or may_see_nothing):
         # The per-row corrections below (the sink's share, the values' mean for a query

@@ -273,6 +273,11 @@ def _ring_core_bwd(spec, ring, res, ct):
         )
         init = (blk, d_blk, d_rows, d_pairs, d_consts)
         (_, d_blk, d_rows, d_pairs, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
+        if d_home is None:
+            # The block's cotangent, made after the first slice's: made after the
+            # residual, XLA made it after that slice's ring anyway, from the residual,
+            # holding the residual (attention's float32 output) through the ring.
+            d_home = made_after([jnp.zeros(a.shape, a.dtype) for a in select(cols, col_f)], d_blk)
         d_home = [
             lax.dynamic_update_slice_in_dim(
                 h, lax.slice_in_dim(d, 0, width, axis=nb).astype(h.dtype), start, axis=nb
@@ -281,16 +286,15 @@ def _ring_core_bwd(spec, ring, res, ct):
         ]
         return d_home, d_rows, d_pairs, d_consts
 
-    d_home, d_rows, d_pairs = made_after(
+    d_rows, d_pairs = made_after(
         (
-            [jnp.zeros(a.shape, a.dtype) for a in select(cols, col_f)],
             [padded_zeros(a, R, accumulation_dtype(a.dtype), nb) for a in select(rows, row_f)],
             d_pairs0,
         ),
         ct,
         residual,
     )
-    carry = (d_home, d_rows, d_pairs, accumulators(select(consts, const_f)))
+    carry = (None, d_rows, d_pairs, accumulators(select(consts, const_f)))
     d_home, d_rows, d_pairs, d_consts = _over_slices(sub_ring, carry, spec, m_local)
     primal_pairs = select(pairs, pair_f)
     d_pairs = [
