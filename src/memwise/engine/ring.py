@@ -9,7 +9,8 @@ after ``size`` steps every slice is home with the cotangent summed over every de
 rows. A block goes round as tile-wide slices, one after the other (sub-block
 pipelining): no all-gather, and beyond its own rows and columns a device holds one
 tile and a few slices (the one reduced, the one in flight and, in the backward, their
-cotangents), not whole blocks, so its memory falls as 1/size. Pairs (masks, biases)
+cotangents), not whole blocks: what it holds beyond its share of the operands does
+not grow with them (the tile does not shrink with ``size``). Pairs (masks, biases)
 are split like the rows and whole along the columns: each step reads the columns of
 the slice it holds, and a pair's cotangent is written there, so pairs cost what they
 hold (1/size of the whole)."""
