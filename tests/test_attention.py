@@ -232,29 +232,29 @@ def test_ring_carries_masks_and_biases_on_4_devices():
         # 24 compilations of the full product
         for i, (mname, mask) in enumerate(masks.items()):
             for j, (bname, bias) in enumerate(biases.items()):
-                for causal in ((i + j) % 2 == 1,):
-                    def loss(q, k, v, bias, **kw):
-                        out = mw.attention(q, k, v, mask=mask, bias=bias, causal=causal,
-                                           chunk_size=(2, 2), **kw)
-                        return jnp.sum(jnp.sin(out))
-                    ringed = lambda *a: loss(*a, mesh=mesh, axis_name="d", ring=True)
-                    where = (mname, bname, causal)
-                    args = (q, k, v, bias)
-                    n = 4 if bias is not None else 3
-                    # compiled once: run and read (an eager reference compiled per op)
-                    step = jax.jit(jax.value_and_grad(ringed, tuple(range(n))))
-                    step = step.lower(*args).compile()
-                    value, grads = step(*args)
-                    ref = jax.jit(jax.value_and_grad(loss, tuple(range(n))))
-                    ref_value, ref_grads = ref(*args)
-                    np.testing.assert_allclose(value, ref_value, rtol=1e-5, err_msg=str(where))
-                    for a, b in zip(grads, ref_grads):
-                        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
-                                                   err_msg=str(where))
-                    hlo = step.as_text()
-                    assert "collective-permute(" in hlo, where
-                    gathers = [l for l in hlo.splitlines() if "all-gather(" in l]
-                    assert not gathers, (where, gathers[:2])
+                causal = (i + j) % 2 == 1
+                def loss(q, k, v, bias, **kw):
+                    out = mw.attention(q, k, v, mask=mask, bias=bias, causal=causal,
+                                       chunk_size=(2, 2), **kw)
+                    return jnp.sum(jnp.sin(out))
+                ringed = lambda *a: loss(*a, mesh=mesh, axis_name="d", ring=True)
+                where = (mname, bname, causal)
+                args = (q, k, v, bias)
+                n = 4 if bias is not None else 3
+                # compiled once: run and read (an eager reference compiled per op)
+                step = jax.jit(jax.value_and_grad(ringed, tuple(range(n))))
+                step = step.lower(*args).compile()
+                value, grads = step(*args)
+                ref = jax.jit(jax.value_and_grad(loss, tuple(range(n))))
+                ref_value, ref_grads = ref(*args)
+                np.testing.assert_allclose(value, ref_value, rtol=1e-5, err_msg=str(where))
+                for a, b in zip(grads, ref_grads):
+                    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
+                                               err_msg=str(where))
+                hlo = step.as_text()
+                assert "collective-permute(" in hlo, where
+                gathers = [l for l in hlo.splitlines() if "all-gather(" in l]
+                assert not gathers, (where, gathers[:2])
         # forward-over-reverse: a ring block a row does not see (causal, masked) gave
         # NaN through the blocks' merge
         s = jnp.asarray(0.5)

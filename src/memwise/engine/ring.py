@@ -275,9 +275,10 @@ def _ring_core_bwd(spec, ring, res, ct):
         init = (blk, d_blk, d_rows, d_pairs, d_consts)
         (_, d_blk, d_rows, d_pairs, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
         if d_home is None:
-            # The block's cotangent, made after the first slice's: made after the
-            # residual, XLA made it after that slice's ring anyway, from the residual,
-            # holding the residual (attention's float32 output) through the ring.
+            # The block's cotangent, made after the first slice's cotangent. Made after
+            # the residual instead, its zeros were still computed only here, but from
+            # the residual, which kept attention's float32 output alive through the
+            # first slice's ring.
             d_home = made_after([jnp.zeros(a.shape, a.dtype) for a in select(cols, col_f)], d_blk)
         d_home = [
             lax.dynamic_update_slice_in_dim(
