@@ -276,6 +276,70 @@ def test_dead_tiles_are_never_visited(backward):
     assert " cond[" not in str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v))
 
 
+@pytest.mark.parametrize("backward", ["rows", "split"])
+@pytest.mark.parametrize("m", [23, 30])
+def test_a_band_visits_the_tiles_from_where_it_starts(backward, m):
+    """A sliding window (key j - query i in [-3, 0]): each row block visits the column
+    tiles of its band, the first at the band's first column (clipped into the keys),
+    and in the column-major backward each column block the row tiles of its band;
+    values and gradients are the dense ones."""
+    n = 23
+    q = jax.random.normal(jax.random.PRNGKey(2), (n, 4))
+    k = jax.random.normal(jax.random.PRNGKey(3), (m, 4))
+    v = jax.random.normal(jax.random.PRNGKey(4), (m, 3))
+    tiles = tiling(n, m, (4, 5), backward=(3, 4))
+    visited = []
+
+    def seen(rids, cids):
+        d = cids[None, :] - rids[:, None]
+        return (d >= -3) & (d <= 0)
+
+    def tile_fn(qb, kv, _pairs, _consts, rids, cids):
+        jax.debug.callback(lambda r, c: visited.append((int(r), int(c))), rids[0], cids[0])
+        return jnp.where(seen(rids, cids), qb @ kv["k"].T, -jnp.inf), kv["v"]
+
+    def loss(q, k, v):
+        out, _ = tiled_reduce(
+            tile_fn,
+            q,
+            {"k": k, "v": v},
+            reduce="softmax",
+            tiles=tiles,
+            backward=backward,
+            band=(-3, 0),
+        )
+        return jnp.sum(jnp.sin(out))
+
+    def dense(q, k, v):
+        s = jnp.where(seen(jnp.arange(n), jnp.arange(m)), q @ k.T, -jnp.inf)
+        return jnp.sum(jnp.sin(jax.nn.softmax(s, axis=1) @ v))
+
+    def band_tiles(blocks, size, width, length, lo):
+        """(first row, first column) of each tile: blocks of ``blocks`` rows slid back
+        to end at n, each visiting ``width`` columns from max(0, first row + lo) (at
+        most length - width) in tiles of ``size`` slid back to end the band."""
+        out = []
+        for r in sorted({min(i, n - blocks) for i in range(0, n, blocks)}):
+            origin = min(max(0, r + lo), length - width)
+            out += [(r, origin + min(j, width - size)) for j in range(0, width, size)]
+        return out
+
+    jax.block_until_ready(jax.jit(loss)(q, k, v))
+    forward = band_tiles(4, 5, 7, m, -3)  # row blocks of 4: 7 columns from r - 3
+    assert sorted(visited) == sorted(forward)  # 6 blocks x 2 tiles
+    visited.clear()
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+    jax.block_until_ready(grads)
+    expected = forward + band_tiles(3, 4, 6, m, -3)  # row blocks of 3: 6 columns
+    if backward == "split":  # and column blocks of 4: 7 rows from c (j - i <= 0)
+        cols = sorted({min(j, m - 4) for j in range(0, m, 4)})
+        expected += [(min(c, n - 7) + min(i, 7 - 3), c) for c in cols for i in range(0, 7, 3)]
+    assert sorted(set(visited)) == sorted(set(expected))
+    np.testing.assert_allclose(loss(q, k, v), dense(q, k, v), rtol=1e-5)
+    for a, b in zip(grads, jax.grad(dense, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_max_reduction_returns_argmax():
     x = jnp.arange(6.0)[:, None]
     y = jnp.array([[0.5], [4.2], [2.0]])

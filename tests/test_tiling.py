@@ -51,6 +51,27 @@ def test_tiling_forms_and_auto_knob():
     assert all(a <= b for a, b in zip(costs, costs[1:]))
 
 
+def test_auto_tile_of_a_band_is_one_tile_per_row_block():
+    """With a band of width w the default tile is rows x (rows + w): the most rows, down
+    to half the usual default's, that keep it within four times the tile budget; a band
+    too wide for that, or as wide as the columns, keeps the usual default."""
+    usual = tiling.tiling(16_384, 16_384, "auto", pair_bytes=256)
+    assert (usual.rows.size, usual.cols.size) == (256, 128)
+    band = tiling.tiling(16_384, 16_384, "auto", pair_bytes=256, band=512)
+    assert (band.rows.size, band.cols.size) == (128, 640)
+    assert band.rows.size * band.cols.size * 256 <= 4 * tiling.TILE_BYTES
+    # its backward keeps the usual backward's bytes (half a tile's)
+    assert (band.backward_rows.size, band.backward_cols.size) == (64, 256)
+    narrow = tiling.tiling(16_384, 16_384, "auto", pair_bytes=256, band=128)
+    assert (narrow.rows.size, narrow.cols.size) == (256, 384)
+    for wide in (2_048, 16_384):
+        t = tiling.tiling(16_384, 16_384, "auto", pair_bytes=256, band=wide)
+        assert (t.rows.size, t.cols.size) == (256, 128)
+    with knobs.recording() as recorded:
+        tiling.tiling(16_384, 16_384, "auto", pair_bytes=256, band=512)
+    assert (128, 640) in recorded[0].candidates
+
+
 def test_backward_tile_is_explicit():
     t = tiling.tiling(1000, 600, (128, 256))
     # default: half the rows, since a tile's vjp holds about twice its forward

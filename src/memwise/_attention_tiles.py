@@ -306,10 +306,20 @@ def attend(
         or live_segments is not None
         or any(n is not None for n in live_lengths)
     )
+    # A window on unshifted, unstriped indices: key j - query i lies in a band.
+    band = None
+    if vis.window is not None and stripes is None and row_offset is None and ring is None:
+        left, right = vis.window
+        band = (-left, min(right, 0) if vis.causal else right)
     tiles = tiling(
-        lq, lk, chunk_size, pair_bytes=lambda: _pair_bytes(q, k, v, problems), auto_shape=auto_shape
+        lq,
+        lk,
+        chunk_size,
+        pair_bytes=lambda: _pair_bytes(q, k, v, problems),
+        auto_shape=auto_shape,
+        band=None if band is None else band[1] - band[0],
     )
-    if groups is not None and not isinstance(chunk_size, Tiling):
+    if groups is not None and band is None and not isinstance(chunk_size, Tiling):
         # With the heads inside the tile, each backward tile moves its K/V block's heads
         # first and back (once per tile, as the forward): at half the forward's rows this
         # cost the gradient 1.16x its time at T = 4,096 with 8 heads, so the backward
@@ -327,6 +337,7 @@ def attend(
         batch=batch,
         upcast=True,
         live=live if skips else None,
+        band=band,
         ring=ring,
         # A fused attention kernel registered for this platform may take the call
         # (memwise.engine.kernels): the leaves are the dicts above, by these names.

@@ -388,11 +388,13 @@ def _tile_costs(
     shape: tuple[int, ...],
     candidates: Sequence[tuple],
     count_work: Callable[[tuple], float],
+    count_tiles: Callable[[tuple], int] | None = None,
 ) -> dict[tuple, float]:
     """Relative predicted time of each candidate tile (candidate 0 is 1.0).
 
     The roofline of :mod:`memwise.costmodel` for the tile body of ``per_item``'s
-    function; the count model ``count_work`` where that body cannot be compiled.
+    function, times ``count_tiles(tile)`` tiles (default: every tile of ``shape``); the
+    count model ``count_work`` where that body cannot be compiled.
     """
     times: list[float] | None = None
     if isinstance(per_item, ItemBytes) and per_item.fn is not None:
@@ -403,7 +405,10 @@ def _tile_costs(
             if cost is None:
                 times = None
                 break
-            tiles = math.prod(Chunking(n, t).n_chunks for n, t in zip(shape, tile))
+            if count_tiles is None:
+                tiles = math.prod(Chunking(n, t).n_chunks for n, t in zip(shape, tile))
+            else:
+                tiles = count_tiles(tile)
             times.append(costmodel.tile_time(cost, tiles, machine))
     if times is None:
         times = _relative_cost([count_work(t) for t in candidates])
@@ -487,7 +492,15 @@ def _tile_pair(value: Any, arg: str) -> tuple[int, int]:
     return size, size
 
 
-def _auto_tile(n: int, m: int, per_pair: int) -> tuple[int, int]:
+# A band tile is a row block's whole work. Held to TILE_BYTES, a sliding window of 512
+# keys at T = 16,384 (8 heads of 64) got 64 x 576 tiles and took 0.050 of full
+# attention's time on XLA:CPU, whose cost per tile outweighs the flops it skips; in
+# 128 x 640 tiles (2.5x the bytes) it took 0.036. The backward's tile keeps its usual
+# bytes (tiling), so the gradient holds no more.
+_BAND_TILE_BYTES = 4 * TILE_BYTES
+
+
+def _auto_tile(n: int, m: int, per_pair: int, band: int | None = None) -> tuple[int, int]:
     def fit(pairs: int) -> tuple[int, int]:
         cols = min(m, _pow2_floor(max(1, int(math.isqrt(max(pairs, 1))))))
         rows = min(n, _pow2_floor(max(1, pairs // cols)))
@@ -504,6 +517,15 @@ def _auto_tile(n: int, m: int, per_pair: int) -> tuple[int, int]:
     while nbytes(default) > TILE_BYTES and pairs > 1:
         pairs //= 2
         default = fit(pairs)
+    if band is not None:
+        # One tile as wide as a row block's band (rows + band columns), with the most
+        # rows, down to half the default's, whose tile fits _BAND_TILE_BYTES.
+        rows = default[0]
+        while rows >= max(1, default[0] // 2) and rows + band < m:
+            if nbytes((rows, rows + band)) <= _BAND_TILE_BYTES:
+                default = (rows, rows + band)
+                break
+            rows //= 2
     candidates = []
     for k in range(26, 7, -1):  # largest first
         tile = fit(2**k)
@@ -513,8 +535,14 @@ def _auto_tile(n: int, m: int, per_pair: int) -> tuple[int, int]:
         candidates.append(default)
         candidates.sort(key=lambda t: -t[0] * t[1])
 
+    def visited(tile):  # a row block's chunks, and the column chunks each one visits
+        # (with a band, the tiles of its band only)
+        return Chunking(n, tile[0]), Chunking(
+            m if band is None else min(m, tile[0] + band), tile[1]
+        )
+
     def work(tile):
-        r, c = Chunking(n, tile[0]), Chunking(m, tile[1])
+        r, c = visited(tile)
         return (
             r.padded * c.padded * per_pair
             + per_row * r.padded * c.n_chunks
@@ -526,7 +554,8 @@ def _auto_tile(n: int, m: int, per_pair: int) -> tuple[int, int]:
 
     def cost(tile: tuple[int, int]) -> float:  # evaluated inside fit only
         if not table:
-            table.update(_tile_costs(per_pair, (n, m), candidates, work))
+            count = lambda t: visited(t)[0].n_chunks * visited(t)[1].n_chunks  # noqa: E731
+            table.update(_tile_costs(per_pair, (n, m), candidates, work, count))
         return table[tile]
 
     return knobs.auto("chunk_size", candidates=candidates, cost=cost, default=default)
@@ -541,6 +570,7 @@ def tiling(
     backward: int | tuple[int, int] | None = None,
     arg: str = "chunk_size",
     auto_shape: tuple[int, int] | None = None,
+    band: int | None = None,
 ) -> Tiling:
     """Resolve a 2-D ``chunk_size`` into a :class:`Tiling` of an ``n x m`` computation.
 
@@ -562,6 +592,11 @@ def tiling(
       auto_shape: the ``(rows, cols)`` that ``"auto"`` chooses its tile for, where that
         differs from ``n x m``: on D devices, one device's share of a ring step, so the
         knob is the same whether the second operand travels or is held whole.
+      band: the width ``hi - lo`` of the band every visible pair lies in, where the
+        engine visits bands (its ``band`` argument): ``"auto"`` then defaults to one tile
+        per row block, ``rows + band`` columns wide, with the most rows (down to half
+        the usual default's) that keep it within four times :data:`TILE_BYTES`; with
+        none, the usual default. Its backward tile keeps the usual backward's bytes.
 
     Example::
 
@@ -578,11 +613,19 @@ def tiling(
             raise ValueError(
                 f"{arg} must be a positive int, a (rows, cols) tuple or 'auto', got {chunk_size!r}"
             )
-        rows, cols = _auto_tile(*(auto_shape or (n, m)), _bytes(pair_bytes))
+        per_pair = _bytes(pair_bytes)
+        rows, cols = _auto_tile(*(auto_shape or (n, m)), per_pair, band)
+        banded = band is not None and cols == rows + band
     else:
         rows, cols = _tile_pair(chunk_size, arg)
+        banded, per_pair = False, 1
     rows, cols = min(rows, n), min(cols, m)
-    if backward is None:
+    if backward is None and banded:
+        # The backward of a band tile keeps the usual backward's budget (half a tile's
+        # bytes): its vjp holds about twice what the forward holds.
+        back_rows = max(1, rows // 2)
+        back_cols = min(cols, _pow2_floor(TILE_BYTES // (2 * per_pair * back_rows)))
+    elif backward is None:
         back_rows, back_cols = _default_backward(rows, cols)
     else:
         back_rows, back_cols = _tile_pair(backward, "backward")

@@ -112,6 +112,7 @@ def tiled_reduce(
     row_layout: Callable | None = None,
     col_axis: Any = 0,
     backward: str = "rows",
+    band: tuple[int, int] | None = None,
 ) -> Any:
     """The engine: reduce tile scores over columns, for every row, tile by tile.
 
@@ -191,6 +192,14 @@ def tiled_reduce(
     every tile. With only rows (or only columns, pairs and consts) needing a cotangent,
     ``"split"`` runs that one pass.
 
+    ``band=(lo, hi)`` (optional) says every visible pair (row ``i``, column ``j``) has
+    ``lo <= j - i <= hi``, as a sliding window's: each row block (and in a column-major
+    backward, each column block) then visits only the tiles of its band, laid from the
+    band's first column, so a row block of ``R`` rows computes ``R + hi - lo`` columns
+    whatever the tile's width (on a grid laid from column 0, a band takes a whole tile
+    more wherever it does not start on the grid). Pairs outside the band must still be
+    masked by ``tile_fn``; on a ring it is not used.
+
     ``pattern`` (optional) names what ``tile_fn`` computes, so that a fused kernel
     registered for it, this reduction and the platform (:mod:`memwise.engine.kernels`)
     runs instead of the plain-JAX loops; with none registered (the default) the loops
@@ -210,6 +219,10 @@ def tiled_reduce(
         raise TypeError(f"tiles must be a memwise.tiling.Tiling (from tiling()), got {tiles!r}")
     if backward not in ("rows", "split"):
         raise ValueError(f"backward must be 'rows' or 'split', got {backward!r}")
+    if band is not None and not (
+        len(band) == 2 and all(isinstance(b, int) for b in band) and band[0] <= band[1]
+    ):
+        raise ValueError(f"band must be two ints (lo, hi) with lo <= hi, got {band!r}")
     batch = tuple(int(b) for b in batch)
     nb = len(batch)
     col_axes = _col_axes(cols, col_axis)
@@ -259,6 +272,7 @@ def tiled_reduce(
         row_layout,
         col_axes if any(col_axes) else (),
         backward,
+        None if band is None else (int(band[0]), int(band[1])),
     )
     leaves = [
         guard_forward_mode([jnp.asarray(a) for a in lv], forward_mode_error) for lv, _ in flat

@@ -114,20 +114,21 @@ def backward(spec, values, residual, flags, ct, running=None):
         out, vjp = jax.vjp(f, *primals)
         return vjp(score_ct(out, row_data))
 
-    def row_side(k):
-        """Row block ``k``: its ids, validity, start, the block as sliced (its own
-        layout), as the tile reads it, and its per-row data."""
-        r_ids, r_valid = R.chunk_ids(k)
+    def row_side(k, rows_of=R):
+        """Row block ``k`` of ``rows_of``: its ids, validity, start, the block as sliced
+        (its own layout), as the tile reads it, and its per-row data."""
+        r_ids, r_valid = rows_of.chunk_ids(k)
         r0 = r_ids[0]
-        block = [R.block(a, r0, axis=nb) for a in rows]
+        block = [rows_of.block(a, r0, axis=nb) for a in rows]
         laid_out = spec.lay_out_rows(block, batched=True)
-        return r_ids, r_valid, r0, block, laid_out, [R.block(a, r0, axis=nb) for a in per_row]
+        per_row_blk = [rows_of.block(a, r0, axis=nb) for a in per_row]
+        return r_ids, r_valid, r0, block, laid_out, per_row_blk
 
-    def col_side(k):
-        """Column block ``k``: its ids, validity, start and the block."""
-        c_ids, c_valid = C.chunk_ids(k)
+    def col_side(k, cols_of=C):
+        """Column block ``k`` of ``cols_of``: its ids, validity, start and the block."""
+        c_ids, c_valid = cols_of.chunk_ids(k)
         c0 = c_ids[0]
-        return c_ids, c_valid, c0, [C.block(a, c0, axis=ax) for a, ax in zip(cols, col_lead)]
+        return c_ids, c_valid, c0, [cols_of.block(a, c0, axis=ax) for a, ax in zip(cols, col_lead)]
 
     def rows_back(block, d_row, fl):
         """A laid-out row block's cotangent in the block's own layout."""
@@ -174,18 +175,16 @@ def backward(spec, values, residual, flags, ct, running=None):
         def row_body(carry, inp):
             d_rows, d_cols, d_pairs, d_consts = carry
             r_ids, r_valid, r0, block, row_blk, row_data = row_side(inp)
+            visits = spec.visits(C, r_ids)
 
             def col_body(carry2, inp2):
                 d_row, d_cols, d_pairs, d_consts = carry2
-                c_ids, c_valid = C.chunk_ids(inp2)
-                c0 = c_ids[0]
-
-                col_blk = col_side(inp2)[3]
-                pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+                c_ids, c_valid, c0, col_blk = col_side(inp2, visits)
+                pblk = pair_blocks(R, visits, pairs, r0, c0, lead)
                 operands = (row_blk, row_data, r_valid, col_blk, pblk, c_valid)
                 dr, dc, dp, dk = tile_vjp(fl, r_ids, c_ids, operands)
                 d_cols = [
-                    store_block(acc, g, C, c0, k, add=True)
+                    store_block(acc, g, visits, c0, k, add=True)
                     for acc, g, k in zip(d_cols, dc, select(col_lead, col_f))
                 ]
                 d_pairs = [
@@ -197,7 +196,7 @@ def backward(spec, values, residual, flags, ct, running=None):
             d_row, d_cols, d_pairs, d_consts = spec.over_live(
                 col_body,
                 (accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
-                C,
+                visits,
                 r_ids,
                 consts,
             )
@@ -220,18 +219,18 @@ def backward(spec, values, residual, flags, ct, running=None):
         def col_body(carry, inp):
             d_rows, d_cols, d_pairs, d_consts = carry
             c_ids, c_valid, c0, col_blk = col_side(inp)
+            visits = spec.visits(R, c_ids, over="rows")
 
             def row_body(carry2, inp2):
                 d_rows, d_col, d_pairs, d_consts = carry2
-                r_ids, r_valid = R.chunk_ids(inp2)
-                r0 = r_ids[0]
-
-                _, _, _, block, row_blk, row_data = row_side(inp2)
-                pblk = pair_blocks(R, C, pairs, r0, c0, lead)
+                r_ids, r_valid, r0, block, row_blk, row_data = row_side(inp2, visits)
+                pblk = pair_blocks(visits, C, pairs, r0, c0, lead)
                 operands = (row_blk, row_data, r_valid, col_blk, pblk, c_valid)
                 dr, dc, dp, dk = tile_vjp(fl, r_ids, c_ids, operands)
                 dr = rows_back(block, dr, fl)
-                d_rows = [store_block(acc, g, R, r0, nb, add=True) for acc, g in zip(d_rows, dr)]
+                d_rows = [
+                    store_block(acc, g, visits, r0, nb, add=True) for acc, g in zip(d_rows, dr)
+                ]
                 d_pairs = [
                     add_block(acc, g, (r0, c0), k)
                     for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
@@ -241,7 +240,7 @@ def backward(spec, values, residual, flags, ct, running=None):
             d_rows, d_col, d_pairs, d_consts = spec.over_live(
                 row_body,
                 (d_rows, accumulators(select(col_blk, col_f)), d_pairs, d_consts),
-                R,
+                visits,
                 c_ids,
                 consts,
                 over="rows",

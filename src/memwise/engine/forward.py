@@ -56,8 +56,10 @@ def _row_pass(
     """
     reduction = spec.reduction
 
+    visits = spec.visits(spec.tiles.cols, row_ids)
+
     def scores_of(col_blk, c_ids):
-        pblk = pair_blocks(spec.tiles.rows, spec.tiles.cols, pairs, row_ids[0], c_ids[0])
+        pblk = pair_blocks(spec.tiles.rows, visits, pairs, row_ids[0], c_ids[0])
         return spec.tile((rows, col_blk, pblk, consts), row_ids, c_ids)
 
     init = vary(reduction.init(first), varying_over(rows, cols, pairs, consts))
@@ -65,14 +67,11 @@ def _row_pass(
     def step(state, k):
         # Column blocks sliced by index from the unsplit columns: splitting them into
         # (chunks, size, ...) made a copy (under vmap, a transposed one) of k and v.
-        col_blk = [
-            spec.tiles.cols.block(a, k * spec.tiles.cols.size, axis=ax)
-            for a, ax in zip(cols, spec.item_col_axis())
-        ]
-        c_ids, c_valid = spec.tiles.cols.chunk_ids(k)
+        c_ids, c_valid = visits.chunk_ids(k)
+        col_blk = [visits.block(a, c_ids[0], axis=ax) for a, ax in zip(cols, spec.item_col_axis())]
         return reduction.update(state, scores_of(col_blk, c_ids), c_valid, c_ids)
 
-    return reduction.close(spec.over_live(step, init, spec.tiles.cols, row_ids, consts))
+    return reduction.close(spec.over_live(step, init, visits, row_ids, consts))
 
 
 def _problem_forward(

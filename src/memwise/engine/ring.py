@@ -48,7 +48,8 @@ class Ring:
 def ring_spec(spec: TileSpec) -> TileSpec:
     """``spec`` for one column block of a ring: its consts gain the block's first global
     column, added to the column ids ``tile_fn`` and ``live`` see (a causal mask compares
-    global positions); the loops still slice with block-local ids."""
+    global positions); the loops still slice with block-local ids, so no band (a band is
+    read in the loops' ids)."""
     tile_fn, live = spec.tile_fn, spec.live
 
     def shifted(rows, cols, pairs, consts, row_ids, col_ids):
@@ -67,6 +68,7 @@ def ring_spec(spec: TileSpec) -> TileSpec:
         tile_fn=shifted,
         live=None if live is None else shifted_live,
         trees=spec.trees[:3] + (jax.tree.structure((user, 0)),),
+        band=None,
     )
 
 

@@ -27,6 +27,7 @@ from memwise.tiling import Chunking, Tiling
 __all__ = [
     "FORWARD_MODE",
     "Leaves",
+    "Band",
     "TileSpec",
     "accumulators",
     "made_after",
@@ -54,7 +55,7 @@ def padded_zeros(a: Any, chunks: Chunking, dtype: Any, axis: int) -> jax.Array:
 def store_block(
     acc: jax.Array,
     g: jax.Array,
-    chunks: Chunking,
+    chunks: Chunking | Band,
     start: jax.Array,
     axis: int,
     add: bool = False,
@@ -112,6 +113,39 @@ FORWARD_MODE = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """The blocks of one operand that one block of the other visits when the visible
+    pairs lie in a band (:attr:`TileSpec.band`): ``chunks`` of the band's ``length``,
+    counted from ``origin`` (a traced index) instead of from 0.
+
+    It reads as a :class:`~memwise.tiling.Chunking` (``n_chunks``, ``indices``,
+    ``chunk_ids``, ``block``): ids are global, and a block is sliced where its ids begin
+    (the band lies inside the operand, so nothing is clamped).
+    """
+
+    chunks: Chunking
+    origin: jax.Array
+
+    @property
+    def size(self) -> int:
+        return self.chunks.size
+
+    @property
+    def n_chunks(self) -> int:
+        return self.chunks.n_chunks
+
+    def indices(self) -> jax.Array:
+        return self.chunks.indices()
+
+    def chunk_ids(self, k: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        ids, own = self.chunks.chunk_ids(k)
+        return ids + self.origin, own
+
+    def block(self, leaf: jax.Array, start: int | jax.Array, *, axis: int = 0) -> jax.Array:
+        return lax.dynamic_slice_in_dim(leaf, start, self.chunks.size, axis=axis)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TileSpec:
     """Static description of one tiled reduction (a nondiff argument of the custom_vjp).
@@ -149,6 +183,10 @@ class TileSpec:
     # cotangents summed over row blocks in at least float32) or "split" (that pass for
     # the rows' cotangents, a column-major one for the others; see tiled_reduce).
     backward: str = "rows"
+    # (lo, hi): every visible pair (row i, column j) has lo <= j - i <= hi (a sliding
+    # window). A block then visits only the tiles of its band, laid from the band's
+    # first item rather than on a grid from 0 (see visits).
+    band: tuple[int, int] | None = None
 
     @property
     def reduction(self) -> Reduction:
@@ -174,11 +212,29 @@ class TileSpec:
             one = jax.vmap(one)
         return list(one(*leaves))
 
+    def visits(self, chunks: Chunking, ids: jax.Array, over: str = "cols") -> Chunking | Band:
+        """The tiles of ``chunks`` that the block whose indices are ``ids`` visits: the
+        column tiles of a row block (``over="cols"``) or the row tiles of a column block
+        (``"rows"``). Without :attr:`band`, all of them; with one, the tiles of its band
+        only, the first starting at the band's first item: a row block of ``R`` rows
+        visits ``R + hi - lo`` columns, whatever the tile's width (on a grid from 0 a
+        window of 512 keys at 256 x 128 tiles took 6 tiles of 128 where the band is 768
+        keys wide; a band tile of 768 is one tile).
+        """
+        if self.band is None:
+            return chunks
+        lo, hi = self.band if over == "cols" else (-self.band[1], -self.band[0])
+        width = ids.shape[0] + hi - lo
+        if width >= chunks.length:
+            return chunks
+        origin = jnp.clip(ids[0] + lo, 0, chunks.length - width).astype(jnp.int32)
+        return Band(Chunking(width, min(chunks.size, width)), origin)
+
     def over_live(
         self,
         body: Callable[[Any, jax.Array], Any],
         init: Any,
-        chunks: Chunking,
+        chunks: Chunking | Band,
         ids: jax.Array,
         const_leaves: list,
         over: str = "cols",
@@ -262,8 +318,8 @@ def _squeeze(leaves: list, leaf_batch: tuple, nb: int) -> list:
 
 
 def pair_blocks(
-    rows: Chunking,
-    cols: Chunking,
+    rows: Chunking | Band,
+    cols: Chunking | Band,
     pairs: list,
     i_start: int | jax.Array,
     j_start: int | jax.Array,
