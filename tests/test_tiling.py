@@ -60,8 +60,8 @@ def test_auto_tile_of_a_band_is_one_tile_per_row_block():
     band = tiling.tiling(16_384, 16_384, "auto", pair_bytes=256, band=512)
     assert (band.rows.size, band.cols.size) == (128, 640)
     assert band.rows.size * band.cols.size * 256 <= 4 * tiling.TILE_BYTES
-    # its backward keeps the usual backward's bytes (half a tile's)
-    assert (band.backward_rows.size, band.backward_cols.size) == (64, 256)
+    # its backward keeps the usual backward's bytes (half a tile's), and its rows
+    assert (band.backward_rows.size, band.backward_cols.size) == (128, 128)
     narrow = tiling.tiling(16_384, 16_384, "auto", pair_bytes=256, band=128)
     assert (narrow.rows.size, narrow.cols.size) == (256, 384)
     for wide in (2_048, 16_384):
