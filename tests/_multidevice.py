@@ -15,20 +15,36 @@ import textwrap
 N_DEVICES = 4
 
 
+# XLA:CPU's message when a collective's rendezvous of the virtual devices gave up.
+STUCK = "Termination timeout for"
+
+
 def run_on_devices(code: str, *, n_devices: int = N_DEVICES, timeout: float = 300) -> str:
-    """Execute ``code`` with ``n_devices`` host devices; return stdout, fail on error."""
+    """Execute ``code`` with ``n_devices`` host devices; return stdout, fail on error.
+
+    A run that XLA:CPU ends because a collective's rendezvous timed out is run once more.
+    Twice under ``pytest -n 2`` (in about ten runs of the 4-device ring test), one device
+    thread sat in the loss's all-reduce while the other three waited for it in a ring
+    step's collective-permute; 14 runs of the same program two at a time, and 3,000
+    executions of its compiled gradient, never stuck. XLA:CPU runs independent parts of
+    a program concurrently, and the loss's all-reduce depends on the forward only. A
+    second stuck run fails the test.
+    """
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode == 0 or STUCK not in proc.stderr:
+            break
     if proc.returncode != 0:
         raise AssertionError(
             f"subprocess with {n_devices} devices failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"

@@ -5,7 +5,10 @@ tile function, the reduction kind, the resolved :class:`~memwise.tiling.Tiling`,
 operands' tree structures and their batch layout. Blocks of rows and columns are sliced
 by index from the unsplit operands (splitting into ``(chunks, size, ...)`` copies them,
 under ``vmap`` transposed); a pair operand (mask, bias) is sliced from its own shape,
-an axis of size 1 broadcast, never expanded.
+an axis of size 1 broadcast, never expanded. Which tiles a block visits is decided here
+too: the ones a ``live`` predicate keeps (block sparsity, as Splash attention's) and,
+where the visible pairs lie in a band, only the tiles of the block's band, laid from
+where the band starts.
 """
 
 from __future__ import annotations
