@@ -231,31 +231,38 @@ def test_softmax_tile_heads_share_values(shared):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _counted_attention(tiles, visible, **kw):
+    """Softmax attention through the engine, with ``visible(row_ids, col_ids)`` as its
+    mask, and the list the (first row, first column) of every tile it evaluates is
+    appended to."""
+    visited = []
+
+    def tile_fn(qb, kv, _pairs, _consts, rids, cids):
+        jax.debug.callback(lambda r, c: visited.append((int(r), int(c))), rids[0], cids[0])
+        return jnp.where(visible(rids, cids), qb @ kv["k"].T, -jnp.inf), kv["v"]
+
+    def attend(q, k, v):
+        kv = {"k": k, "v": v}
+        return tiled_reduce(tile_fn, q, kv, reduce="softmax", tiles=tiles, **kw)[0]
+
+    return attend, visited
+
+
 @pytest.mark.parametrize("backward", ["rows", "split"])
 def test_dead_tiles_are_never_visited(backward):
     """Block sparsity: each pass evaluates the tiles ``live`` keeps and no others."""
     q = jax.random.normal(jax.random.PRNGKey(2), (10, 4))
     k = jax.random.normal(jax.random.PRNGKey(3), (10, 4))
     v = jax.random.normal(jax.random.PRNGKey(4), (10, 3))
-    tiles = tiling(10, 10, (3, 4), backward=(5, 2))
-    visited = []
-
-    def tile_fn(qb, kv, _pairs, _consts, rids, cids):
-        jax.debug.callback(lambda r, c: visited.append((int(r), int(c))), rids[0], cids[0])
-        s = qb @ kv["k"].T
-        return jnp.where(cids[None, :] <= rids[:, None], s, -jnp.inf), kv["v"]
+    attend, visited = _counted_attention(
+        tiling(10, 10, (3, 4), backward=(5, 2)),
+        lambda rids, cids: cids[None, :] <= rids[:, None],
+        backward=backward,
+        live=lambda rids, cids, _consts: cids[0] <= rids[-1],
+    )
 
     def loss(q, k, v):
-        out, _ = tiled_reduce(
-            tile_fn,
-            q,
-            {"k": k, "v": v},
-            reduce="softmax",
-            tiles=tiles,
-            backward=backward,
-            live=lambda rids, cids, _consts: cids[0] <= rids[-1],
-        )
-        return jnp.sum(out**2)
+        return jnp.sum(attend(q, k, v) ** 2)
 
     def causal_tiles(rows, cols):
         """(first row, first column) of every tile with a visible pair; a ragged last
@@ -287,28 +294,16 @@ def test_a_band_visits_the_tiles_from_where_it_starts(backward, m):
     q = jax.random.normal(jax.random.PRNGKey(2), (n, 4))
     k = jax.random.normal(jax.random.PRNGKey(3), (m, 4))
     v = jax.random.normal(jax.random.PRNGKey(4), (m, 3))
-    tiles = tiling(n, m, (4, 5), backward=(3, 4))
-    visited = []
 
     def seen(rids, cids):
         d = cids[None, :] - rids[:, None]
         return (d >= -3) & (d <= 0)
 
-    def tile_fn(qb, kv, _pairs, _consts, rids, cids):
-        jax.debug.callback(lambda r, c: visited.append((int(r), int(c))), rids[0], cids[0])
-        return jnp.where(seen(rids, cids), qb @ kv["k"].T, -jnp.inf), kv["v"]
+    tiles = tiling(n, m, (4, 5), backward=(3, 4))
+    attend, visited = _counted_attention(tiles, seen, backward=backward, band=(-3, 0))
 
     def loss(q, k, v):
-        out, _ = tiled_reduce(
-            tile_fn,
-            q,
-            {"k": k, "v": v},
-            reduce="softmax",
-            tiles=tiles,
-            backward=backward,
-            band=(-3, 0),
-        )
-        return jnp.sum(jnp.sin(out))
+        return jnp.sum(jnp.sin(attend(q, k, v)))
 
     def dense(q, k, v):
         s = jnp.where(seen(jnp.arange(n), jnp.arange(m)), q @ k.T, -jnp.inf)
