@@ -2,6 +2,7 @@
 license and ``py.typed``, and a wheel that installs into a fresh virtual environment and
 runs ``memwise demo mlp`` there, away from the source tree."""
 
+import fcntl
 import importlib.metadata
 import os
 import subprocess
@@ -39,10 +40,17 @@ def test_jax_floor_is_declared_once():
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    build = _run(
-        [sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(ROOT)],
-        timeout=600,
-    )
+    # Under pytest -n 2 each worker that runs a test of this module builds; setuptools
+    # stages the sdist and the wheel inside the source tree, and two builds at once
+    # removed each other's files. One build at a time, across processes.
+    lock = ROOT / "build" / "packaging.lock"
+    lock.parent.mkdir(exist_ok=True)
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        build = _run(
+            [sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(ROOT)],
+            timeout=600,
+        )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     wheels, sdists = list(out.glob("*.whl")), list(out.glob("*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, list(out.iterdir())
