@@ -541,6 +541,10 @@ def _auto_tile(n: int, m: int, per_pair: int, band: int | None = None) -> tuple[
             m if band is None else min(m, tile[0] + band), tile[1]
         )
 
+    def tiles_visited(tile):
+        r, c = visited(tile)
+        return r.n_chunks * c.n_chunks
+
     def work(tile):
         r, c = visited(tile)
         return (
@@ -554,8 +558,7 @@ def _auto_tile(n: int, m: int, per_pair: int, band: int | None = None) -> tuple[
 
     def cost(tile: tuple[int, int]) -> float:  # evaluated inside fit only
         if not table:
-            count = lambda t: visited(t)[0].n_chunks * visited(t)[1].n_chunks  # noqa: E731
-            table.update(_tile_costs(per_pair, (n, m), candidates, work, count))
+            table.update(_tile_costs(per_pair, (n, m), candidates, work, tiles_visited))
         return table[tile]
 
     return knobs.auto("chunk_size", candidates=candidates, cost=cost, default=default)

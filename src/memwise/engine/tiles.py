@@ -29,8 +29,8 @@ from memwise.tiling import Chunking, Tiling
 
 __all__ = [
     "FORWARD_MODE",
-    "Leaves",
     "Band",
+    "Leaves",
     "TileSpec",
     "accumulators",
     "made_after",
