@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from memwise.ot.costs import score
 from memwise.pairwise import pairwise_reduce
 from memwise.sharding import devices, has_explicit_axes, row_sharding
 from memwise.tiling import Tiling
@@ -94,7 +95,7 @@ def softmin(
     ``axis=0`` reduces over ``i`` instead (``log_weights`` then index ``x``).
     """
     return -eps * pairwise_reduce(
-        lambda xi, yj: -cost(xi, yj, *consts) / eps,
+        score(cost, consts, eps),
         x,
         y,
         reduce="logsumexp",
@@ -138,9 +139,10 @@ def kernel_apply(cost, consts, x, y, eps, chunk_size, left, right, vector, *, ax
     a potential to zero-weight points from overflowing.
     """
 
+    exponent = score(cost, consts, eps)
+
     def entry(xi, yj):
-        exponent = xi[1] + yj[1] - cost(xi[0], yj[0], *consts) / eps
-        return jnp.exp(jnp.minimum(exponent, 80.0))
+        return jnp.exp(jnp.minimum(xi[1] + yj[1] + exponent(xi[0], yj[0]), 80.0))
 
     return pairwise_reduce(
         entry, (x, left), (y, right), reduce="sum", weights=vector, axis=axis, **_placed(chunk_size)
