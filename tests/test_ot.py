@@ -461,6 +461,7 @@ def test_gradient_memory_flat_in_n_and_within_2x_of_forward():
     assert grad_20k - grad_10k < 200 * 10_000
 
 
+@pytest.mark.slow
 def test_squared_euclidean_gradient_holds_one_scaled_tile_fewer():
     """The built-in squared Euclidean cost puts 1/epsilon and its norms on each point's
     own terms, so the backward of a tile does not hold the score's cotangent scaled for
