@@ -405,6 +405,31 @@ def test_batched_problems_with_broadcast_pairs_match_dense():
         np.testing.assert_allclose(g, g_dense, rtol=1e-4, atol=1e-5)
 
 
+def test_a_unit_batch_dim_costs_no_memory_and_changes_no_value():
+    # A batch dim of size 1 ((1, L, d), as a batch of one sequence arrives) used to be
+    # vmapped: XLA then kept the backward's scores and their exponential in two shapes
+    # and two buffers (one tile more at the peak). It is squeezed instead.
+    L, d = 2048, 64
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (L, d)) for key in keys)
+
+    def loss(q, k, v):
+        out = mw.attention(q, k, v, causal=True, chunk_size=(256, 512))
+        return jnp.sum(out**2)
+
+    temps, grads = [], []
+    for lead in ((), (1,), (1, 1)):
+        args = [a.reshape(lead + a.shape) for a in (q, k, v)]
+        report = mw.memory_report(loss, *args, grad=True, argnums=(0, 1, 2))
+        temps.append(report.temp_bytes)
+        grads.append([g.reshape(L, d) for g in jax.jit(jax.grad(loss, (0, 1, 2)))(*args)])
+    assert temps[1] == temps[0] and temps[2] == temps[0], temps
+    for g in grads[1:]:
+        for a, b in zip(g, grads[0]):
+            # (only the summation order differs: zero gradients come out as rounding)
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
 def test_max_propagates_nan_like_jnp():
     s = jnp.array([[1.0, jnp.nan, 3.0, jnp.nan, 5.0], [1.0, 2.0, 3.0, 4.0, 0.0]])
     tile = lambda rb, cb, *_: s[rb[:, None], cb[None, :]]  # noqa: E731

@@ -116,6 +116,7 @@ def statistics(
     problem = spec.over_batch(
         lambda r, c, p: _problem_forward(spec, first, r, c, p, consts),
         lambda level: (0, spec.col_axes(level), spec.pair_axes(level)),
+        squeeze_units=False,
     )
     return first, problem(rows, cols, pairs)
 
