@@ -27,7 +27,7 @@ from jax import lax
 
 from memwise._dtypes import accumulation_dtype
 from memwise._vjp import Static, cotangents, custom_vjp, is_zero, select, unwrap
-from memwise.engine.backward import add_block, backward
+from memwise.engine.backward import add_block, backward, last_read, row_data
 from memwise.engine.forward import statistics
 from memwise.engine.tiles import Leaves, TileSpec, accumulators, made_after, padded_zeros
 from memwise.sharding import psum_replicated, vary, varying_over
@@ -295,8 +295,7 @@ def _ring_core_bwd(spec, ring, res, ct):
             [padded_zeros(a, R, accumulation_dtype(a.dtype), nb) for a in select(rows, row_f)],
             d_pairs0,
         ),
-        ct,
-        residual,
+        last_read(row_data(spec, values, residual, ct)),
     )
     carry = (None, d_rows, d_pairs, accumulators(select(consts, const_f)))
     d_home, d_rows, d_pairs, d_consts = _over_slices(sub_ring, carry, spec, m_local)
