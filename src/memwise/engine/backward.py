@@ -63,8 +63,9 @@ def last_read(per_row):
 def backward(spec, values, residual, flags, ct, running=None):
     """The tiled backward pass: the cotangents of ``values`` (``None`` where a flag is
     off). With ``running`` (a ring's accumulators, see :func:`_ring_core_bwd`), this
-    pass adds into them instead and returns them, padded, in the accumulation dtype
-    (pairs: ``None`` gives this pass's own, returned padded, squeezed as
+    pass adds into them instead and returns them in the accumulation dtype: the rows'
+    at the rows' shape, the columns' padded to whole tiles (pairs: ``None`` gives this
+    pass's own, returned padded, squeezed as
     :meth:`~memwise.engine.tiles.TileSpec.squeeze_pairs` squeezes them)."""
     rows, cols, pairs, consts = values
     R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
@@ -220,7 +221,7 @@ def backward(spec, values, residual, flags, ct, running=None):
                 # A row block's cotangent is complete here: stored once, in its own dtype.
                 d_rows = [store_block(acc, g, R, r0, nb) for acc, g in zip(d_rows, d_row)]
             else:  # one column block of a ring: add to the other blocks' share
-                d_rows = [add_block(acc, g, (r0,), nb) for acc, g in zip(d_rows, d_row)]
+                d_rows = [store_block(acc, g, R, r0, nb, add=True) for acc, g in zip(d_rows, d_row)]
             return (d_rows, d_cols, d_pairs, d_consts), None
 
         # (the ring adds into its rows: any order)

@@ -224,7 +224,6 @@ def _ring_core_bwd(spec, ring, res, ct):
     rows, cols, pairs, consts = values
     nb = len(spec.batch)
     m_local = cols[0].shape[nb]
-    R = spec.tiles.backward_rows
     block_flags = (row_f, col_f, pair_f, const_f + (False,))
 
     # A pair's cotangent, squeezed as the backward pass squeezes it, whole along the
@@ -292,7 +291,7 @@ def _ring_core_bwd(spec, ring, res, ct):
 
     d_rows, d_pairs = made_after(
         (
-            [padded_zeros(a, R, accumulation_dtype(a.dtype), nb) for a in select(rows, row_f)],
+            [jnp.zeros(a.shape, accumulation_dtype(a.dtype)) for a in select(rows, row_f)],
             d_pairs0,
         ),
         last_read(row_data(spec, values, residual, ct)),
@@ -311,7 +310,7 @@ def _ring_core_bwd(spec, ring, res, ct):
         return cotangents(f, [c.astype(p.dtype) for c, p in zip(cts, select(group, f))])
 
     return (
-        finish(d_rows, rows, row_f, R),
+        finish(d_rows, rows, row_f),
         finish(d_home, cols, col_f),
         cotangents(pair_f, d_pairs),
         finish(d_consts, consts, const_f),
