@@ -301,8 +301,9 @@ def main(quick: bool = False) -> None:
             "what XLA compiles for D devices; the D = 4 times share 2 cores, so they "
             "compare transfer patterns, not scaling. 'x D / D=1's' is D times the "
             "per-device arguments + temp over D = 1's (1.0 = perfect 1/D scaling). "
-            "Tiles are the default chunk_size='auto' (about 8 MiB of intermediates per "
-            "tile, per device, whatever D), which stays as D grows."
+            "Tiles are the default chunk_size='auto': about 8 MiB of intermediates per "
+            "tile (by its estimate) on one device; on D devices held to the bytes of a "
+            "device's share of the operands, not below 1 MiB."
         ),
         quick=quick,
     )

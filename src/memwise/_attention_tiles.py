@@ -38,7 +38,7 @@ import numpy as np
 from memwise._dtypes import accumulation_dtype
 from memwise.engine import Ring, tiled_reduce
 from memwise.engine.kernels import Pattern
-from memwise.tiling import ChunkSize, Tiling, item_bytes, tiling
+from memwise.tiling import ChunkSize, DeviceShare, Tiling, item_bytes, tiling
 
 __all__ = ["Visibility", "attend", "check_stripes", "dropout_rows", "stripe_count"]
 
@@ -166,7 +166,7 @@ def attend(
     stripes: tuple[int, int, int] | None = None,
     groups: tuple[int, int] | None = None,
     caller: str = "memwise.attention",
-    auto_shape: tuple[int, int] | None = None,
+    auto_shape: DeviceShare | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of attention in tiles: ``out`` in the values' dtype, the per-row
     log-sum-exp in float32 (``-inf`` where a query sees no key, ``out`` 0 there).
@@ -188,7 +188,7 @@ def attend(
     ``s`` stripes (global lengths ``Lq``, ``Lk``): causal masks, windows, the length
     skips and the dropout mask's columns use the positions before striping (``q_keep``,
     ``kv_keep`` and the row hashes are the caller's, in the striped order).
-    ``auto_shape``: the ``(queries, keys)`` a ``"auto"`` tile is chosen for
+    ``auto_shape``: the device's share of a ring step a ``"auto"`` tile is chosen for
     (:func:`memwise.tiling.tiling`). Gradients: q, k, v, bias and a traced scale.
     ``caller`` names the public function in the error forward mode raises.
     """

@@ -285,7 +285,7 @@ def attention(
         n_devices = devices(mesh, row_axes)
         if use_ring(ring, (k, v), lk, mesh, row_axes, "k", beside=q, dim=-2):
             ringed = Ring(row_axes, n_devices)
-        auto_shape = ring_step(lq, lk, n_devices)
+        auto_shape = ring_step(lq, lk, n_devices, (q, k, v))
     elif ring:
         raise ValueError("ring=True needs the queries split over devices (shard_dim=-2)")
 

@@ -251,7 +251,7 @@ def pairwise_reduce(
     # caller's mesh context into the per-device program. The arrays it closes over
     # enter as replicated values; their gradients are all-reduced once by the
     # shard_map's transpose.
-    auto_shape = ring_step(n, m, devices(mesh, axes))
+    auto_shape = ring_step(n, m, devices(mesh, axes), (x, y, weights))
 
     def local(x_l, y_l, w_l):
         out = _pairwise_local(fn, x_l, y_l, w_l, kind, chunk_size, out_ndim, ringed, auto_shape)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec
 from memwise import knobs
 from memwise._jax_private import varying_axes
 from memwise._vjp import closure_convert
+from memwise.tiling import DeviceShare
 
 # Where an axis is split: a mesh (concrete, or abstract under jit) and its axis name(s).
 Split = tuple[Any, Any]
@@ -363,14 +364,15 @@ def ring_pays(whole: int, block: int, n_devices: int) -> bool:
     return whole * (1 - 1 / n_devices) > block
 
 
-def ring_step(n: int, m: int, n_devices: int) -> tuple[int, int] | None:
-    """One device's share of a ring step, ``(n / D, m / D)``, when both divide (else
-    None): what ``chunk_size="auto"`` tiles for on D devices whether the second operand
-    travels or is held whole, so :func:`memwise.fit` sees one tile knob under either
-    choice of ``ring`` (:func:`memwise.tiling.tiling`'s ``auto_shape``)."""
+def ring_step(n: int, m: int, n_devices: int, operands: Any) -> DeviceShare | None:
+    """One device's share of a ring step, ``(n / D, m / D)`` and ``1 / D`` of the bytes
+    of ``operands``, when both lengths divide (else None): what ``chunk_size="auto"``
+    tiles for on D devices whether the second operand travels or is held whole, so
+    :func:`memwise.fit` sees one tile knob under either choice of ``ring``
+    (:func:`memwise.tiling.tiling`'s ``auto_shape``)."""
     if n % n_devices or m % n_devices:
         return None
-    return n // n_devices, m // n_devices
+    return DeviceShare(n // n_devices, m // n_devices, _nbytes(operands) // n_devices)
 
 
 def _nbytes(tree: Any) -> int:

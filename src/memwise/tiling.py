@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ __all__ = [
     "TILE_BYTES",
     "Chunking",
     "Tiling",
+    "DeviceShare",
     "chunking",
     "tiling",
     "item_bytes",
@@ -62,6 +63,17 @@ __all__ = [
 # A tile of about this many bytes of intermediates: large enough that the per-tile loop
 # overhead is negligible, small enough to be a rounding error next to the inputs.
 TILE_BYTES = 8 * 2**20
+
+
+class DeviceShare(NamedTuple):
+    """One device's share of a ring step on D devices: ``rows x cols`` pairs (``n / D``
+    by ``m / D``) and ``nbytes``, the bytes of its share of the operands. ``"auto"``
+    tiles for it (:func:`tiling`'s ``auto_shape``)."""
+
+    rows: int
+    cols: int
+    nbytes: int
+
 
 # Per-chunk loop overhead, in bytes of intermediates processed: a loop iteration costs a
 # few microseconds, about as long as streaming 64 KiB of intermediates. The cost of a
@@ -500,7 +512,9 @@ def _tile_pair(value: Any, arg: str) -> tuple[int, int]:
 _BAND_TILE_BYTES = 4 * TILE_BYTES
 
 
-def _auto_tile(n: int, m: int, per_pair: int, band: int | None = None) -> tuple[int, int]:
+def _auto_tile(
+    n: int, m: int, per_pair: int, band: int | None = None, budget: int = TILE_BYTES
+) -> tuple[int, int]:
     def fit(pairs: int) -> tuple[int, int]:
         cols = min(m, _pow2_floor(max(1, int(math.isqrt(max(pairs, 1))))))
         rows = min(n, _pow2_floor(max(1, pairs // cols)))
@@ -512,9 +526,9 @@ def _auto_tile(n: int, m: int, per_pair: int, band: int | None = None) -> tuple[
     def nbytes(tile: tuple[int, int]) -> int:
         return per_pair * tile[0] * tile[1] + per_row * tile[0] + per_col * tile[1]
 
-    pairs = TILE_BYTES // per_pair
+    pairs = budget // per_pair
     default = fit(pairs)
-    while nbytes(default) > TILE_BYTES and pairs > 1:
+    while nbytes(default) > budget and pairs > 1:
         pairs //= 2
         default = fit(pairs)
     if band is not None:
@@ -572,7 +586,7 @@ def tiling(
     pair_bytes: int | Callable[[], int] | None = None,
     backward: int | tuple[int, int] | None = None,
     arg: str = "chunk_size",
-    auto_shape: tuple[int, int] | None = None,
+    auto_shape: DeviceShare | None = None,
     band: int | None = None,
 ) -> Tiling:
     """Resolve a 2-D ``chunk_size`` into a :class:`Tiling` of an ``n x m`` computation.
@@ -592,9 +606,13 @@ def tiling(
         forward tile with half the rows, since a tile's vjp holds about twice what its
         forward holds.
       arg: argument name used in error messages.
-      auto_shape: the ``(rows, cols)`` that ``"auto"`` chooses its tile for, where that
-        differs from ``n x m``: on D devices, one device's share of a ring step, so the
-        knob is the same whether the second operand travels or is held whole.
+      auto_shape: on D devices, one device's share of a ring step
+        (:class:`DeviceShare`), which ``"auto"`` chooses its tile for, so the knob is the
+        same whether the second operand travels or is held whole. Its tile is held to
+        the bytes of the device's share of the operands (not below an eighth of
+        :data:`TILE_BYTES`) where they are fewer than :data:`TILE_BYTES`: the tile's
+        intermediates then stay small next to the inputs as the device count grows, and
+        per-device memory falls as 1/D.
       band: the width ``hi - lo`` of the band every visible pair lies in, where the
         engine visits bands (its ``band`` argument): ``"auto"`` then defaults to one tile
         per row block, ``rows + band`` columns wide, with the most rows (down to half
@@ -617,7 +635,11 @@ def tiling(
                 f"{arg} must be a positive int, a (rows, cols) tuple or 'auto', got {chunk_size!r}"
             )
         per_pair = _bytes(pair_bytes)
-        rows, cols = _auto_tile(*(auto_shape or (n, m)), per_pair, band)
+        if auto_shape is None:
+            rows, cols = _auto_tile(n, m, per_pair, band)
+        else:
+            budget = min(TILE_BYTES, max(auto_shape.nbytes, TILE_BYTES // 8))
+            rows, cols = _auto_tile(auto_shape.rows, auto_shape.cols, per_pair, band, budget)
         banded = band is not None and cols == rows + band
     else:
         rows, cols = _tile_pair(chunk_size, arg)
