@@ -253,6 +253,14 @@ def test_ring_or_whole_chosen_by_the_cost_model_and_set_by_fit():
                                      argnums=(0, 1)).peak_bytes
         assert plan.peak_bytes == per_device < 0.75 * one, (plan.to_text(), per_device, one)
         np.testing.assert_allclose(fitted(xs, ys), loss(x, y), rtol=1e-5)
+        # and first called under jit and grad, whose tracers carry only an abstract mesh:
+        # the plan is compiled split as the traced program is (it planned one device, and
+        # the call then reached a ring knob the plan did not have)
+        fitted = mw.fit(loss, budget="64MiB")
+        grads = jax.jit(jax.grad(fitted, (0, 1)))(xs, ys)
+        for a, b in zip(grads, jax.grad(loss, (0, 1))(x, y)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert [e.kind for e in fitted.plan.entries].count("ring") == 1, fitted.plan
         print("OK")
         """
     )

@@ -175,7 +175,25 @@ def abstract(
 
 def _named_sharding(x: Any) -> jax.sharding.NamedSharding | None:
     """``x``'s ``NamedSharding`` (an array or a ``jax.ShapeDtypeStruct`` split over a
-    mesh), else None: where an array sits on one device, it says nothing a plan needs."""
+    mesh), else None: where an array sits on one device, it says nothing a plan needs.
+
+    A traced value's type holds only an abstract mesh (under ``jit``, the mesh of the
+    arrays it traces): it is made concrete over this process's devices, as many as it
+    names, so that a plan compiled apart is split as the traced program is (each device
+    of a mesh holds the same share, so which device is which does not change a plan).
+    """
+    if isinstance(x, jax.core.Tracer):
+        sharding: Any = getattr(jax.typeof(x), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or not mesh.axis_names or mesh.size > len(jax.devices()):
+            return None
+        concrete = jax.make_mesh(
+            mesh.axis_sizes,
+            mesh.axis_names,
+            axis_types=mesh.axis_types,
+            devices=jax.devices()[: mesh.size],
+        )
+        return jax.sharding.NamedSharding(concrete, sharding.spec)
     sharding = getattr(x, "sharding", None)
     return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
