@@ -301,3 +301,29 @@ def test_a_rings_auto_tile_shrinks_with_the_devices_share():
     )
     *_, ratio, given = out.split()
     assert float(ratio) <= 1.3 < float(given), out
+
+
+@pytest.mark.slow
+def test_typed_prng_keys_in_the_points_on_2_devices():
+    # The bytes a device holds are counted from each leaf's own dtype: a typed key array
+    # (key<fry>) is not a NumPy dtype, and counting it with np.dtype raised.
+    out = run_on_devices(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import memwise as mw
+        mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+        split = NamedSharding(mesh, P("d"))
+        x = {"k": jax.random.split(jax.random.key(0), 4), "p": jnp.ones((4, 2))}
+        y = jnp.zeros((4, 2))
+        fn = lambda a, b: -jnp.sum((a["p"] - b) ** 2) + jax.random.uniform(a["k"])
+        one = mw.pairwise_reduce(fn, x, y, reduce="sum")
+        for ring in (False, None):
+            two = mw.pairwise_reduce(fn, jax.device_put(x, split), jax.device_put(y, split),
+                                     reduce="sum", ring=ring)
+            np.testing.assert_allclose(two, one, rtol=1e-6)
+        print("OK")
+        """,
+        n_devices=2,
+    )
+    assert "OK" in out

@@ -376,10 +376,14 @@ def ring_step(n: int, m: int, n_devices: int, operands: Any) -> DeviceShare | No
 
 
 def _nbytes(tree: Any) -> int:
-    """Bytes of a pytree of arrays (or shape-dtype structs), read off shapes only."""
-    return sum(
-        int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
-    )
+    """Bytes of a pytree of arrays (or shape-dtype structs), read off shapes only; a
+    typed PRNG key's dtype (``key<fry>``, not a NumPy dtype) gives its own itemsize."""
+    return sum(int(np.prod(np.shape(a))) * _itemsize(a) for a in jax.tree.leaves(tree))
+
+
+def _itemsize(a: Any) -> int:
+    dtype = getattr(a, "dtype", None)
+    return (np.asarray(a).dtype if dtype is None else dtype).itemsize
 
 
 def check_divisible(n: int, mesh: Any, axes: Any, arg: str) -> None:
