@@ -81,6 +81,13 @@ def run_split(
             dims[t_axis] = t_axes
         return P(*dims)
 
+    # One device's share of the operands: its batch and sequence slice of each.
+    share = None
+    if t_axes is not None:
+        share = ring_step(T, S, devices(mesh, t_axes), [a for a, _ in operands.values()])
+        if share is not None and b_axes is not None:
+            share = share._replace(nbytes=share.nbytes // devices(mesh, b_axes))
+
     def local(arrays: dict, whole: dict) -> tuple[jax.Array, jax.Array]:
         if t_axes is None:
             return run(arrays, whole)
@@ -89,12 +96,6 @@ def run_split(
         # query (and, on a ring, the engine adds each key block's first key).
         offset = lax.axis_index(t_axes).astype(jnp.int32) * (T // n)
         return run(arrays, whole, Ring(t_axes, n) if ring else None, offset, share)
-
-    share = None
-    if t_axes is not None:
-        share = ring_step(T, S, devices(mesh, t_axes), [a for a, _ in operands.values()])
-        if share is not None and b_axes is not None:
-            share = share._replace(nbytes=share.nbytes // devices(mesh, b_axes))
 
     out_dims = [b_axes] + [None] * 4
     out_dims[t_axis] = t_axes

@@ -131,7 +131,7 @@ def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
     residuals = []
     for source, members in groups.items():
         sizes = [
-            int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a, _ in members
+            int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a, _ in members
         ]
         largest = members[int(np.argmax(sizes))][0]
         whats = sorted({w for _, w in members if w})
