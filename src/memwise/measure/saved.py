@@ -130,9 +130,7 @@ def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
         groups.setdefault(source, []).append((aval, what))
     residuals = []
     for source, members in groups.items():
-        sizes = [
-            int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a, _ in members
-        ]
+        sizes = [int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a, _ in members]
         largest = members[int(np.argmax(sizes))][0]
         whats = sorted({w for _, w in members if w})
         residuals.append(
