@@ -6,7 +6,8 @@ item, as traced (the forward's live values, the vjp's residuals and their cotang
 :func:`pair_bytes` traces a tile of 1 and 2 rows by 1 and 2 columns, so that what vmap
 computes once per row or per column is not counted once per pair. Tracing compiles
 nothing; the :class:`ItemBytes` it returns also carries the function and the example's
-shapes, for the time model (:func:`memwise.costmodel.tile_cost`).
+shapes, for the time model (:func:`memwise.costmodel.tile_cost`). :func:`value_bytes`
+is the bytes of one value, the count every byte rule here and elsewhere is made of.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ import numpy as np
 
 from memwise import costmodel
 
-__all__ = ["ItemBytes", "item_bytes", "pair_bytes"]
+__all__ = ["ItemBytes", "item_bytes", "pair_bytes", "value_bytes"]
+
+
+def value_bytes(value: Any) -> int:
+    """Bytes of an array, tracer, aval or shape-dtype struct, read off its shape and its
+    own dtype (a typed PRNG key's ``key<fry>`` is no NumPy dtype, but has an itemsize);
+    a leaf with no dtype (a Python scalar) counts as NumPy would hold it."""
+    dtype = getattr(value, "dtype", None)
+    itemsize = (np.asarray(value).dtype if dtype is None else dtype).itemsize
+    return int(np.prod(np.shape(value), dtype=np.int64)) * itemsize
+
 
 # Bytes per item when nothing better is known (or tracing the function failed).
 _FALLBACK_ITEM_BYTES = 64
@@ -68,7 +79,7 @@ def _traced_bytes(fn: Callable, *args: Any) -> tuple[int, Any]:
         for var in eqn.outvars:
             aval: Any = getattr(var, "aval", None)
             if hasattr(aval, "shape") and hasattr(aval, "dtype"):
-                total += int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+                total += value_bytes(aval)
     return total, jaxpr
 
 

@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from memwise import knobs
+from memwise._item_bytes import value_bytes
 from memwise._jax_private import varying_axes
 from memwise._vjp import closure_convert
 from memwise.tiling import DeviceShare
@@ -376,14 +377,8 @@ def ring_step(n: int, m: int, n_devices: int, operands: Any) -> DeviceShare | No
 
 
 def _nbytes(tree: Any) -> int:
-    """Bytes of a pytree of arrays (or shape-dtype structs), read off shapes only; a
-    typed PRNG key's dtype (``key<fry>``, not a NumPy dtype) gives its own itemsize."""
-    return sum(int(np.prod(np.shape(a))) * _itemsize(a) for a in jax.tree.leaves(tree))
-
-
-def _itemsize(a: Any) -> int:
-    dtype = getattr(a, "dtype", None)
-    return (np.asarray(a).dtype if dtype is None else dtype).itemsize
+    """Bytes of a pytree of arrays (or shape-dtype structs), read off shapes only."""
+    return sum(value_bytes(a) for a in jax.tree.leaves(tree))
 
 
 def check_divisible(n: int, mesh: Any, axes: Any, arg: str) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from memwise import _arguments, _jax_private, _residual_labels
 from memwise import timeline as _timeline
+from memwise._item_bytes import value_bytes
 
 __all__ = ["Residual", "residuals", "saved_residuals"]
 
@@ -130,7 +131,7 @@ def _group_residuals(raw: Sequence[tuple[Any, str]]) -> list[Residual]:
         groups.setdefault(source, []).append((aval, what))
     residuals = []
     for source, members in groups.items():
-        sizes = [int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a, _ in members]
+        sizes = [value_bytes(a) for a, _ in members]
         largest = members[int(np.argmax(sizes))][0]
         whats = sorted({w for _, w in members if w})
         residuals.append(
