@@ -105,7 +105,7 @@ def sinkhorn(
     *,
     epsilon: float | Array | None = None,
     cost: str | CostFn = "sqeuclidean",
-    chunk_size: ChunkSize = "auto",
+    chunk_size: ChunkSize | None = "auto",
     max_iterations: int = 2000,
     threshold: float = 1e-3,
     epsilon_scaling: float | None = None,
@@ -147,7 +147,11 @@ def sinkhorn(
         every point and gets a zero gradient), or a function of two ``[d]`` points
         returning a scalar (it may close over arrays; their gradient is returned).
       chunk_size: tile of the cost matrix, an int, ``(rows, cols)``, ``"auto"`` or a
-        :class:`memwise.tiling.Tiling`.
+        :class:`memwise.tiling.Tiling`; or ``None`` (OTT-JAX's ``batch_size=None``):
+        the solve forms the ``n x m`` cost matrix once and holds it (``4 n m`` bytes in
+        float32), each iteration then reads it instead of recomputing it, fastest where
+        it fits (OTT-JAX dense holds it too). The gradients, the plan's methods and
+        ``epsilon=None``'s statistics stay chunked (``"auto"`` tiles); one device only.
       max_iterations: cap on iterations; ``converged`` is False when it is reached.
       threshold: stop when the L1 marginal error is below this (at the target epsilon).
       epsilon_scaling: ``None`` for plain Sinkhorn, or a factor in (0, 1): epsilon starts
@@ -313,12 +317,20 @@ def _same_side(side_a: Side, side_b: Side) -> bool:
     return isinstance(side_a.tau, float) and side_a.tau == side_b.tau
 
 
-def _self_transport(p: Problem, x: Array, a: Array) -> SinkhornResult:
+def _self_transport(p: Problem, x: Array, a: Array, after: SinkhornResult) -> SinkhornResult:
     """OT(a, a) of the points x (one of p.x, p.y) with their weights a, relaxed as the
-    x-y problem (OTT-JAX's divergence passes tau_a, tau_b to all three)."""
+    x-y problem (OTT-JAX's divergence passes tau_a, tau_b to all three).
+
+    A solve that holds its cost matrix starts ``after`` the previous solve has ended,
+    so that the divergence holds one matrix at a time, not its three at once."""
+    if p.chunk.held:
+        g_init = jax.lax.optimization_barrier((jnp.zeros_like(a), after.f))[0]
+        x = jax.lax.optimization_barrier((x, g_init))[0]
+    else:
+        g_init = jnp.zeros_like(a)
     if not _same_side(p.side_a, p.side_b):
         # tau_a != tau_b: not symmetric, so alternating updates.
-        return _solve_pair(p, x, x, a, a, jnp.zeros_like(a), p.side_a, p.side_b)
+        return _solve_pair(p, x, x, a, a, g_init, p.side_a, p.side_b)
     sx, sa, seps, sconsts = jax.lax.stop_gradient((x, a, p.eps, p.consts))
     f, errors, n_iterations, error, mass = solve_symmetric(
         p.cost,
@@ -326,7 +338,7 @@ def _self_transport(p: Problem, x: Array, a: Array) -> SinkhornResult:
         sx,
         sa,
         seps,
-        jnp.zeros_like(sa),
+        jax.lax.stop_gradient(g_init),
         chunk_size=p.chunk,
         max_iterations=p.max_iterations,
         threshold=p.threshold,
@@ -356,7 +368,7 @@ def sinkhorn_divergence(
     *,
     epsilon: float | Array | None = None,
     cost: str | CostFn = "sqeuclidean",
-    chunk_size: ChunkSize = "auto",
+    chunk_size: ChunkSize | None = "auto",
     max_iterations: int = 2000,
     threshold: float = 1e-3,
     epsilon_scaling: float | None = None,
@@ -435,8 +447,8 @@ def sinkhorn_divergence(
         cost_gradient=cost_gradient,
     )
     xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.x.dtype))
-    xx = _self_transport(p, p.x, p.a)
-    yy = _self_transport(p, p.y, p.b)
+    xx = _self_transport(p, p.x, p.a, after=xy)
+    yy = _self_transport(p, p.y, p.b, after=xx)
     divergence = (
         xy.reg_ot_cost
         - 0.5 * (xx.reg_ot_cost + yy.reg_ot_cost)

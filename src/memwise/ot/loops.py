@@ -8,8 +8,9 @@ Eq. 25). Both run in one ``lax.while_loop`` over chunked passes
 (:class:`memwise.ot.problem.EpsilonSchedule`), and stop when the L1 marginal error is
 below the threshold at the target epsilon (after ``min_iterations``), on a NaN, or at
 ``max_iterations``. A relaxed marginal (:mod:`memwise.ot.marginals`) scales its update
-by ``tau`` and measures its error against the marginal the penalty asks for. Their
-inputs are stopped: gradients come from :mod:`memwise.ot.gradients` at the potentials
+by ``tau`` and measures its error against the marginal the penalty asks for. A solve
+that holds the cost matrix (``chunk_size=None``) shifts each transform by the side's
+last one (:func:`memwise.ot.passes.held_softmin`). Their inputs are stopped: gradients come from :mod:`memwise.ot.gradients` at the potentials
 they return.
 """
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 from memwise.ot import marginals
 from memwise.ot.marginals import HARD
-from memwise.ot.passes import Placed, max_cost, safe_log, softmin
+from memwise.ot.passes import Placed, c_transform, max_cost, safe_log
 from memwise.ot.problem import EpsilonSchedule
 
 __all__ = ["solve", "solve_symmetric"]
@@ -39,6 +40,7 @@ class _Loop(NamedTuple):
     error: Array
     errors: Array
     mass: Array
+    last: tuple = ()  # (T_b(g), T_a(f)) of the last iteration, where a held solve reads them
 
 
 def _marginal_error(weights, log_ratio, log_target=0.0):
@@ -78,6 +80,7 @@ def _loop(
     max_iterations: int,
     min_iterations: int,
     mass: Array,
+    last: tuple = (),
 ) -> _Loop:
     """Run ``body`` until converged at the target epsilon (after min_iterations), NaN, or
     max_iterations."""
@@ -100,6 +103,7 @@ def _loop(
         jnp.asarray(jnp.inf, f.dtype),
         -jnp.ones((max_iterations,), f.dtype),
         mass,
+        last,
     )
     return jax.lax.while_loop(keep_going, body, init)
 
@@ -131,13 +135,15 @@ def solve(
     """
     log_a, log_b = safe_log(a), safe_log(b)
     schedule = _schedule(cost, consts, x, y, eps, chunk_size, scaling)
+    transform = c_transform(cost, consts, x, y, chunk_size)
 
     def body(state: _Loop) -> _Loop:
         eps_k = schedule.at(state.iteration)
         g = state.g_next
-        t_b = softmin(cost, consts, x, y, log_b + g / eps_k, eps_k, chunk_size)
+        last_b, last_a = state.last or (None, None)
+        t_b = transform(log_b + g / eps_k, eps_k, last_b)
         f = marginals.update(side_a, t_b, a, eps_k)
-        t_a = softmin(cost, consts, x, y, log_a + f / eps_k, eps_k, chunk_size, axis=0)
+        t_a = transform(log_a + f / eps_k, eps_k, last_a, axis=0)
         g_next = marginals.update(side_b, t_a, b, eps_k)
         target = marginals.relaxed_target(side_b, b, g, eps_k)
         # A traced epsilon <= 0 cannot be rejected up front: it shows as a NaN error.
@@ -154,6 +160,7 @@ def solve(
             error,
             state.errors.at[state.iteration].set(error),
             mass,
+            (t_b, t_a) if state.last else (),
         )
 
     out = _loop(
@@ -166,6 +173,7 @@ def solve(
         max_iterations,
         min_iterations,
         jnp.sum(a),
+        (jnp.zeros_like(a), jnp.zeros_like(b)) if chunk_size.held else (),
     )
     return out.f, out.g, out.errors, out.iteration, out.error, out.mass
 
@@ -194,11 +202,12 @@ def solve_symmetric(
     """
     log_a = safe_log(a)
     schedule = _schedule(cost, consts, x, x, eps, chunk_size, scaling)
+    transform = c_transform(cost, consts, x, x, chunk_size)
 
     def body(state: _Loop) -> _Loop:
         eps_k = schedule.at(state.iteration)
         f = state.f
-        t = softmin(cost, consts, x, x, log_a + f / eps_k, eps_k, chunk_size)
+        t = transform(log_a + f / eps_k, eps_k, state.g_next)  # g_next: the last T_a(f)
         target = marginals.relaxed_target(side, a, f, eps_k)
         error = jnp.where(eps > 0, 2.0 * _marginal_error(a, (f - t) / eps_k, target), jnp.nan)
         done = (eps_k <= eps) & (error < threshold) & (state.iteration + 1 >= min_iterations)

@@ -7,6 +7,11 @@ cannot weigh), and the statistics of the cost matrix behind the default epsilon 
 start of epsilon annealing. Where the passes run (their tiles, and the mesh axis both
 clouds are split over) is decided once per call (:class:`Placed`), so the passes over one
 cloud alone (the divergence's self terms) run split like the passes over both.
+
+A solve asked to hold the cost matrix (``chunk_size=None``, OTT-JAX's ``batch_size=None``)
+forms it once and takes its soft c-transforms over the held matrix
+(:func:`held_softmin`): one read of ``n x m`` costs a pass instead of the tiles' products,
+the solve's speed where ``n x m`` costs fit. Its gradients and plan stay chunked.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from memwise.tiling import Tiling
 __all__ = [
     "DEFAULT_EPSILON_SCALE",
     "Placed",
+    "c_transform",
     "default_epsilon",
+    "held_softmin",
     "kernel_apply",
     "max_cost",
     "placement",
@@ -43,12 +50,13 @@ _EPSILON_FLOOR = 0.01
 
 
 class Placed(NamedTuple):
-    """Where every pass of one call runs: its tiles, and the mesh axis both clouds are
-    split over (None: one program)."""
+    """Where every pass of one call runs: its tiles, the mesh axis both clouds are
+    split over (None: one program), and whether a solve holds the cost matrix."""
 
     tiles: Tiling
     mesh: Any = None
     axes: Any = None
+    held: bool = False
 
 
 def _placed(where: Placed) -> dict:
@@ -58,14 +66,20 @@ def _placed(where: Placed) -> dict:
     return dict(chunk_size=where.tiles, mesh=where.mesh, axis_name=where.axes, ring=ring)
 
 
-def placement(x: Array, y: Array, tiles: Tiling) -> Placed:
+def placement(x: Array, y: Array, tiles: Tiling, held: bool = False) -> Placed:
     """Both clouds split over the mesh axis either one is split over (declared, or a
     mesh with Auto axes), when both divide evenly; else one program. Explicit mesh axes
-    are not supported yet (a ``ValueError``)."""
+    are not supported yet, nor a held cost matrix on a mesh (a ``ValueError``)."""
     split = row_sharding(x, None, None, "x") or row_sharding(y, None, None, "y")
     if split is None:
-        return Placed(tiles)
+        return Placed(tiles, held=held)
     mesh, axes = split
+    if held:
+        raise ValueError(
+            "chunk_size=None holds the whole n x m cost matrix on one device, but x or y "
+            "is split over a mesh: pass chunk_size='auto' (or a tile size) to run the "
+            "passes split over the mesh in chunked memory"
+        )
     if has_explicit_axes(mesh):
         # Every pass closes over epsilon and the potentials, typed on the Explicit mesh,
         # which shard_map cannot capture.
@@ -103,6 +117,64 @@ def softmin(
         axis=axis,
         **_placed(chunk_size),
     )
+
+
+def _shifted_softmin(costs, log_weights, eps, shift, axis):
+    """``shift_i - eps log sum_j exp(log_weights_j + shift_i / eps - C_ij / eps)`` and its
+    sums, in one read of ``costs``. Behind the barrier each pass reads the held matrix
+    itself: XLA can neither form ``C / eps`` once for two passes nor broadcast a constant
+    epsilon to ``n x m`` (XLA:CPU did both, each an ``n x m`` temporary)."""
+    costs, log_weights, shift, eps = jax.lax.optimization_barrier(
+        (costs, log_weights, shift, jnp.asarray(eps, costs.dtype))
+    )
+    exponents = (
+        jnp.expand_dims(log_weights, 1 - axis) + jnp.expand_dims(shift / eps, axis) - costs / eps
+    )
+    sums = jnp.sum(jnp.exp(exponents), axis=axis)
+    return shift - eps * jnp.log(sums), sums
+
+
+def held_softmin(
+    costs: Array, log_weights: Array, eps: Array, previous: Array, *, axis: int = 1
+) -> Array:
+    """:func:`softmin` over a held ``[n, m]`` cost matrix, in one read of it.
+
+    The exponents are shifted by ``previous``, the last transform of the same side:
+    between Sinkhorn iterations it moves little, so every row's sum stays within
+    ``[sqrt(tiny), 1 / sqrt(tiny)]`` of its dtype and no max pass is needed. Where some
+    row's sum leaves that range (the first iterations, an epsilon step), the transform
+    is taken again shifted by each row's max, as ``logsumexp`` does.
+    """
+    transform, sums = _shifted_softmin(costs, log_weights, eps, previous, axis)
+    bound = float(jnp.finfo(costs.dtype).tiny) ** 0.5
+    in_range = jnp.all((sums > bound) & (sums < 1.0 / bound))
+
+    def exact(_):
+        # max_j (eps log w_j - C_ij): the max exponent times eps.
+        top = jnp.max(jnp.expand_dims(eps * log_weights, 1 - axis) - costs, axis=axis)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        return _shifted_softmin(costs, log_weights, eps, -top, axis)[0]
+
+    return jax.lax.cond(in_range, lambda _: transform, exact, None)
+
+
+def c_transform(cost: Callable, consts: tuple, x: Array, y: Array, where: Placed) -> Callable:
+    """The soft c-transform of one solve, ``(log_weights, eps, previous, axis) -> t``:
+    chunked :func:`softmin` passes, or (``where.held``) :func:`held_softmin` over the
+    cost matrix formed here once (``previous`` is the side's last transform)."""
+    if not where.held:
+
+        def chunked(log_weights, eps, previous, axis=1):
+            del previous  # each tile's own max stabilises the chunked pass
+            return softmin(cost, consts, x, y, log_weights, eps, where, axis=axis)
+
+        return chunked
+    costs = jax.vmap(lambda xi: jax.vmap(lambda yj: cost(xi, yj, *consts))(y))(x)
+
+    def held(log_weights, eps, previous, axis=1):
+        return held_softmin(costs, log_weights, eps, previous, axis=axis)
+
+    return held
 
 
 def safe_log(weights: Array) -> Array:

@@ -104,7 +104,7 @@ def prepare(
     b: Any,
     cost: str | CostFn,
     epsilon: Any,
-    chunk_size: ChunkSize,
+    chunk_size: ChunkSize | None,
     max_iterations: int,
     threshold: float,
     epsilon_scaling: float | None,
@@ -164,9 +164,10 @@ def prepare(
         tiling(
             x.shape[0],
             y.shape[0],
-            chunk_size,
+            "auto" if chunk_size is None else chunk_size,
             pair_bytes=lambda: pair_bytes(cost_fn, first_items(x), first_items(y), *consts),
         ),
+        held=chunk_size is None,
     )
     if epsilon is None:
         stopped = jax.lax.stop_gradient((consts, x, y))
