@@ -3,7 +3,9 @@ pick instead (POT, GeomLoss, OTT-JAX), and whose gradient fits at n = m = 50,000
 
 Every library solves one problem: uniform weights on two Gaussian clouds (``x ~ N(0,
 I/d)``, ``y`` shifted by ``0.5/sqrt(d)`` per coordinate), the cost ``|x - y|^2``, one
-absolute epsilon, float32. In each library's convention: memwise ``epsilon`` and OTT-JAX
+absolute epsilon, float32. memwise runs twice: chunked (its default, the baseline of
+every ratio) and with ``chunk_size=None`` (the cost matrix held for the solve, as OTT-JAX
+dense holds it). In each library's convention: memwise ``epsilon`` and OTT-JAX
 ``PointCloud(epsilon=)`` as they are (OTT's dense geometry: its online ``batch_size``
 mode does not compile on this jax, see the gradient table); POT ``reg`` (lazy
 ``ot.bregman.empirical_sinkhorn`` for fixed counts, ``ot.solve_sample(lazy=True)`` to the
@@ -152,17 +154,23 @@ class JaxSolver(Solver):
         return self._compiled(iterations=None, threshold=THRESHOLD)
 
 
-def memwise_solve(x, y, *, iterations, threshold):
+def memwise_solve(x, y, *, iterations, threshold, chunk_size="auto"):
     import memwise as mw
 
     out = mw.ot.sinkhorn(
         x,
         y,
         epsilon=EPSILON,
+        chunk_size=chunk_size,
         max_iterations=iterations or MAX_ITERATIONS,
         threshold=threshold or 1e-30,  # never reached: a fixed count
     )
     return out.f, out.g, out.n_iterations, out.reg_ot_cost
+
+
+def held_solve(x, y, *, iterations, threshold):
+    """memwise holding the n x m cost matrix for the solve (OTT-JAX's ``batch_size=None``)."""
+    return memwise_solve(x, y, iterations=iterations, threshold=threshold, chunk_size=None)
 
 
 def ott_solve(x, y, *, iterations, threshold, batch_size=None):
@@ -319,6 +327,7 @@ def check(x, y, f, g) -> tuple[float, float]:
 def solvers(x, y, names=None) -> list[Solver]:
     every = [
         JaxSolver("memwise", memwise_solve, x, y, (5, 10)),
+        JaxSolver("memwise chunk_size=None", held_solve, x, y, (5, 10)),
         JaxSolver("OTT-JAX dense", ott_solve, x, y, (10, 20)),  # it checks every 10
         PotSolver(x, y),
         GeomLossSolver("online", x, y),
@@ -394,6 +403,7 @@ def gradients(n: int, d: int, per_iteration: dict, base: int) -> list[dict]:
     rows = []
     for name, batch_size, solve in (
         ("memwise", None, memwise_solve),
+        ("memwise chunk_size=None", None, held_solve),
         ("OTT-JAX dense", None, ott_solve),
         ("OTT-JAX online (batch_size=1000)", 1000, ott_solve),
     ):

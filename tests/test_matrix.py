@@ -258,12 +258,14 @@ def _while_loop_buffers(zero_steps):
     return build
 
 
-def _divergence(n, chunk, dtype):
+def _divergence(n, chunk, dtype, held=False):
+    """``held``: ``chunk_size=None``, the cost matrix held for each solve."""
     x, y = _inputs(dtype, (n + 3, 2), (n + 4, 2))
+    size = None if held else chunk + 1
 
     def f(x, y):
         return mw.ot.sinkhorn_divergence(
-            x, y, epsilon=0.5, chunk_size=chunk + 1, threshold=1e-6, max_iterations=2000
+            x, y, epsilon=0.5, chunk_size=size, threshold=1e-6, max_iterations=2000
         )
 
     def dense(x, y):
@@ -317,16 +319,17 @@ def _dense_unbalanced(x, y, a, b, cost, tau_a, tau_b, epsilon=0.5, iterations=40
     return reg, plan, f, g
 
 
-def _unbalanced(tau_a, tau_b, cost):
+def _unbalanced(tau_a, tau_b, cost, held=False):
     def build(n, chunk, dtype):
         x, y, a, b = _ot_clouds(n, dtype)
+        size = None if held else chunk + 1
         mw_cost = cost if isinstance(cost, str) else cost
         dense_cost = mw.ot.costs.BUILTIN_COSTS[cost] if isinstance(cost, str) else cost
 
         def f(x, y):
             return mw.ot.sinkhorn(
                 x, y, a.astype(x.dtype), b.astype(x.dtype), epsilon=0.5, cost=mw_cost,
-                tau_a=tau_a, tau_b=tau_b, chunk_size=chunk + 1, threshold=1e-7,
+                tau_a=tau_a, tau_b=tau_b, chunk_size=size, threshold=1e-7,
                 max_iterations=3000,
             ).reg_ot_cost  # fmt: skip
 
@@ -479,6 +482,12 @@ CASES = {
     ),
     "sinkhorn_user_cost_tau_near_0": Case(
         _unbalanced(1e-3, 0.9, lambda u, v: jnp.sum(jnp.abs(u - v))), min_tolerance=1e-5
+    ),
+    "sinkhorn_held_cost_matrix": Case(
+        _unbalanced(0.7, 0.5, "sqeuclidean", held=True), min_tolerance=1e-5
+    ),
+    "sinkhorn_divergence_held_cost_matrix": Case(
+        functools.partial(_divergence, held=True), min_tolerance=1e-5
     ),
     "ot_plan_operator": Case(_plan_operator, min_tolerance=1e-5),
     "linearize": Case(_linearize),

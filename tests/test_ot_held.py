@@ -30,11 +30,12 @@ def clouds(seed, n=60, m=45, d=3, dtype=jnp.float32):
     return x, y, a / a.sum(), b / b.sum()
 
 
+@pytest.mark.parametrize("m", [45, 1024, 1100])  # over rows: 2 blocks of 512, and a rest
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize("axis", [0, 1])
-def test_a_held_transform_is_the_logsumexp_whatever_the_shift(axis, dtype):
+def test_a_held_transform_is_the_logsumexp_whatever_the_shift(axis, dtype, m):
     with jax.enable_x64(dtype == jnp.float64):
-        x, y, a, b = clouds(0, dtype=dtype)
+        x, y, a, b = clouds(0, m=m, dtype=dtype)
         costs = jnp.sum((x[:, None] - y[None]) ** 2, -1)
         eps = jnp.asarray(0.05, dtype)
         weights = jnp.log(b if axis == 1 else a).at[3].set(-jnp.inf)  # a zero weight
@@ -82,6 +83,17 @@ def test_holding_the_cost_matrix_gives_the_chunked_solve(case, dtype):
         ]
         for u, v in zip(*grads):
             np.testing.assert_allclose(u, v, rtol=10 * TOL[dtype], atol=10 * TOL[dtype])
+
+
+@pytest.mark.parametrize("case", ["balanced", "unbalanced"])
+@pytest.mark.slow
+def test_a_held_solve_with_more_columns_than_a_block_gives_the_chunked_solve(case):
+    """m = 1,100: the transform over rows runs in blocks of 512 columns and a rest."""
+    x, y, a, b = clouds(4, n=50, m=1_100)
+    fixed = dict(epsilon=0.05, max_iterations=40, min_iterations=40, **CASES[case])
+    held, chunked = (ot.sinkhorn(x, y, a, b, chunk_size=c, **fixed) for c in (None, 128))
+    for u, v in ((held.f, chunked.f), (held.g, chunked.g)):
+        np.testing.assert_allclose(u, v, rtol=TOL[jnp.float32], atol=TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.9])

@@ -127,11 +127,46 @@ def _shifted_softmin(costs, log_weights, eps, shift, axis):
     costs, log_weights, shift, eps = jax.lax.optimization_barrier(
         (costs, log_weights, shift, jnp.asarray(eps, costs.dtype))
     )
-    exponents = (
-        jnp.expand_dims(log_weights, 1 - axis) + jnp.expand_dims(shift / eps, axis) - costs / eps
-    )
-    sums = jnp.sum(jnp.exp(exponents), axis=axis)
+
+    def block_sums(costs, shift):
+        exponents = (
+            jnp.expand_dims(log_weights, 1 - axis)
+            + jnp.expand_dims(shift / eps, axis)
+            - costs / eps
+        )
+        return jnp.sum(jnp.exp(exponents), axis=axis)
+
+    sums = _by_columns(block_sums, costs, shift, axis)
     return shift - eps * jnp.log(sums), sums
+
+
+# Columns a block when a held matrix is reduced over its rows (see _by_columns).
+_COLUMNS = 512
+
+
+def _by_columns(reduce: Callable, costs: Array, vector: Array, axis: int) -> Array:
+    """``reduce(costs, vector)``, the reduction over ``axis`` of a held ``[n, m]`` matrix
+    with ``vector`` indexing its kept axis. Over rows (``axis=0``) it runs block by block
+    of ``_COLUMNS`` columns: XLA:CPU reduces a row-major matrix over its rows a column at
+    a time, which read 20,000 x 20,000 float32 costs 11x slower than over columns; a
+    block's rows are read whole."""
+    m = costs.shape[1]
+    blocks = m // _COLUMNS
+    if axis == 1 or blocks < 2:
+        return reduce(costs, vector)
+
+    def block(k):
+        start = k * _COLUMNS
+        return reduce(
+            jax.lax.dynamic_slice_in_dim(costs, start, _COLUMNS, axis=1),
+            jax.lax.dynamic_slice_in_dim(vector, start, _COLUMNS),
+        )
+
+    head = jax.lax.map(block, jnp.arange(blocks)).reshape(-1)
+    rest = blocks * _COLUMNS
+    if rest == m:
+        return head
+    return jnp.concatenate([head, reduce(costs[:, rest:], vector[rest:])])
 
 
 def held_softmin(
@@ -151,7 +186,10 @@ def held_softmin(
 
     def exact(_):
         # max_j (eps log w_j - C_ij): the max exponent times eps.
-        top = jnp.max(jnp.expand_dims(eps * log_weights, 1 - axis) - costs, axis=axis)
+        def block_max(costs, _):
+            return jnp.max(jnp.expand_dims(eps * log_weights, 1 - axis) - costs, axis=axis)
+
+        top = _by_columns(block_max, costs, previous, axis)
         top = jnp.where(jnp.isfinite(top), top, 0.0)
         return _shifted_softmin(costs, log_weights, eps, -top, axis)[0]
 
