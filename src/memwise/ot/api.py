@@ -150,8 +150,9 @@ def sinkhorn(
         :class:`memwise.tiling.Tiling`; or ``None`` (OTT-JAX's ``batch_size=None``):
         the solve forms the ``n x m`` cost matrix once and holds it (``4 n m`` bytes in
         float32, plus ``n x 512`` blocks), each iteration then reads it instead of
-        recomputing it, fastest where it fits (OTT-JAX dense holds it too). The gradients, the plan's methods and
-        ``epsilon=None``'s statistics stay chunked (``"auto"`` tiles); one device only.
+        recomputing it, fastest where it fits (OTT-JAX dense holds it too). The
+        gradients, the plan's methods and ``epsilon=None``'s statistics stay chunked
+        (``"auto"`` tiles); one device only.
       max_iterations: cap on iterations; ``converged`` is False when it is reached.
       threshold: stop when the L1 marginal error is below this (at the target epsilon).
       epsilon_scaling: ``None`` for plain Sinkhorn, or a factor in (0, 1): epsilon starts

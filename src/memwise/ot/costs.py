@@ -25,7 +25,15 @@ import jax.numpy as jnp
 
 from memwise._vjp import closure_convert
 
-__all__ = ["BUILTIN_COSTS", "CostFn", "PNormP", "cost_exponent", "resolve_cost", "score"]
+__all__ = [
+    "BUILTIN_COSTS",
+    "CostFn",
+    "PNormP",
+    "cost_exponent",
+    "cost_matrix",
+    "resolve_cost",
+    "score",
+]
 
 Array = jax.Array
 CostFn = Callable[[Array, Array], Array]
@@ -124,6 +132,12 @@ class PNormP:
 
     def __repr__(self) -> str:
         return f"PNormP({self.p})"
+
+
+def cost_matrix(cost: Callable, consts: tuple, x: Array, y: Array) -> Array:
+    """The dense ``[n, m]`` matrix ``C(x_i, y_j)``: what the tiles avoid, formed only
+    where it is asked for (a held solve, a small plan's ``matrix()``)."""
+    return jax.vmap(lambda xi: jax.vmap(lambda yj: cost(xi, yj, *consts))(y))(x)
 
 
 def cost_exponent(cost: Any) -> float | None:

@@ -10,8 +10,8 @@ below the threshold at the target epsilon (after ``min_iterations``), on a NaN, 
 ``max_iterations``. A relaxed marginal (:mod:`memwise.ot.marginals`) scales its update
 by ``tau`` and measures its error against the marginal the penalty asks for. A solve
 that holds the cost matrix (``chunk_size=None``) shifts each transform by the side's
-last one (:func:`memwise.ot.passes.held_softmin`). Their inputs are stopped: gradients come from :mod:`memwise.ot.gradients` at the potentials
-they return.
+last one (:func:`memwise.ot.passes.held_softmin`). Their inputs are stopped: gradients
+come from :mod:`memwise.ot.gradients` at the potentials they return.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from memwise.ot.costs import score
+from memwise.ot.costs import cost_matrix, score
 from memwise.pairwise import pairwise_reduce
 from memwise.sharding import devices, has_explicit_axes, row_sharding
 from memwise.tiling import Tiling
@@ -136,7 +136,7 @@ def _shifted_softmin(costs, log_weights, eps, shift, axis):
         )
         return jnp.sum(jnp.exp(exponents), axis=axis)
 
-    sums = _by_columns(block_sums, costs, shift, axis)
+    sums = _by_columns(block_sums, costs, shift, axis=axis)
     return shift - eps * jnp.log(sums), sums
 
 
@@ -144,29 +144,29 @@ def _shifted_softmin(costs, log_weights, eps, shift, axis):
 _COLUMNS = 512
 
 
-def _by_columns(reduce: Callable, costs: Array, vector: Array, axis: int) -> Array:
-    """``reduce(costs, vector)``, the reduction over ``axis`` of a held ``[n, m]`` matrix
-    with ``vector`` indexing its kept axis. Over rows (``axis=0``) it runs block by block
+def _by_columns(reduce: Callable, costs: Array, *vectors: Array, axis: int) -> Array:
+    """``reduce(costs, *vectors)``, the reduction over ``axis`` of a held ``[n, m]``
+    matrix with ``vectors`` indexing its kept axis. Over rows (``axis=0``) it runs block by block
     of ``_COLUMNS`` columns: XLA:CPU reduces a row-major matrix over its rows a column at
     a time, which read 20,000 x 20,000 float32 costs 11x slower than over columns; a
     block's rows are read whole."""
     m = costs.shape[1]
     blocks = m // _COLUMNS
     if axis == 1 or blocks < 2:
-        return reduce(costs, vector)
+        return reduce(costs, *vectors)
 
     def block(k):
         start = k * _COLUMNS
         return reduce(
             jax.lax.dynamic_slice_in_dim(costs, start, _COLUMNS, axis=1),
-            jax.lax.dynamic_slice_in_dim(vector, start, _COLUMNS),
+            *(jax.lax.dynamic_slice_in_dim(v, start, _COLUMNS) for v in vectors),
         )
 
     head = jax.lax.map(block, jnp.arange(blocks)).reshape(-1)
     rest = blocks * _COLUMNS
     if rest == m:
         return head
-    return jnp.concatenate([head, reduce(costs[:, rest:], vector[rest:])])
+    return jnp.concatenate([head, reduce(costs[:, rest:], *(v[rest:] for v in vectors))])
 
 
 def held_softmin(
@@ -186,10 +186,10 @@ def held_softmin(
 
     def exact(_):
         # max_j (eps log w_j - C_ij): the max exponent times eps.
-        def block_max(costs, _):
+        def block_max(costs):
             return jnp.max(jnp.expand_dims(eps * log_weights, 1 - axis) - costs, axis=axis)
 
-        top = _by_columns(block_max, costs, previous, axis)
+        top = _by_columns(block_max, costs, axis=axis)
         top = jnp.where(jnp.isfinite(top), top, 0.0)
         return _shifted_softmin(costs, log_weights, eps, -top, axis)[0]
 
@@ -207,7 +207,7 @@ def c_transform(cost: Callable, consts: tuple, x: Array, y: Array, where: Placed
             return softmin(cost, consts, x, y, log_weights, eps, where, axis=axis)
 
         return chunked
-    costs = jax.vmap(lambda xi: jax.vmap(lambda yj: cost(xi, yj, *consts))(y))(x)
+    costs = cost_matrix(cost, consts, x, y)
 
     def held(log_weights, eps, previous, axis=1):
         return held_softmin(costs, log_weights, eps, previous, axis=axis)

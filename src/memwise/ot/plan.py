@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from memwise.ot.costs import cost_matrix
 from memwise.ot.passes import Placed, kernel_apply, plan_cost, safe_log, softmin
 
 __all__ = ["MATRIX_WARNING_SIZE", "TransportPlan"]
@@ -237,8 +238,6 @@ class TransportPlan:
                 ResourceWarning,
                 stacklevel=2,
             )
-        cost = jax.vmap(lambda xi: jax.vmap(lambda yj: self.cost(xi, yj, *self.consts))(self.y))(
-            self.x
-        )
+        cost = cost_matrix(self.cost, self.consts, self.x, self.y)
         left, right = self._logs()
         return jnp.exp(left[:, None] + right[None, :] - cost / self.eps).astype(self.dtype)
