@@ -4,9 +4,11 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PYTEST := $(BIN)/python -m pytest -q -n 2
+# worksteal: a worker that runs out of tests takes the other's, so one long test at the
+# end of a run does not leave a core idle.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal
 
-.PHONY: demo test durations test-fast test-next-jax lint typecheck docs floor ci bench bench-peers clean
+.PHONY: demo test test-full test-accelerator durations test-fast test-next-jax lint typecheck docs floor floor-venv ci bench bench-peers clean
 
 # The oldest JAX release memwise supports: the floor declared in pyproject.toml.
 JAX_FLOOR := $(shell sed -n 's/.*"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
@@ -34,6 +36,9 @@ demo: $(VENV)/.installed
 # The whole suite and every docstring example, in four runs with fresh worker processes
 # each: XLA:CPU has crashed after about 840 compilations in one process (Diffrax's
 # adjoint tests, about a hundred compilations of their own, crashed a worker of the first).
+# The conformance grids (tests marked `grid`: the matrix, the ported neural-tangents and
+# Diffrax tests) run a stratified sample whose seed the header prints (tests/_grid.py);
+# `make test-full` runs every case, at XLA's default optimization.
 PORTED := $(wildcard tests/test_nt_ported_*.py)
 OWN_PROCESS := tests/test_matrix.py tests/test_diffrax_adjoint.py $(PORTED)
 test: $(VENV)/.installed-test
@@ -43,6 +48,18 @@ test: $(VENV)/.installed-test
 	$(PYTEST) --junitxml=build/test-results-2.xml tests/test_matrix.py
 	$(PYTEST) --junitxml=build/test-results-3.xml $(PORTED)
 	$(PYTEST) --junitxml=build/test-results-4.xml tests/test_diffrax_adjoint.py
+
+test-full:
+	MEMWISE_TEST_GRID=full JAX_DISABLE_MOST_OPTIMIZATIONS=0 $(MAKE) test
+
+# The fast lane and the backends' kernel tests on the first accelerator JAX finds, in one
+# process (one program holds a TPU at a time). Comparisons use the backend's tolerances
+# (tests/_close.py); memory assertions state the backend they are about.
+ACCELERATOR_TESTS := tests/test_sdpa_jax.py tests/test_engine.py tests/test_pairwise.py \
+	tests/test_vjp.py tests/test_cross_entropy.py tests/test_chunked.py tests/test_accumulate.py
+test-accelerator: $(VENV)/.installed-test
+	$(BIN)/python -c 'import jax, sys; sys.exit(0 if jax.default_backend() != "cpu" else "test-accelerator: JAX finds no accelerator (jax.devices() is CPU)")'
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(ACCELERATOR_TESTS)
 
 # tests/DURATIONS.md from the last `make test` (per-file totals, the slowest tests).
 durations:
@@ -83,9 +100,15 @@ $(FLOOR_VENV)/.installed-$(JAX_FLOOR): pyproject.toml
 	$(FLOOR_VENV)/bin/python -m pip install --quiet "jax==$(JAX_FLOOR)" "jaxlib==$(JAX_FLOOR)" -e ".[test]"
 	touch $@
 
-floor: $(FLOOR_VENV)/.installed-$(JAX_FLOOR)
+# When the floor is the release .venv has, `make test` ran on it already: skipped.
+floor: $(VENV)/.installed-test
+	@if $(BIN)/python -c "import sys, jax, jaxlib; sys.exit(0 if jax.__version__ == jaxlib.__version__ == '$(JAX_FLOOR)' else 1)"; \
+	then echo "floor: jax and jaxlib $(JAX_FLOOR), the floor, are the releases make test ran on: skipped"; \
+	else $(MAKE) floor-venv; fi
+
+floor-venv: $(FLOOR_VENV)/.installed-$(JAX_FLOOR)
 	$(FLOOR_VENV)/bin/python -c "import jax; assert jax.__version__ == '$(JAX_FLOOR)', jax.__version__"
-	$(FLOOR_VENV)/bin/python -m pytest -q -n 2 -m "not slow" -p no:cacheprovider tests
+	$(FLOOR_VENV)/bin/python -m pytest -q -n 2 --dist worksteal -m "not slow" -p no:cacheprovider tests
 
 ci: lint typecheck test docs floor test-next-jax
 

@@ -1,5 +1,6 @@
-"""Suite-wide set-up: the Hypothesis profile (see tests/_hypothesis.py) and a persistent
-compilation cache shared by the suite's worker processes and the subprocesses they start.
+"""Suite-wide set-up: the Hypothesis profile (see tests/_hypothesis.py), the sampled
+conformance grids (see tests/_grid.py) and a persistent compilation cache shared by the
+suite's worker processes and the subprocesses they start.
 
 The suite compiles the same programs many times: a primitive run eagerly (every
 ``lax.while_loop`` of an un-jitted gradient) is compiled again for each trace, and the
@@ -13,8 +14,22 @@ turns it off.
 import os
 import pathlib
 
+# XLA:CPU's compilation is most of the suite's time, and most of a compilation is LLVM
+# optimizing machine code for programs that then run for milliseconds: JAX's
+# `jax_disable_most_optimizations` (LLVM at -O0, its expensive passes off) took 29% of the
+# CPU time of test_engine's 1,465 compilations. XLA's HLO passes and buffer assignment
+# are not affected, so `memory_analysis()` is the same. `make test-full` runs at XLA's
+# default optimization (JAX_DISABLE_MOST_OPTIMIZATIONS=0).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # for subprocesses too
+
+import _grid  # noqa: E402
 import _hypothesis  # noqa: F401  (registers and loads the profile)
-import pytest
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update(
+    "jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0"
+)
 
 if os.environ.get("MEMWISE_TEST_JAX_CACHE", "1") != "0":
     _CACHE = {  # option: (value, type)
@@ -27,7 +42,6 @@ if os.environ.get("MEMWISE_TEST_JAX_CACHE", "1") != "0":
     }
     for _option, (_value, _type) in _CACHE.items():
         os.environ.setdefault(_option.upper(), str(_value))  # for subprocesses too
-    import jax
 
     for _option, (_value, _type) in _CACHE.items():
         if hasattr(jax.config, _option):  # the floor release may lack one
@@ -47,3 +61,44 @@ def float64_module():
 
     with jax.enable_x64(True):
         yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "grid(fraction=0.25): a conformance grid; make test runs a stratified sample of its"
+        " cases, MEMWISE_TEST_GRID=full every case (tests/_grid.py)",
+    )
+    if _grid.mode() == "sample":
+        _grid.seed()  # drawn here, in the controller, before xdist starts its workers
+
+
+def pytest_report_header(config):
+    if _grid.mode() == "full":
+        return "grids: full (MEMWISE_TEST_GRID=full)"
+    return (
+        f"grids: sampled, seed {_grid.seed()} (MEMWISE_TEST_SEED={_grid.seed()} repeats"
+        " this sample; MEMWISE_TEST_GRID=full runs every case)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if _grid.mode() == "full":
+        return
+    groups: dict = {}
+    for item in items:
+        marker = item.get_closest_marker("grid")
+        callspec = getattr(item, "callspec", None)
+        if marker is not None and callspec is not None:
+            key = f"{item.module.__name__}::{item.originalname}"
+            groups.setdefault(key, (marker, []))[1].append(item)
+    dropped = []
+    for key, (marker, group) in groups.items():
+        fraction = marker.kwargs.get("fraction", _grid.DEFAULT_FRACTION)
+        cases = [_grid.strata(i.callspec.params, i.callspec.indices) for i in group]
+        keep = set(_grid.sample(cases, fraction, key))
+        dropped += [item for i, item in enumerate(group) if i not in keep]
+    if dropped:
+        drop = set(map(id, dropped))
+        items[:] = [item for item in items if id(item) not in drop]
+        config.hook.pytest_deselected(items=dropped)

@@ -152,6 +152,7 @@ _AGAINST = [
 
 
 @pytest.mark.slow
+@pytest.mark.grid
 @pytest.mark.parametrize("t0, t1, ts_length", _AGAINST)
 def test_against(t0, t1, ts_length):
     y0__args__term = (jnp.array([0.9, 5.4]), _AGAINST_ARGS, _AGAINST_TERM)

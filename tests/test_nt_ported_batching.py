@@ -26,7 +26,7 @@ from memwise.nt import stax
 
 # neural-tangents' own tests, a conformance suite: `make test` runs it; the fast lane
 # keeps memwise's tests of the same layers (test_ntk_*, test_nt_compat).
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.grid]
 
 TRAIN_SIZES = [2, 4]  # upstream also 8: left out to bound the compilations of one process
 TEST_SIZES = [2, 16]

@@ -23,7 +23,7 @@ from jax import random
 import memwise.nt as nt
 from memwise.nt import stax
 
-pytestmark = pytest.mark.slow  # about 10 s a case on CPU
+pytestmark = [pytest.mark.slow, pytest.mark.grid]  # about 10 s a case on CPU
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "neural_tangents_ported.npz")
 

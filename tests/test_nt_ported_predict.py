@@ -27,7 +27,7 @@ from memwise.nt import predict, stax
 
 # neural-tangents' own tests, a conformance suite: `make test` runs it; the fast lane
 # keeps memwise's tests of the same layers (test_ntk_*, test_nt_compat).
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.grid]
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "neural_tangents_ported.npz")
 TRAIN_SIZES = [4, 8]

@@ -1,0 +1,89 @@
+"""Sampled conformance grids, as JAX's own suite samples its parametrized cases
+(``JAX_NUM_GENERATED_CASES``).
+
+A test marked ``grid`` (a parametrized conformance grid: the dtype x transformation
+matrix, the ported neural-tangents and Diffrax suites) runs a deterministic, stratified
+sample of its cases in ``make test`` and every case under ``make test-full``:
+
+- ``MEMWISE_TEST_GRID=full`` runs every case; ``sample`` (the default) runs a sample.
+- ``MEMWISE_TEST_SEED`` chooses the sample. Unset, the suite draws one and prints it in
+  the run's header (``grids: sampled, seed ...``), so a failing sample is reproduced by
+  setting it; the workers of one run read the seed the controller drew.
+
+The sample is stratified: each value of each parameter of a test appears in at least one
+chosen case (every primitive, every dtype, every transformation), then cases are added
+in the seed's order up to the grid's ``fraction`` (``@pytest.mark.grid(fraction=0.3)``,
+:data:`DEFAULT_FRACTION` otherwise). A value is told apart by itself when it is a
+string, number, bool or None, a tuple (a product of sizes) or a dict (a ported suite's
+case) by each of its entries, and anything else by its position in the ``parametrize`` list (an object's
+``repr`` may hold its address, which differs between worker processes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Hashable, Sequence
+
+DEFAULT_FRACTION = 0.25
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def mode() -> str:
+    """``"full"`` or ``"sample"``, from ``MEMWISE_TEST_GRID``."""
+    value = os.environ.get("MEMWISE_TEST_GRID", "sample")
+    if value not in ("full", "sample"):
+        raise ValueError(f"MEMWISE_TEST_GRID must be 'full' or 'sample', got {value!r}")
+    return value
+
+
+def seed() -> int:
+    """The run's seed: ``MEMWISE_TEST_SEED``, drawn and exported when unset (the
+    controller draws it before its workers start; they inherit the environment)."""
+    if "MEMWISE_TEST_SEED" not in os.environ:
+        os.environ["MEMWISE_TEST_SEED"] = str(random.SystemRandom().randrange(10_000))
+    return int(os.environ["MEMWISE_TEST_SEED"])
+
+
+def strata(params: dict, indices: dict) -> frozenset[Hashable]:
+    """The (parameter, value) pairs of one case; a dict value (a ported suite's case)
+    gives one pair per key, a tuple value (a product of sizes) one per position."""
+    pairs = set()
+    for name, value in params.items():
+        if isinstance(value, dict):
+            pairs |= {(f"{name}.{k}", _plain(v, "?")) for k, v in value.items()}
+        elif isinstance(value, tuple):
+            pairs |= {(f"{name}[{i}]", _plain(v, "?")) for i, v in enumerate(value)}
+        else:
+            pairs.add((name, _plain(value, f"#{indices.get(name)}")))
+    return frozenset(pairs)
+
+
+def _plain(value, otherwise: str) -> Hashable:
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v, otherwise) for v in value)
+    return otherwise
+
+
+def sample(cases: Sequence[frozenset], fraction: float, key: str) -> list[int]:
+    """Positions of the chosen cases, in their original order.
+
+    Every (parameter, value) pair in ``cases`` is covered by a chosen case; then cases
+    are added in a shuffled order (seeded by the run's seed and ``key``, the test's
+    name) until ``ceil(fraction * len(cases))`` are chosen.
+    """
+    order = list(range(len(cases)))
+    random.Random(f"{seed()}:{key}").shuffle(order)
+    chosen: list[int] = []
+    covered: set = set()
+    for i in order:
+        if not cases[i] <= covered:
+            chosen.append(i)
+            covered |= cases[i]
+    target = math.ceil(fraction * len(cases))
+    rest = [i for i in order if i not in set(chosen)]
+    chosen += rest[: max(0, target - len(chosen))]
+    return sorted(chosen)
