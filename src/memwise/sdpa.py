@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise._arguments import as_array
 from memwise._attention_tiles import (
     Visibility,
     attend,
@@ -45,7 +46,7 @@ from memwise._attention_tiles import (
 )
 from memwise._dtypes import accumulation_dtype
 from memwise._sdpa_split import run_split, sequence_split
-from memwise.attention import _check_scale, as_array
+from memwise.attention import _check_scale
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]
