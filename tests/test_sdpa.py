@@ -381,6 +381,29 @@ def test_a_row_hidden_by_a_large_negative_bias_has_jax_nn_gradients():
             np.testing.assert_allclose(g, r, atol=2e-6, err_msg=f"d{name}, bias {hide}")
 
 
+def test_where_it_differs_from_jax_nn_a_minus_inf_bias_and_mixed_dtypes():
+    # Decided (the module's notes): a row that a -inf bias hides where the mask leaves
+    # keys averages all values, as a masked row; jax.nn averages the values the mask
+    # hides (its finite mask score beats -inf). A finite bias gives the same in both.
+    q, k, v = (a.astype(jnp.float32) for a in _qkv(B=1, T=2, S=6, N=2, K=2))
+    mask = jnp.ones((2, 6), bool).at[0, :3].set(False)
+    hidden = jnp.zeros((2, 6), bool).at[0, 3:].set(True)
+    ours = mw.dot_product_attention(q, k, v, jnp.where(hidden, -jnp.inf, 0.0), mask)
+    theirs = jax.nn.dot_product_attention(q, k, v, jnp.where(hidden, -jnp.inf, 0.0), mask)
+    np.testing.assert_allclose(ours[0, 0], v[0].mean(0), atol=1e-6)
+    np.testing.assert_allclose(theirs[0, 0], v[0, :3].mean(0), atol=1e-6)
+    np.testing.assert_allclose(ours[0, 1], theirs[0, 1], atol=1e-6)
+    finite = jnp.where(hidden, -1e9, 0.0)
+    np.testing.assert_allclose(
+        mw.dot_product_attention(q, k, v, finite, mask),
+        jax.nn.dot_product_attention(q, k, v, finite, mask),
+        atol=1e-6,
+    )
+    # Mixed dtypes: jax.nn raises, and so does memwise (it promoted them).
+    with pytest.raises(ValueError, match="one dtype"):
+        mw.dot_product_attention(q.astype(jnp.bfloat16), k, v)
+
+
 @pytest.mark.slow
 def test_every_option_on_8_devices_matches_one_device():
     """Queries split over their sequence (and batch) dim: K/V, their key-side masks and
