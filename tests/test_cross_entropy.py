@@ -188,6 +188,34 @@ def test_out_of_range_labels_raise_eagerly_and_are_nan_under_jit():
     assert np.isnan(jax.jit(lambda y: mw.linear_cross_entropy(x, w, y, chunk_size=TILE))(bad))
 
 
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16])
+def test_unsigned_labels_meet_ignore_index_and_the_vocabulary_exactly(dtype):
+    # In uint8 -100 is 156 (in uint16 65436) and 300 is 44: neither ignore_index nor V
+    # may be converted to the labels' dtype before comparing.
+    x, w, b, _ = _data(tokens=6, vocab=300)
+    labels = jnp.array([1, 156, 3, 250, 44, 255], dtype)
+    got = mw.linear_cross_entropy(
+        x, w, labels, bias=b, ignore_index=-100, reduction="none", chunk_size=TILE
+    )
+    ref = optax.softmax_cross_entropy_with_integer_labels(x @ w + b, labels.astype(jnp.int32))
+    assert_close(got, ref, 1e-6, "per-token")
+    x, w, _, y = _data()
+    wrapped = y.astype(dtype).at[3].set(jnp.iinfo(dtype).max - 99)  # -100 wrapped, >= V
+    with pytest.raises(ValueError, match="labels must be in"):
+        mw.linear_cross_entropy(x, w, wrapped, ignore_index=-100, chunk_size=TILE)
+
+
+def test_concrete_labels_and_where_closed_over_under_jit():
+    x, w, b, y = _data()
+    where = jnp.arange(T) % 4 != 0
+    got = jax.jit(lambda x: mw.linear_cross_entropy(x, w, y, where=where, chunk_size=TILE))(x)
+    per_token = dense_loss(x, w, None, y, reduction="none")
+    assert_close(got, jnp.sum(jnp.where(where, per_token, 0.0)) / jnp.sum(where), 1e-6, "mean")
+    bad = y.at[3].set(V)  # concrete, counted by where: still checked under jit
+    with pytest.raises(ValueError, match="labels must be in"):
+        jax.jit(lambda x: mw.linear_cross_entropy(x, w, bad, where=where, chunk_size=TILE))(x)
+
+
 @pytest.mark.slow
 def test_lse_and_argmax_outputs():
     x, w, b, y = _data()
@@ -332,6 +360,14 @@ BAD = {
         lambda x, w, y: mw.linear_cross_entropy(x, w, y, logit_soft_cap=0.0),
         ValueError,
         "logit_soft_cap",
+    ),
+    "x None": (lambda x, w, y: mw.linear_cross_entropy(None, w, y), TypeError, "x must be an"),
+    "x str": (lambda x, w, y: mw.linear_cross_entropy("abc", w, y), TypeError, "x must be an"),
+    "w None": (lambda x, w, y: mw.linear_cross_entropy(x, None, y), TypeError, "w must be an"),
+    "labels None": (
+        lambda x, w, y: mw.linear_cross_entropy(x, w, None),
+        TypeError,
+        "labels must be an",
     ),
     "where dtype": (lambda x, w, y: mw.linear_cross_entropy(x, w, y, where=y), TypeError, "where"),
     "where shape": (

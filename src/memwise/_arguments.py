@@ -25,9 +25,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 __all__ = [
     "abstract",
+    "as_array",
     "check_arrays",
     "check_static_options",
     "describe",
@@ -250,6 +252,19 @@ def check_arrays(value: Any, arg: str) -> None:
                 f"{arg}{jax.tree_util.keystr(path)} must be an array, got {shown} (type {kind}); "
                 "pass a JAX or NumPy array of numbers (or a pytree of them)"
             )
+
+
+def as_array(value: Any, name: str) -> jax.Array:
+    """``value`` (one array argument) as a JAX array, or a TypeError naming ``name`` (a
+    string, None or a ragged list would otherwise reach JAX's own conversion error)."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"{name} must be an array, got {value!r}; pass a JAX or NumPy array")
+    try:
+        return jnp.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} must be an array (or a nested list of numbers), got {type(value).__name__}"
+        ) from e
 
 
 def _check_traceable(fn: Callable, args: Sequence[Any], kwargs: dict) -> None:

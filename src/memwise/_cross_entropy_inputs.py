@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise._arguments import as_array
 from memwise.sharding import auto_split, declared_split
 
 __all__ = [
@@ -27,12 +28,13 @@ __all__ = [
     "check_nonnegative",
     "check_shapes",
     "float_array",
+    "label_flags",
     "vocabulary_split",
 ]
 
 
 def float_array(a: Any, name: str) -> jax.Array:
-    a = jnp.asarray(a)
+    a = as_array(a, name)
     if not jnp.issubdtype(a.dtype, jnp.floating):
         raise TypeError(f"{name} must be a real float array, got dtype {a.dtype}")
     return a
@@ -40,7 +42,7 @@ def float_array(a: Any, name: str) -> jax.Array:
 
 def as_arrays(x: Any, w: Any, labels: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     x, w = float_array(x, "x"), float_array(w, "w")
-    labels = jnp.asarray(labels)
+    labels = as_array(labels, "labels")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(
             f"labels must be an integer array (word indices), got dtype {labels.dtype}; "
@@ -86,7 +88,7 @@ def check_shapes(
 def check_mask(where: Any, labels: jax.Array) -> jax.Array:
     if where is None:
         return jnp.ones((), bool)
-    where = jnp.asarray(where)
+    where = as_array(where, "where")
     if where.dtype != jnp.bool_:
         raise TypeError(
             f"where must be a boolean array (True = count the token), got {where.dtype}"
@@ -125,19 +127,41 @@ def check_cap(value: Any) -> float | None:
     return value
 
 
+def label_flags(
+    labels: jax.Array, vocab: int, ignore_index: int | None
+) -> tuple[jax.Array, jax.Array]:
+    """``(ignored, in_range)`` per token, each comparison exact in any integer dtype.
+
+    JAX converts a Python int to the labels' dtype before comparing, wrapping it: with
+    uint8 labels ``ignore_index=-100`` became 156 and ``labels < 300`` ``labels < 44``.
+    A bound the dtype cannot hold decides the comparison here without one.
+    """
+    info = jnp.iinfo(labels.dtype)
+    ignored = jnp.zeros(labels.shape, bool)
+    if ignore_index is not None and info.min <= ignore_index <= info.max:
+        ignored = labels == ignore_index
+    in_range = labels >= 0
+    if vocab <= info.max:
+        in_range = in_range & (labels < vocab)
+    return ignored, in_range
+
+
 def check_labels_in_range(
-    labels: jax.Array,
-    in_range: jax.Array,
-    valid: jax.Array,
-    vocab: int,
-    ignore_index: int | None,
+    labels: jax.Array, where: Any, vocab: int, ignore_index: int | None
 ) -> None:
-    """Raise for out-of-range labels when they are concrete (traced: NaN losses)."""
-    if isinstance(labels, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
+    """Raise for out-of-range labels of the tokens counted, when ``labels`` and ``where``
+    are concrete (also closed over under ``jit``); compared on the host in int64.
+    Traced ones are not checked: their tokens give NaN losses."""
+    if any(isinstance(a, jax.core.Tracer) for a in (labels, where)):
         return
-    bad = np.asarray(valid & ~in_range)
+    host = np.asarray(labels).astype(np.int64)
+    bad = (host < 0) | (host >= vocab)
+    if ignore_index is not None:
+        bad &= host != ignore_index
+    if where is not None:
+        bad &= np.asarray(where)
     if bad.any():
-        first = np.asarray(labels)[np.broadcast_to(bad, labels.shape)][0]
+        first = np.asarray(labels)[bad][0]
         ignored = "" if ignore_index is None else f" (ignore_index={ignore_index})"
         raise ValueError(
             f"labels must be in [0, {vocab}) or ignore_index{ignored}; got {int(first)} "

@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from memwise._arguments import as_array
 from memwise._attention_tiles import Visibility, attend, check_stripes, stripe_count
 from memwise.engine import Ring
 from memwise.sharding import (
@@ -54,19 +55,6 @@ from memwise.sharding import (
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["attention", "stripe", "unstripe"]
-
-
-def as_array(value: Any, name: str) -> jax.Array:
-    """``value`` as a JAX array, or a TypeError naming the argument (a string, None or
-    a ragged list would otherwise reach JAX's own conversion error)."""
-    if isinstance(value, (str, bytes)) or value is None:
-        raise TypeError(f"{name} must be an array, got {value!r}")
-    try:
-        return jnp.asarray(value)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"{name} must be an array (or a nested list of numbers), got {type(value).__name__}"
-        ) from e
 
 
 def _full_rank(arr: jax.Array, name: str, batch: tuple, lq: int, lk: int) -> jax.Array:

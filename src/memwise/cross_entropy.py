@@ -48,6 +48,7 @@ from memwise._cross_entropy_inputs import (
     check_nonnegative,
     check_shapes,
     float_array,
+    label_flags,
     vocabulary_split,
 )
 from memwise._dtypes import accumulation_dtype
@@ -204,9 +205,10 @@ def linear_cross_entropy(
             ignore_index, (int, np.integer)
         ):
             raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
-        valid = valid & (labels != ignore_index)
-    in_range = (labels >= 0) & (labels < vocab)
-    check_labels_in_range(labels, in_range, valid, vocab, ignore_index)
+        ignore_index = int(ignore_index)
+    ignored, in_range = label_flags(labels, vocab, ignore_index)
+    valid = valid & ~ignored
+    check_labels_in_range(labels, where, vocab, ignore_index)
 
     dtype = jnp.result_type(x, w, *(() if bias is None else (bias,)))
     shape = labels.shape
@@ -220,7 +222,7 @@ def linear_cross_entropy(
         return (loss, *extras) if extras else loss
 
     valid = jnp.broadcast_to(valid, shape)
-    safe_labels = jnp.where(in_range, labels, 0)
+    safe_labels = jnp.where(in_range, labels, 0).astype(jnp.int32)  # (< vocab)
     options = _Options(layout, cap, smoothing, z, reduction, return_lse, return_argmax, chunk_size)
     split = vocabulary_split(x, w, layout, mesh, token_axis, vocab_axis)
     if split is None:

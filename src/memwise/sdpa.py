@@ -25,7 +25,12 @@ or segment boundaries make invisible are skipped in both passes.
 Semantics kept from ``jax.nn`` (its XLA implementation) where a plain softmax would
 differ: a query that sees no key (fully masked) returns the mean of all values (masked
 scores are a large negative number there, not -inf), and queries past
-``query_seq_lengths`` return zeros.
+``query_seq_lengths`` return zeros. Where it differs, on purpose: a query whose keys a
+``bias`` of ``-inf`` hides (all of them, or those the masks leave) returns the mean of
+all values, as a fully masked one; ``jax.nn`` returns NaN when the bias hides every key,
+and the mean of the values at the keys the mask hides when mask and bias share the row
+(its large negative mask score beats ``-inf``). Matching that would take one more pass
+over the mask's tiles; a finite bias (``-1e9``) gives the same result in both.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise._arguments import as_array
 from memwise._attention_tiles import (
     Visibility,
     attend,
@@ -45,7 +51,7 @@ from memwise._attention_tiles import (
 )
 from memwise._dtypes import accumulation_dtype
 from memwise._sdpa_split import run_split, sequence_split
-from memwise.attention import _check_scale, as_array
+from memwise.attention import _check_scale
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]
@@ -195,10 +201,11 @@ def dot_product_attention(
     serves its ``N / K`` query heads without being repeated. Returns ``query``'s shape
     (last dim ``value``'s) in the inputs' dtype.
 
-    Memory: the inputs, the output, a float32 log-sum-exp per query and head, and one
-    tile of scores for every head, in both passes; never a ``T x S`` matrix, and never
-    K/V repeated to ``N`` heads. The inputs are read where they are, in their
-    ``(B, T, N, H)`` layout, every head inside each tile. A mask or bias adds its own
+    Memory: the inputs, the output, a float32 log-sum-exp per query and head (and what
+    rounding it lost: two floats), and one tile of scores for every head, in both
+    passes; never a ``T x S`` matrix, and never K/V repeated to ``N`` heads. The inputs
+    are read where they are, in their ``(B, T, N, H)`` layout, every head inside each
+    tile. A mask or bias adds its own
     size (no more: it is sliced tile by tile from its own shape); one with a head dim
     (``N`` > 1 in ``(B, N, T, S)``) is read heads-first, which moves q, k, v and the
     output to a ``(B, N, T, H)`` copy and back (their gradients too). Compute: about
@@ -272,11 +279,16 @@ def dot_product_attention(
     Returns:
       The attention output, or ``(output, log-sum-exp)`` with ``return_residual``.
 
+    A query whose keys a ``-inf`` bias hides returns the mean of all values (``jax.nn``:
+    NaN, or with a mask hiding the rest, the mean of the values it hides); see the
+    module's notes.
+
     Raises:
       TypeError: a non-array or wrong-dtype argument (float mask, integer query,
         float lengths), naming it.
       ValueError: shapes that do not match or broadcast, ``K`` not dividing ``N``, an
-        unsupported ``implementation``.
+        unsupported ``implementation``, query, key and value of different dtypes (as
+        ``jax.nn``).
 
     Example::
 
@@ -311,6 +323,12 @@ def dot_product_attention(
             raise ValueError(f"{name} must be (B, T, N, H) or (T, N, H), got shape {arr.shape}")
         if not jnp.issubdtype(arr.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array, got dtype {arr.dtype}")
+    if len({a.dtype for a in arrays}) > 1:
+        raise ValueError(
+            "query, key and value must have one dtype (as jax.nn.dot_product_attention "
+            f"requires), got {arrays[0].dtype}, {arrays[1].dtype} and {arrays[2].dtype}: "
+            "cast them to one, e.g. key.astype(query.dtype)"
+        )
     out_lead = arrays[0].shape[:-1]
     q4, k4, v4 = (_four_d(a, n) for a, n in zip(arrays, ("query", "key", "value")))
     assert q4 is not None and k4 is not None and v4 is not None
@@ -328,7 +346,7 @@ def dot_product_attention(
             f"heads ({K}): repeat K/V heads or change num_heads"
         )
     G = N // K
-    dtype = jnp.result_type(*arrays)
+    dtype = arrays[0].dtype
     scale = _check_scale(scale, H)
     window = _window(local_window_size)
     striped = check_stripes(stripes, T, S)

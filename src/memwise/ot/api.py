@@ -413,7 +413,10 @@ def sinkhorn_divergence(
       tau_b: as in :func:`sinkhorn`, for all three problems.
       reach: as in :func:`sinkhorn`.
       min_iterations: as in :func:`sinkhorn`, for each of the three problems.
-      cost_gradient: as in :func:`sinkhorn`, for each of the three terms.
+      cost_gradient: as in :func:`sinkhorn`, for each of the three terms. Unbalanced,
+        the default ``"exact"`` is the derivative (finite differences in float64 agree to
+        1e-6), and differs from OTT-JAX's default gradient (``use_danskin=True``, not
+        the derivative there); ``"envelope"`` gives OTT-JAX's default numbers.
 
     Returns:
       The divergence (a scalar), or ``(divergence, (xy, xx, yy))``.
