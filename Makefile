@@ -38,7 +38,7 @@ demo: $(VENV)/.installed
 # adjoint tests, about a hundred compilations of their own, crashed a worker of the first).
 # The conformance grids (tests marked `grid`: the matrix, the ported neural-tangents and
 # Diffrax tests) run a stratified sample whose seed the header prints (tests/_grid.py);
-# `make test-full` runs every case, at XLA's default optimization.
+# `make test-full` runs every case.
 PORTED := $(wildcard tests/test_nt_ported_*.py)
 OWN_PROCESS := tests/test_matrix.py tests/test_diffrax_adjoint.py $(PORTED)
 test: $(VENV)/.installed-test
@@ -50,7 +50,7 @@ test: $(VENV)/.installed-test
 	$(PYTEST) --junitxml=build/test-results-4.xml tests/test_diffrax_adjoint.py
 
 test-full:
-	MEMWISE_TEST_GRID=full JAX_DISABLE_MOST_OPTIMIZATIONS=0 $(MAKE) test
+	MEMWISE_TEST_GRID=full $(MAKE) test
 
 # The fast lane and the backends' kernel tests on the first accelerator JAX finds, in one
 # process (one program holds a TPU at a time). Comparisons use the backend's tolerances

@@ -14,9 +14,10 @@ The sample is stratified: each value of each parameter of a test appears in at l
 chosen case (every primitive, every dtype, every transformation), then cases are added
 in the seed's order up to the grid's ``fraction`` (``@pytest.mark.grid(fraction=0.3)``,
 :data:`DEFAULT_FRACTION` otherwise). A value is told apart by itself when it is a
-string, number, bool or None, a tuple (a product of sizes) or a dict (a ported suite's
-case) by each of its entries, and anything else by its position in the ``parametrize`` list (an object's
-``repr`` may hold its address, which differs between worker processes).
+string, number, bool or None; a tuple (a product of sizes) or a dict (a ported suite's
+case) by each of its entries; a class or function by its name; anything else by its
+``repr``, or by its position in the ``parametrize`` list where the ``repr`` holds an
+address (which differs between worker processes).
 """
 
 from __future__ import annotations
@@ -56,8 +57,15 @@ def strata(params: dict, indices: dict) -> frozenset[Hashable]:
         elif isinstance(value, tuple):
             pairs |= {(f"{name}[{i}]", _plain(v, "?")) for i, v in enumerate(value)}
         else:
-            pairs.add((name, _plain(value, f"#{indices.get(name)}")))
+            pairs.add((name, _plain(value, _name(value, indices.get(name)))))
     return frozenset(pairs)
+
+
+def _name(value, index) -> str:
+    """A class or function by its name (a dtype such as ``jnp.float32``), another object
+    by its ``repr`` unless that holds an address, else by its position."""
+    name = getattr(value, "__qualname__", None) or repr(value)
+    return f"#{index}" if " at 0x" in name else name
 
 
 def _plain(value, otherwise: str) -> Hashable:

@@ -14,22 +14,11 @@ turns it off.
 import os
 import pathlib
 
-# XLA:CPU's compilation is most of the suite's time, and most of a compilation is LLVM
-# optimizing machine code for programs that then run for milliseconds: JAX's
-# `jax_disable_most_optimizations` (LLVM at -O0, its expensive passes off) took 29% of the
-# CPU time of test_engine's 1,465 compilations. XLA's HLO passes and buffer assignment
-# are not affected, so `memory_analysis()` is the same. `make test-full` runs at XLA's
-# default optimization (JAX_DISABLE_MOST_OPTIMIZATIONS=0).
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # for subprocesses too
-
-import _grid  # noqa: E402
+import _close
+import _grid
 import _hypothesis  # noqa: F401  (registers and loads the profile)
-import jax  # noqa: E402
-import pytest  # noqa: E402
-
-jax.config.update(
-    "jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0"
-)
+import jax
+import pytest
 
 if os.environ.get("MEMWISE_TEST_JAX_CACHE", "1") != "0":
     _CACHE = {  # option: (value, type)
@@ -69,6 +58,11 @@ def pytest_configure(config):
         "grid(fraction=0.25): a conformance grid; make test runs a stratified sample of its"
         " cases, MEMWISE_TEST_GRID=full every case (tests/_grid.py)",
     )
+    config.addinivalue_line(
+        "markers",
+        "default_precision: runs at the backend's default matmul precision, not HIGHEST"
+        " (tests/_close.py)",
+    )
     if _grid.mode() == "sample":
         _grid.seed()  # drawn here, in the controller, before xdist starts its workers
 
@@ -102,3 +96,19 @@ def pytest_collection_modifyitems(config, items):
         drop = set(map(id, dropped))
         items[:] = [item for item in items if id(item) not in drop]
         config.hook.pytest_deselected(items=dropped)
+
+
+if not _close.ON_CPU:
+    # float32 products at float32 precision on every backend (tests/_close.py): a TPU's
+    # default is bfloat16 passes. A test of the default precision is marked
+    # ``default_precision``.
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True)
+def _default_precision(request):
+    if _close.ON_CPU or not request.node.get_closest_marker("default_precision"):
+        yield
+    else:
+        with jax.default_matmul_precision("default"):
+            yield

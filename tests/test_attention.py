@@ -279,6 +279,7 @@ def _striped_inputs():
     return q, k, v, mask, bias
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("stripes", [1, 3, 4, 12])
 @pytest.mark.parametrize("causal", [False, True])
 def test_striped_order_gives_the_unstriped_result(stripes, causal):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_allclose
 from _hypothesis import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,7 @@ MiB = 2**20
 
 def _close(a, b, dtype):
     tol = 1e-10 if dtype == jnp.float64 else 2e-4
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+    assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
 # --------------------------------------------------------------------------------------
@@ -80,12 +81,12 @@ def test_low_precision_sums_accumulate_in_float32(dtype, chunk_size):
     one_ulp = 2.0 ** -jnp.finfo(dtype).nmant  # relative: the result's own rounding
     total = mw.chunked_sum(lambda x: x, xs, chunk_size=chunk_size)
     assert total.dtype == dtype
-    np.testing.assert_allclose(np.float32(total), ref, rtol=one_ulp)
+    assert_allclose(np.float32(total), ref, rtol=one_ulp)
     # the gradient of a closed-over array sums one term per chunk
     w = jnp.asarray(1.0, dtype)
     grad = jax.grad(lambda w: mw.chunked_sum(lambda x: w * x, xs, chunk_size=chunk_size))(w)
     assert grad.dtype == dtype
-    np.testing.assert_allclose(np.float32(grad), ref, rtol=one_ulp)
+    assert_allclose(np.float32(grad), ref, rtol=one_ulp)
 
 
 def test_empty_xs_give_the_dense_result():
@@ -181,6 +182,4 @@ def test_forward_mode_raises_naming_lax_map(kind, transform):
     with pytest.raises(TypeError, match="not forward mode.*jax.lax.map"):
         jax.block_until_ready(FORWARD_MODE[transform](loss)(0.3))
     # Forward-over-reverse still works.
-    np.testing.assert_allclose(
-        jax.hessian(loss)(0.3), jnp.sum(-(xs**2) * jnp.sin(0.3 * xs)), rtol=1e-5
-    )
+    assert_allclose(jax.hessian(loss)(0.3), jnp.sum(-(xs**2) * jnp.sin(0.3 * xs)), rtol=1e-5)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_allclose, assert_bytes_equal
 from _multidevice import run_on_devices
 
 import memwise as mw
@@ -36,9 +37,9 @@ def test_reductions_and_gradients_match_dense_on_any_backward_tile(reduce, backw
     def dense(x, y, scale):
         return jnp.sum(jnp.sin(dense_reduce(_dense_scores(x, y, scale), axis=1)))
 
-    np.testing.assert_allclose(loss(x, y, 0.7), dense(x, y, 0.7), rtol=1e-4)
+    assert_allclose(loss(x, y, 0.7), dense(x, y, 0.7), rtol=1e-4)
     for a, b in zip(jax.grad(loss, (0, 1, 2))(x, y, 0.7), jax.grad(dense, (0, 1, 2))(x, y, 0.7)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("backward", [None, (2, 3), (7, 4)])
@@ -74,14 +75,14 @@ def test_logsumexp_pick_is_the_log_sum_exp_and_the_picked_score(backward):
 
     (got, finite), (want, own) = loss(x, y, 0.7), dense(x, y, 0.7)
     np.testing.assert_array_equal(finite, own)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(
         jax.grad(lambda *args: loss(*args)[0], (0, 1, 2))(x, y, 0.7),
         jax.grad(lambda *args: dense(*args)[0], (0, 1, 2))(x, y, 0.7),
     ):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     hess = jax.hessian(lambda s: loss(x, y, s)[0])(0.7)
-    np.testing.assert_allclose(hess, jax.hessian(lambda s: dense(x, y, s)[0])(0.7), rtol=1e-4)
+    assert_allclose(hess, jax.hessian(lambda s: dense(x, y, s)[0])(0.7), rtol=1e-4)
 
 
 def test_logsumexp_pick_over_a_batch_of_problems():
@@ -104,13 +105,13 @@ def test_logsumexp_pick_over_a_batch_of_problems():
         pick = jnp.take_along_axis(s, k[..., None], -1)[..., 0]
         return jnp.stack([jax.nn.logsumexp(s, -1), pick], -1)
 
-    np.testing.assert_allclose(engine(a, c), dense(a, c), rtol=1e-6, atol=1e-6)
+    assert_allclose(engine(a, c), dense(a, c), rtol=1e-6, atol=1e-6)
     weights = jnp.array([0.3, -1.1])
     for got, want in zip(
         jax.grad(lambda a, c: jnp.sum(engine(a, c) * weights), (0, 1))(a, c),
         jax.grad(lambda a, c: jnp.sum(dense(a, c) * weights), (0, 1))(a, c),
     ):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_nan_score_propagates_through_logsumexp_like_jnp():
@@ -127,7 +128,7 @@ def test_a_nan_score_propagates_through_logsumexp_like_jnp():
         out = tiled_reduce(fn, rows, cols, reduce=reduce, tiles=tiling(2, 3, (1, 2)))
         lse = out if reduce == "logsumexp" else out[:, 0]
         np.testing.assert_array_equal(np.isnan(lse), [True, False])
-        np.testing.assert_allclose(lse[1], jax.nn.logsumexp(s[1]), rtol=1e-6)
+        assert_allclose(lse[1], jax.nn.logsumexp(s[1]), rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -195,9 +196,9 @@ def test_softmax_reduction_is_attention_with_skipped_tiles():
         s = jnp.where(jnp.tril(jnp.ones((10, 10), bool)), q @ k.T, -jnp.inf)
         return jnp.sum((jax.nn.softmax(s, axis=1) @ v) ** 2)
 
-    np.testing.assert_allclose(loss(q, k, v), dense(q, k, v), rtol=1e-5)
+    assert_allclose(loss(q, k, v), dense(q, k, v), rtol=1e-5)
     for a, b in zip(jax.grad(loss, (0, 1, 2))(q, k, v), jax.grad(dense, (0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("shared", [(2, 1), (1, 3), (1, 1)], ids=["group", "lead", "all"])
@@ -226,9 +227,9 @@ def test_softmax_tile_heads_share_values(shared):
         )
         return jnp.sum(jnp.sin(out))
 
-    np.testing.assert_allclose(loss(q, k, v), dense(q, k, v), rtol=1e-5)
+    assert_allclose(loss(q, k, v), dense(q, k, v), rtol=1e-5)
     for a, b in zip(jax.grad(loss, (0, 1, 2))(q, k, v), jax.grad(dense, (0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def _counted_attention(tiles, visible, **kw):
@@ -330,9 +331,9 @@ def test_a_band_visits_the_tiles_from_where_it_starts(backward, m):
         cols = sorted({min(j, m - 4) for j in range(0, m, 4)})
         expected += [(min(c, n - 7) + min(i, 7 - 3), c) for c in cols for i in range(0, 7, 3)]
     assert sorted(set(visited)) == sorted(set(expected))
-    np.testing.assert_allclose(loss(q, k, v), dense(q, k, v), rtol=1e-5)
+    assert_allclose(loss(q, k, v), dense(q, k, v), rtol=1e-5)
     for a, b in zip(grads, jax.grad(dense, (0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_max_reduction_returns_argmax():
@@ -341,7 +342,7 @@ def test_max_reduction_returns_argmax():
     tiles = tiling(6, 3, 2)
     value, arg = tiled_reduce(_scores, x, y, reduce="max", tiles=tiles, consts={"scale": 1.0})
     dense = _dense_scores(x, y, 1.0)
-    np.testing.assert_allclose(value, jnp.max(dense, 1))
+    assert_allclose(value, jnp.max(dense, 1))
     np.testing.assert_array_equal(arg, jnp.argmax(dense, 1))
 
 
@@ -371,7 +372,7 @@ def test_low_precision_statistics_accumulate_in_float32(dtype):
         out = tiled_reduce(tile, x, y, reduce=reduce, tiles=tiles)
         assert out.dtype == dtype
         # agree to the rounding of the result (one ulp of its dtype)
-        np.testing.assert_allclose(np.float32(out[0]), ref, rtol=2.0 ** -jnp.finfo(dtype).nmant)
+        assert_allclose(np.float32(out[0]), ref, rtol=2.0 ** -jnp.finfo(dtype).nmant)
 
 
 @pytest.mark.slow
@@ -398,11 +399,11 @@ def test_batched_problems_with_broadcast_pairs_match_dense():
         s = -jnp.sum((x[..., :, None, :] - y[..., None, :, :]) ** 2, -1) + a * b
         return jnp.sum(jnp.sin(jax.nn.logsumexp(s, -1)))
 
-    np.testing.assert_allclose(loss(x, y, a, b), dense(x, y, a, b), rtol=1e-5)
+    assert_allclose(loss(x, y, a, b), dense(x, y, a, b), rtol=1e-5)
     grads = jax.grad(loss, (0, 1, 2, 3))(x, y, a, b)
     for g, g_dense in zip(grads, jax.grad(dense, (0, 1, 2, 3))(x, y, a, b)):
         assert g.shape == g_dense.shape
-        np.testing.assert_allclose(g, g_dense, rtol=1e-4, atol=1e-5)
+        assert_allclose(g, g_dense, rtol=1e-4, atol=1e-5)
 
 
 def test_a_unit_batch_dim_costs_no_memory_and_changes_no_value():
@@ -423,11 +424,14 @@ def test_a_unit_batch_dim_costs_no_memory_and_changes_no_value():
         report = mw.memory_report(loss, *args, grad=True, argnums=(0, 1, 2))
         temps.append(report.temp_bytes)
         grads.append([g.reshape(L, d) for g in jax.jit(jax.grad(loss, (0, 1, 2)))(*args)])
-    assert temps[1] == temps[0] and temps[2] == temps[0], temps
+    for lead, temp in zip(((1,), (1, 1)), temps[1:]):
+        # To one 64-byte alignment of XLA:CPU's buffers (the unit dim changes which small
+        # buffers share an allocation); the regression this guards was a tile, 512 KiB.
+        assert_bytes_equal(temp, temps[0], f"lead {lead}", within=64)
     for g in grads[1:]:
         for a, b in zip(g, grads[0]):
             # (only the summation order differs: zero gradients come out as rounding)
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+            assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
 def test_max_propagates_nan_like_jnp():
@@ -465,7 +469,7 @@ def test_padded_backward_rows_do_not_overflow(reduce):
 
     # (dense float32 softmax itself loses ~1e-4 to cancellation at these scores)
     for g, g_dense in zip(jax.grad(loss, (0, 1))(x, y), jax.grad(dense, (0, 1))(x, y)):
-        np.testing.assert_allclose(g, g_dense, rtol=1e-3, atol=1e-4)
+        assert_allclose(g, g_dense, rtol=1e-3, atol=1e-4)
 
 
 def test_engine_checks_batch_and_pair_shapes():
@@ -702,6 +706,7 @@ _FORWARD = {
 }
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("transform", sorted(_FORWARD))
 @pytest.mark.parametrize("name", sorted(_TILED_PUBLIC))
 def test_forward_mode_through_the_engine_names_the_public_function(name, transform):
@@ -754,7 +759,7 @@ def test_each_reduction_merges_two_column_blocks_as_one_pass_over_both(reduce):
     if reduce == "softmax":
         merged = (merged[0], merged[1] + merged[2])
     for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(whole)):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -834,8 +839,8 @@ def test_a_registered_kernel_replaces_the_loops_and_matches_them():
     try:
         fused, fused_grad = jax.value_and_grad(loss)(q)
         assert len(calls) == 1 and calls[0].pattern.option("rows") == ("q",)
-        np.testing.assert_allclose(fused, plain, rtol=1e-5)
-        np.testing.assert_allclose(fused_grad, plain_grad, rtol=1e-4, atol=1e-6)
+        assert_allclose(fused, plain, rtol=1e-5)
+        assert_allclose(fused_grad, plain_grad, rtol=1e-4, atol=1e-6)
         mw.attention(q, q, q, causal=True, chunk_size=4)  # declined: the loops ran
         assert len(calls) == 1
     finally:
@@ -910,7 +915,7 @@ def test_split_backward_and_columns_along_axis_1_match_the_dense_gradient(reduce
     for backward in ("rows", "split"):
         got = jax.grad(loss(ours, backward), range(5))(*args)
         for g, h in zip(got, want):
-            np.testing.assert_allclose(g, h, rtol=2e-5, atol=2e-5)
+            assert_allclose(g, h, rtol=2e-5, atol=2e-5)
 
     # bfloat16 columns: stored once per block in bfloat16, summed in float32.
     half = (x, y.astype(jnp.bfloat16), v.astype(jnp.bfloat16), bias, 0.7)
@@ -918,7 +923,7 @@ def test_split_backward_and_columns_along_axis_1_match_the_dense_gradient(reduce
     ref = jax.grad(loss(ours, "rows"), (1, 2))(*(a.astype(jnp.float32) for a in half[:4]), 0.7)
     for g, h in zip(got, ref):
         assert g.dtype == jnp.bfloat16
-        np.testing.assert_allclose(g.astype(jnp.float32), h, rtol=2e-2, atol=2e-2)
+        assert_allclose(g.astype(jnp.float32), h, rtol=2e-2, atol=2e-2)
 
 
 def test_engine_checks_col_axis_and_backward():
@@ -932,6 +937,6 @@ def test_engine_checks_col_axis_and_backward():
         tiled_reduce(fn, x, y, reduce="sum", tiles=tiles, col_axis=(1, 0))
     with pytest.raises(ValueError, match="has no axis 2"):
         tiled_reduce(fn, x, y, reduce="sum", tiles=tiles, col_axis=2)
-    np.testing.assert_allclose(
+    assert_allclose(
         tiled_reduce(fn, x, y, reduce="sum", tiles=tiles, col_axis=1), jnp.full((4,), 10.0)
     )

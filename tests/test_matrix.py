@@ -580,7 +580,7 @@ PARAMS = sorted(
 PARAMS = [pytest.param(*p, id="-".join(p)) for p in PARAMS]
 
 
-@pytest.mark.grid(fraction=0.2)
+@pytest.mark.grid(fraction=0.15)
 @pytest.mark.parametrize("case_name, shape_name, dtype_name, transform", PARAMS)
 @pytest.mark.slow
 def test_matrix(case_name, shape_name, dtype_name, transform):

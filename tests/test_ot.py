@@ -410,6 +410,7 @@ def _transformed(transform, jit, loss):
     return lambda x: apply(loss, x)
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("jit", ["eager", "jit_outside", "jit_inside"])
 @pytest.mark.parametrize("transform", sorted(FORWARD_MODE))
 @pytest.mark.slow

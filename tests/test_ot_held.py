@@ -30,6 +30,7 @@ def clouds(seed, n=60, m=45, d=3, dtype=jnp.float32):
     return x, y, a / a.sum(), b / b.sum()
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("m", [45, 1024, 1100])  # over rows: 2 blocks of 512, and a rest
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize("axis", [0, 1])
@@ -60,6 +61,7 @@ CASES = {
 }
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.slow

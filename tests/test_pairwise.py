@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_allclose
 from _hypothesis import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,7 +43,7 @@ def dense_reduce(fn, x, y, reduce, weights=None, axis=1):
 
 def _close(a, b, dtype):
     tol = 1e-10 if dtype == jnp.float64 else 2e-4
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+    assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("bad", [0, -3, (0, 4), (4, -1)])
@@ -194,11 +195,11 @@ def test_low_precision_sums_accumulate_in_float32(dtype, chunk_size):
 
     out = total(x, y)
     assert out.dtype == dtype
-    np.testing.assert_allclose(np.float32(out), ref, rtol=one_ulp)
+    assert_allclose(np.float32(out), ref, rtol=one_ulp)
     # d/dx sums one term per column tile into the row's cotangent
     dx, dy = jax.grad(total, (0, 1))(x, y)
     assert dx.dtype == dtype
-    np.testing.assert_allclose(np.float32(dx[0]), ref, rtol=one_ulp)
+    assert_allclose(np.float32(dx[0]), ref, rtol=one_ulp)
     np.testing.assert_array_equal(dy, jnp.ones_like(y))
 
 
@@ -293,7 +294,7 @@ def test_forward_mode_raises_naming_pairwise_reduce(transform):
 
     with pytest.raises(TypeError, match="memwise.pairwise_reduce.*not forward mode"):
         jax.block_until_ready(FORWARD_MODE[transform](loss)(0.3))
-    np.testing.assert_allclose(jax.hessian(loss)(0.3), jax.hessian(dense)(0.3), rtol=1e-5)
+    assert_allclose(jax.hessian(loss)(0.3), jax.hessian(dense)(0.3), rtol=1e-5)
 
 
 @pytest.mark.parametrize("transform", sorted(FORWARD_MODE))
@@ -307,4 +308,4 @@ def test_forward_mode_of_an_arg_extreme_is_zero(transform):
         return w * jnp.sum(index)
 
     expected = jnp.sum(jnp.argmax(-((0.3 * xs[:, None] - xs[None, :]) ** 2), axis=1))
-    np.testing.assert_allclose(FORWARD_MODE[transform](loss)(0.3), expected)
+    assert_allclose(FORWARD_MODE[transform](loss)(0.3), expected)

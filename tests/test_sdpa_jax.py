@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_allclose
 from jax import random
 
 import memwise as mw
@@ -21,7 +22,7 @@ import memwise as mw
 
 def _assert_all_close(actual, expected, *, atol=1e-6, rtol=1e-6):
     # jtu.assertAllClose on bfloat16/float16 arrays: compared in float32.
-    np.testing.assert_allclose(
+    assert_allclose(
         np.asarray(jnp.asarray(actual, jnp.float32)),
         np.asarray(jnp.asarray(expected, jnp.float32)),
         atol=atol,
@@ -29,6 +30,7 @@ def _assert_all_close(actual, expected, *, atol=1e-6, rtol=1e-6):
     )
 
 
+@pytest.mark.grid
 @pytest.mark.slow
 @pytest.mark.parametrize("use_vmap", [False, True])
 @pytest.mark.parametrize("group_num", [1, 2, 4])
@@ -81,6 +83,7 @@ def test_dot_product_attention(dtype, group_num, use_vmap):
     _assert_all_close(dV_ref_lse, dV_ans_lse, rtol=0.01, atol=0.01)
 
 
+@pytest.mark.grid
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mask_mode",
