@@ -11,6 +11,7 @@ A cached executable reports the same ``memory_analysis()``. ``MEMWISE_TEST_JAX_C
 turns it off.
 """
 
+import gc
 import os
 import pathlib
 
@@ -112,3 +113,13 @@ def _default_precision(request):
     else:
         with jax.default_matmul_precision("default"):
             yield
+
+
+def pytest_sessionfinish(session):
+    """JAX frees device buffers from a garbage-collection callback (jax/_src/lib). xdist
+    ends a worker by interrupting its main thread, which can land inside that callback:
+    the run passed, and then printed a ``KeyboardInterrupt`` traceback from
+    ``_xla_gc_callback``. Once the session is over nothing needs the callback: collect,
+    then remove it."""
+    gc.collect()
+    gc.callbacks[:] = [c for c in gc.callbacks if getattr(c, "__name__", "") != "_xla_gc_callback"]
