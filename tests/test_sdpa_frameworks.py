@@ -112,3 +112,32 @@ def test_nnx_attention_fn_matches_flax_and_trains():
 
     losses = [float(step(model, optimizer, rngs)) for _ in range(5)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
+def test_segment_ids_bound_to_a_flax_layer_match_flax_with_the_segment_mask():
+    # Packed sequences: the ids bound with functools.partial (linen builds the layer in
+    # the parent's compact call, NNX sets the layer's attention_fn) give what Flax's own
+    # attention gives with the B x T x T mask the ids stand for.
+    import functools
+
+    x = jax.random.normal(jax.random.key(1), (2, 23, 16))
+    ids = jnp.array([[0] * 9 + [1] * 14, [0] * 4 + [1] * 10 + [2] * 9])
+    mask = nn.make_attention_mask(ids, ids, jnp.equal)
+    bound = functools.partial(mw.flax_attention_fn, q_segment_ids=ids)
+
+    class Block(nn.Module):
+        fn: object
+
+        @nn.compact
+        def __call__(self, x, mask=None):
+            return nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=self.fn)(x, mask=mask)
+
+    params = Block(bound).init(jax.random.key(0), x)
+    ours = Block(bound).apply(params, x)
+    theirs = Block(nn.dot_product_attention).apply(params, x, mask=mask)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+    layer = nnx.MultiHeadAttention(num_heads=4, in_features=16, decode=False, rngs=nnx.Rngs(0))
+    theirs = layer(x, mask=mask)
+    layer.attention_fn = bound
+    np.testing.assert_allclose(layer(x), theirs, rtol=1e-5, atol=1e-6)

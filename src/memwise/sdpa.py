@@ -537,6 +537,9 @@ def flax_attention_fn(
     precision: Any = None,
     module: Any = None,
     is_causal: bool = False,
+    *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`dot_product_attention` with Flax's ``attention_fn`` convention.
 
@@ -547,6 +550,14 @@ def flax_attention_fn(
     ``broadcast_dropout`` sharing one mask over batch and heads), and the layer's own
     projections, masks and RNG streams are unchanged. The dropout mask differs from
     Flax's (memwise draws it per tile from the key), with the same distribution.
+
+    Packed sequences: Flax's layers pass no segment ids to ``attention_fn``, so bind
+    them: ``attention_fn=functools.partial(mw.flax_attention_fn, q_segment_ids=ids)``
+    (``kv_segment_ids`` defaults to the same ids). In linen, build the layer inside the
+    parent's ``@nn.compact`` call, where the ids are; in NNX, set the layer's
+    ``attention_fn`` to the bound function before calling it. Segment ids are ``B x T``
+    integers; the mask that would do their work is ``B x T x T`` booleans (64 MiB a
+    sequence at ``T = 8,192``).
 
     Args:
       query: ``(B, T, N, H)`` (or ``(T, N, H)``).
@@ -564,6 +575,10 @@ def flax_attention_fn(
       module: must be None: with ``sow_weights`` Flax records the attention weights,
         which tiled attention never forms.
       is_causal: causal masking (NNX passes it), with the invisible tiles skipped.
+      q_segment_ids: optional ``(B, T)`` integer ids of packed sequences: a query attends
+        to the keys of its own segment only (bind with ``functools.partial``).
+      kv_segment_ids: ``(B, S)`` ids of the keys (default: ``q_segment_ids``, which then
+        needs ``S == T``).
 
     Returns:
       The attention output, ``query``'s shape (last dim ``value``'s).
@@ -614,6 +629,8 @@ def flax_attention_fn(
         dropout_rate=rate,
         dropout_rng=dropout_rng if rate else None,
         dropout_broadcast=bool(broadcast_dropout),
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=q_segment_ids if kv_segment_ids is None else kv_segment_ids,
     )
     assert isinstance(out, jax.Array)
     return out
