@@ -921,7 +921,7 @@ BAD_INPUTS = {
         "query must be an array",
     ),
     "dpa heads do not divide": (
-        lambda: mw.dot_product_attention(jnp.ones((2, 5, 3, 4)), _Q, _Q),
+        lambda: mw.dot_product_attention(jnp.ones((2, 5, 3, 4), _Q.dtype), _Q, _Q),
         ValueError,
         "multiple of the number of key/value heads",
     ),
