@@ -9,10 +9,11 @@ here, below all three, so that the executors import these pieces from one place 
 nothing imports upwards into ``scan``.
 
 Contents: :func:`resolve_checkpoints` (the slot count for ``checkpoints=``),
-:func:`check_callable`, :func:`carry_type_error` (a carry leaf's changed type, with the
-fix), :func:`strong_carry` (the body's carry check and
-weak-type promotion), :func:`flat_step` and :func:`loop_body` (the loop as the executors
-run it: flat leaves, read-only carry leaves as constants, ``shard_map`` varying types).
+:func:`check_callable`, :func:`check_carry_structure` and :func:`carry_type_error` (a
+changed carry structure or leaf type, with the fix), :func:`strong_carry` (the body's
+carry check and weak-type promotion), :func:`flat_step` and :func:`loop_body` (the loop
+as the executors run it: flat leaves, read-only carry leaves as constants, ``shard_map``
+varying types).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from memwise.sharding import first_items, vary, varying_over
 __all__ = [
     "resolve_checkpoints",
     "check_callable",
+    "check_carry_structure",
     "carry_type_error",
     "strong_carry",
     "flat_step",
@@ -101,6 +103,17 @@ def _type_of(leaf: Any, *, init: bool = False) -> str:
     return f"{leaf.dtype}{list(leaf.shape)}{weak}"
 
 
+def check_carry_structure(init: Any, new: Any, mismatch: Callable[[Any, Any], str]) -> Any:
+    """``init``'s pytree structure, after checking that ``new`` (a carry a body or an
+    inverse returned) has it too; else ``TypeError(mismatch(init's, new's))``, the caller
+    wording what returned the carry and the fix."""
+    in_def = jax.tree_util.tree_structure(init)
+    out_def = jax.tree_util.tree_structure(new)
+    if in_def != out_def:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
+        raise TypeError(mismatch(in_def, out_def))
+    return in_def
+
+
 def carry_type_error(name: str, path: Any, a: Any, b: Any) -> TypeError:
     where = f"carry{jax.tree_util.keystr(path)}" if path else "the carry"
     if a.shape != b.shape:
@@ -136,13 +149,14 @@ def strong_carry(
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"{name} must return a pair (new_carry, y); got {type(out).__name__}")
     new_carry = out[0]
-    in_def = jax.tree_util.tree_structure(init)
-    out_def = jax.tree_util.tree_structure(new_carry)
-    if in_def != out_def:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
-        raise TypeError(
+    in_def = check_carry_structure(
+        init,
+        new_carry,
+        lambda in_def, out_def: (
             f"{name} changed the carry's structure: init is {in_def} but {name} returned "
             f"{out_def}; return a carry with the same pytree structure as init"
-        )
+        ),
+    )
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(init)[0]]
     leaves = jax.tree_util.tree_leaves(init)
     promoted = False

@@ -38,7 +38,13 @@ import numpy as np
 from jax import lax
 
 from memwise._jax_private import varying_axes
-from memwise._loop_inputs import carry_type_error, flat_step, loop_body, resolve_checkpoints
+from memwise._loop_inputs import (
+    carry_type_error,
+    check_carry_structure,
+    flat_step,
+    loop_body,
+    resolve_checkpoints,
+)
 from memwise._taped import TapedStep, entry, perturbed_carry, replayed_cotangents, store, take
 from memwise._vjp import (
     Static,
@@ -240,13 +246,14 @@ def check_inverse(inverse: Any, drift: Any, schedule: str, checkpoints: Any) -> 
 
 def _check_inverse_output(inverse: Callable, init: Any, x_example: Any) -> None:
     out = jax.eval_shape(inverse, init, x_example)
-    in_def = jax.tree_util.tree_structure(init)
-    out_def = jax.tree_util.tree_structure(out)
-    if in_def != out_def:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
-        raise TypeError(
+    check_carry_structure(
+        init,
+        out,
+        lambda in_def, out_def: (
             f"inverse must return the carry before the step, structured as init ({in_def}), "
             f"but returned {out_def}; return only the carry (not a (carry, y) pair)"
-        )
+        ),
+    )
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(init)[0]]
     for path, a, b in zip(paths, jax.tree_util.tree_leaves(init), jax.tree_util.tree_leaves(out)):
         if a.shape != b.shape or a.dtype != b.dtype:
