@@ -24,11 +24,11 @@ from typing import Any
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from memwise import knobs
 from memwise import schedule as schedule_lib
+from memwise._arguments import positive_int
 from memwise._jax_private import hoist_constant_casts, varying_axes
 from memwise._vjp import closure_convert, fill, select
 from memwise.sharding import first_items, vary, varying_over
@@ -80,17 +80,13 @@ def resolve_checkpoints(checkpoints: Any, n: int) -> int:
             f"checkpoints={checkpoints!r} is not understood; pass an int >= 1, None, "
             "'all' or 'auto'"
         )
-    if isinstance(checkpoints, bool) or not isinstance(checkpoints, (int, np.integer)):
-        raise TypeError(
-            f"checkpoints must be an int >= 1, None, 'all' or 'auto', got "
-            f"{type(checkpoints).__name__}"
-        )
-    if checkpoints < 1:
-        raise ValueError(
-            f"checkpoints={checkpoints} must be >= 1 (the number of carries kept); use "
-            "checkpoints=1 for the least memory"
-        )
-    return min(int(checkpoints), n)
+    kept = positive_int(
+        checkpoints,
+        "checkpoints",
+        accepts=" (the number of carries kept), None, 'all' or 'auto'",
+        fix="; checkpoints=1 keeps the least memory",
+    )
+    return min(kept, n)
 
 
 def check_callable(fn: Any, name: str) -> None:

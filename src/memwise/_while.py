@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from memwise import _buffers, _online
-from memwise._arguments import check_arrays
+from memwise._arguments import check_arrays, positive_int
 from memwise._loop_inputs import check_callable, loop_body, resolve_checkpoints, strong_carry
 from memwise._vjp import closure_convert, fill, select
 
@@ -134,15 +134,7 @@ def checked_while_loop(
     init = jax.tree_util.tree_unflatten(init_def, leaves)
     check_arrays(init, "init")
     if max_steps is not None:
-        if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)):
-            raise TypeError(
-                f"max_steps must be None (no bound) or an int >= 1, got {type(max_steps).__name__}"
-            )
-        if max_steps < 1:
-            raise ValueError(
-                f"max_steps={max_steps} must be >= 1; pass max_steps=None for no bound"
-            )
-        max_steps = int(max_steps)
+        max_steps = positive_int(max_steps, "max_steps", accepts=" or None (no bound)")
         c = resolve_checkpoints(checkpoints, max_steps)
     else:
         if isinstance(checkpoints, bool) or not isinstance(checkpoints, (int, np.integer)):
