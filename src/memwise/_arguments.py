@@ -12,7 +12,8 @@ argument and the fix.
 It is also the one place for the check every primitive makes of its data arguments
 (:func:`check_arrays`: a carry, the items to map over, the points of a reduction), so a
 string or an object there is named by the primitive's own argument, never by JAX's
-"not a valid JAX type".
+"not a valid JAX type"; and for the check of a count argument (:func:`positive_int`: a
+chunk size, a number of checkpoints or branches), in one wording.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "abstract",
@@ -34,6 +36,7 @@ __all__ = [
     "check_static_options",
     "describe",
     "index_tuple",
+    "positive_int",
     "prepare",
     "signature",
     "static_arguments",
@@ -410,6 +413,29 @@ def static_hint(
             f"fn uses a traced argument in a slice or an index that must be a Python int "
             f"({str(error).splitlines()[0]}), so it cannot be traced{suspects}"
         ) from error
+
+
+def positive_int(value: Any, name: str, *, accepts: str = "", fix: str = "") -> int:
+    """``value`` as an int, after checking that it is a Python or NumPy int (not a bool)
+    and >= 1: ``TypeError`` for another type, ``ValueError`` for an int below 1.
+
+    One wording for every count argument: ``"{name} must be a positive int{accepts}, got
+    {value!r}{fix}"``, where ``accepts`` names the other values the caller takes (``" or
+    'auto'"``) and ``fix`` says what to pass instead. Example::
+
+        >>> positive_int(4, "chunk_size")
+        4
+        >>> positive_int(0, "chunk_size", accepts=" or 'auto'")
+        Traceback (most recent call last):
+        ...
+        ValueError: chunk_size must be a positive int or 'auto', got 0
+    """
+    message = f"{name} must be a positive int{accepts}, got {value!r}{fix}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(message)
+    if value < 1:
+        raise ValueError(message)
+    return int(value)
 
 
 def _is_integer_scalar(value: Any) -> bool:

@@ -38,6 +38,13 @@ import numpy as np
 from jax import lax
 
 from memwise._jax_private import varying_axes
+from memwise._loop_inputs import (
+    carry_type_error,
+    check_carry_structure,
+    flat_step,
+    loop_body,
+    resolve_checkpoints,
+)
 from memwise._taped import TapedStep, entry, perturbed_carry, replayed_cotangents, store, take
 from memwise._vjp import (
     Static,
@@ -49,7 +56,6 @@ from memwise._vjp import (
     select,
     unwrap,
 )
-from memwise.scan import _carry_type_error, _flat_step, _loop_body, resolve_checkpoints
 from memwise.sharding import first_items, typed_zeros, vary
 
 __all__ = ["DriftLog", "Drift", "ReversibleLoop", "scan"]
@@ -240,17 +246,18 @@ def check_inverse(inverse: Any, drift: Any, schedule: str, checkpoints: Any) -> 
 
 def _check_inverse_output(inverse: Callable, init: Any, x_example: Any) -> None:
     out = jax.eval_shape(inverse, init, x_example)
-    in_def = jax.tree_util.tree_structure(init)
-    out_def = jax.tree_util.tree_structure(out)
-    if in_def != out_def:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
-        raise TypeError(
+    check_carry_structure(
+        init,
+        out,
+        lambda in_def, out_def: (
             f"inverse must return the carry before the step, structured as init ({in_def}), "
             f"but returned {out_def}; return only the carry (not a (carry, y) pair)"
-        )
+        ),
+    )
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(init)[0]]
     for path, a, b in zip(paths, jax.tree_util.tree_leaves(init), jax.tree_util.tree_leaves(out)):
         if a.shape != b.shape or a.dtype != b.dtype:
-            raise _carry_type_error("inverse", path, a, b)
+            raise carry_type_error("inverse", path, a, b)
 
 
 def scan(
@@ -278,8 +285,8 @@ def scan(
     carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
     x_leaves, x_def = jax.tree_util.tree_flatten(xs)
     y_def_box: list = []
-    flat = _flat_step(f, carry_def, x_def, y_def_box)
-    body, consts, loop_carry, x_leaves = _loop_body(flat, carry_leaves, x_leaves, read_only)
+    flat = flat_step(f, carry_def, x_def, y_def_box)
+    body, consts, loop_carry, x_leaves = loop_body(flat, carry_leaves, x_leaves, read_only)
     moving = [not r for r in read_only]
 
     def flat_inverse(loop_carry, x):

@@ -1,7 +1,7 @@
 """``dot_product_attention`` on many devices: the split its queries' data declares.
 
 The queries' batch and sequence dims are read from their sharding, as
-:func:`memwise.attention` reads them (:func:`memwise.attention._attention_sharding`), and
+:func:`memwise.attention` reads them (:func:`memwise._attention_args.attention_sharding`), and
 the tiles run under ``shard_map`` (:func:`memwise.sharding.sharded_call`). With the
 sequence split, K/V travel on the engine's ring (Liu, Zaharia, Abbeel, *Ring Attention
 with Blockwise Transformers*, 2023) or are held whole, as
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise.attention import _attention_sharding
+from memwise._attention_args import attention_sharding
 from memwise.engine.ring import Ring
 from memwise.sharding import declared_split, devices, ring_step, sharded_call, use_ring
 
@@ -44,7 +44,7 @@ def sequence_split(
     """
     if any(declared_split(q4, dim) for dim in (2, 3)):
         return None  # heads or features split: XLA partitions it, as jax.nn's
-    found = _attention_sharding(q4, None, None, 1)
+    found = attention_sharding(q4, None, None, 1)
     if found is None or found[1][2] is not None:
         return None
     mesh, (b_axes, t_axes, _, _) = found

@@ -9,7 +9,7 @@ its memory, program and recomputation follow the steps that ran, never ``max_ste
 within 5% of it at c >= 4 up to 10,000 steps. Its ``buffers=`` (arrays the body only
 writes, e.g. an ODE solution at save times) stay outside the checkpoints
 (:mod:`memwise._buffers`). The carry checks and the closure conversion of the body are
-:mod:`memwise.scan`'s.
+the ones ``scan`` uses (:mod:`memwise._loop_inputs`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import numpy as np
 from jax import lax
 
 from memwise import _buffers, _online
-from memwise._arguments import check_arrays
+from memwise._arguments import check_arrays, positive_int
+from memwise._loop_inputs import check_callable, loop_body, resolve_checkpoints, strong_carry
 from memwise._vjp import closure_convert, fill, select
-from memwise.scan import _check_callable, _loop_body, _strong_carry, resolve_checkpoints
 
 __all__ = ["while_loop"]
 
@@ -125,8 +125,8 @@ def checked_while_loop(
     caller (an adapter names its own fix, e.g. Diffrax's ``ForwardMode``), and
     ``writes_once`` for a caller that writes each index of its buffers at most once
     (:class:`memwise._online.OnlineLoop`)."""
-    _check_callable(cond_fun, "cond_fun")
-    _check_callable(body_fun, "body_fun")
+    check_callable(cond_fun, "cond_fun")
+    check_callable(body_fun, "body_fun")
     is_buffer = _buffers.buffer_mask(buffers, init)
     leaves, init_def = jax.tree_util.tree_flatten(init)
     # the buffers of an enclosing loop's body, passed on to this nested loop
@@ -134,15 +134,7 @@ def checked_while_loop(
     init = jax.tree_util.tree_unflatten(init_def, leaves)
     check_arrays(init, "init")
     if max_steps is not None:
-        if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)):
-            raise TypeError(
-                f"max_steps must be None (no bound) or an int >= 1, got {type(max_steps).__name__}"
-            )
-        if max_steps < 1:
-            raise ValueError(
-                f"max_steps={max_steps} must be >= 1; pass max_steps=None for no bound"
-            )
-        max_steps = int(max_steps)
+        max_steps = positive_int(max_steps, "max_steps", accepts=" or None (no bound)")
         c = resolve_checkpoints(checkpoints, max_steps)
     else:
         if isinstance(checkpoints, bool) or not isinstance(checkpoints, (int, np.integer)):
@@ -162,11 +154,11 @@ def checked_while_loop(
         out = body_fun(jax.tree_util.tree_unflatten(init_def, fill(leaves, is_buffer, views)))
         out_leaves, out_def = jax.tree_util.tree_flatten(out)
         if out_def != init_def or not any(is_buffer):  # type: ignore[operator]
-            return out  # (a changed structure is reported by _strong_carry)
+            return out  # (a changed structure is reported by strong_carry)
         arrays = _buffers.unwrap(select(out_leaves, is_buffer), tags, name="body_fun")
         return jax.tree_util.tree_unflatten(init_def, fill(out_leaves, is_buffer, arrays))
 
-    init, read_only = _strong_carry(lambda c, _: (array_body(c), None), init, None, name="body_fun")
+    init, read_only = strong_carry(lambda c, _: (array_body(c), None), init, None, name="body_fun")
     carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
     written_init = select(carry_leaves, is_buffer)
     cond_views = _buffers.wrap(written_init, [object() for _ in written_init])
@@ -194,7 +186,7 @@ def checked_while_loop(
     def flat_cond(loop_leaves):
         return cond_of(fill(carry_leaves, state_mask, fill(state_leaves, moving, loop_leaves)))
 
-    body_conv, body_consts, loop_carry, written = _loop_body(
+    body_conv, body_consts, loop_carry, written = loop_body(
         flat_body, state_leaves, written_init, state_read_only, item=list
     )
     cond_conv, cond_consts = closure_convert(flat_cond, loop_carry)

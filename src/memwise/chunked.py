@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from memwise._arguments import check_arrays
+from memwise._arguments import check_arrays, positive_int
 from memwise._dtypes import accumulation_dtype, sum_dtype
 from memwise._vjp import (
     Static,
@@ -194,13 +194,9 @@ def _check_chunk_size(chunk_size: Any) -> None:
     """Validate a 1-D ``chunk_size`` here (tiling's message also offers 2-D tiles)."""
     if isinstance(chunk_size, (str, Chunking)):
         return  # chunking() checks the string ("auto") and a resolved Chunking's length
-    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
-        raise TypeError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
-    if chunk_size < 1:
-        raise ValueError(
-            f"chunk_size must be a positive int or 'auto', got {chunk_size}; pass e.g. "
-            "chunk_size=1024 or 'auto'"
-        )
+    positive_int(
+        chunk_size, "chunk_size", accepts=" or 'auto'", fix="; pass e.g. chunk_size=1024 or 'auto'"
+    )
 
 
 def _items_failed(xs: Any, e: Exception) -> ValueError:

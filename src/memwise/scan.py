@@ -35,8 +35,9 @@ Trade-offs, honestly:
 * The schedule is baked into the program as int32 arrays of about 5n entries (2 MB at
   n = 100,000): constants, not temporaries.
 
-``while_loop`` (:mod:`memwise._while`) shares this module's carry checks and closure
-conversion.
+``while_loop`` (:mod:`memwise._while`) and the reversible scan (:mod:`memwise._reversible`)
+share the carry checks, ``checkpoints`` resolution and closure conversion with this module;
+they live below all three in :mod:`memwise._loop_inputs`.
 """
 
 from __future__ import annotations
@@ -45,17 +46,22 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memwise import _binomial, knobs
+from memwise import _binomial
 from memwise import schedule as schedule_lib
 from memwise._arguments import check_arrays
-from memwise._jax_private import hoist_constant_casts, varying_axes
-from memwise._vjp import closure_convert, fill, select
-from memwise.sharding import first_items, vary, varying_over
+from memwise._loop_inputs import (
+    check_callable,
+    flat_step,
+    loop_body,
+    resolve_checkpoints,
+    strong_carry,
+)
+from memwise._vjp import fill
+from memwise.sharding import first_items
 
 if TYPE_CHECKING:
     from memwise._reversible import DriftLog
@@ -63,10 +69,6 @@ if TYPE_CHECKING:
 __all__ = ["scan", "resolve_checkpoints"]
 
 _SCHEDULES = ("binomial", "nested", "per_step", "none")
-# checkpoints=None: the smallest count whose recomputation is at most one extra forward.
-_DEFAULT_EVALUATIONS_PER_STEP = 3
-# "auto" candidates: evaluations per step allowed, from fastest (most memory) to leanest.
-_AUTO_EVALUATIONS_PER_STEP = (2.5, 3, 4, 6, 8, 12)
 
 _SCAN_FORWARD_MODE = (
     "memwise.scan with schedule='binomial' supports reverse mode (grad, vjp, jacrev; also "
@@ -80,50 +82,6 @@ _SCAN_SECOND_ORDER = (
     "lax.while_loop; use memwise.scan(..., schedule='nested'), or forward-over-reverse "
     "(jax.hessian, jax.jacfwd(jax.grad(f))), which works with schedule='binomial'"
 )
-
-
-def resolve_checkpoints(checkpoints: Any, n: int) -> int:
-    """The slot count ``scan`` uses for ``checkpoints`` (None, int, "all", "auto").
-
-    ``None``: ``schedule.min_checkpoints(n, 3 n)``; ``"all"``: n; ``"auto"``: the choice
-    of ``memwise.fit`` (the ``None`` choice outside it). Example::
-
-        >>> resolve_checkpoints(None, 10_000)
-        139
-    """
-    if checkpoints is None:
-        return schedule_lib.min_checkpoints(n, _DEFAULT_EVALUATIONS_PER_STEP * n)
-    if isinstance(checkpoints, str):
-        if checkpoints == "all":
-            return n
-        if checkpoints == "auto":
-            default = resolve_checkpoints(None, n)
-            candidates = [n]
-            for per_step in _AUTO_EVALUATIONS_PER_STEP:
-                c = schedule_lib.min_checkpoints(n, int(per_step * n))
-                if c < candidates[-1]:
-                    candidates.append(c)
-            return knobs.auto(
-                "checkpoints",
-                candidates=candidates,
-                cost=lambda c: schedule_lib.evaluations(n, c) / (2 * n),
-                default=default,
-            )
-        raise ValueError(
-            f"checkpoints={checkpoints!r} is not understood; pass an int >= 1, None, "
-            "'all' or 'auto'"
-        )
-    if isinstance(checkpoints, bool) or not isinstance(checkpoints, (int, np.integer)):
-        raise TypeError(
-            f"checkpoints must be an int >= 1, None, 'all' or 'auto', got "
-            f"{type(checkpoints).__name__}"
-        )
-    if checkpoints < 1:
-        raise ValueError(
-            f"checkpoints={checkpoints} must be >= 1 (the number of carries kept); use "
-            "checkpoints=1 for the least memory"
-        )
-    return min(int(checkpoints), n)
 
 
 # --------------------------------------------------------------------------------------
@@ -164,11 +122,6 @@ def _scan_length(xs: Any, length: int | None) -> int:
     return n
 
 
-def _check_callable(fn: Any, name: str) -> None:
-    if not callable(fn):
-        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
-
-
 def _check_flags(reverse: Any, unroll: Any) -> None:
     # lax.scan would take reverse="no" as true and fail on unroll="2" deep in its
     # checks without naming it.
@@ -183,122 +136,6 @@ def _check_flags(reverse: Any, unroll: Any) -> None:
         raise TypeError(f"unroll must be {fix}, got {unroll!r} ({type(unroll).__name__})")
     if unroll < 0:
         raise ValueError(f"unroll must be {fix}, got {unroll}")
-
-
-def _type_of(leaf: Any, *, init: bool = False) -> str:
-    weak = " (weakly typed: a Python scalar)" if init and getattr(leaf, "weak_type", False) else ""
-    return f"{leaf.dtype}{list(leaf.shape)}{weak}"
-
-
-def _carry_type_error(name: str, path: Any, a: Any, b: Any) -> TypeError:
-    where = f"carry{jax.tree_util.keystr(path)}" if path else "the carry"
-    if a.shape != b.shape:
-        fix = f"keep {where}'s shape {list(a.shape)} (reshape or index the new value)"
-    elif getattr(a, "weak_type", False):
-        fix = (
-            f"return {where} as {a.dtype} (e.g. new.astype(jnp.result_type(old))), or "
-            f"start from an init of the dtype {name} returns ({b.dtype})"
-        )
-    else:
-        fix = f"cast the new value to the init's dtype (new.astype(jnp.{a.dtype}))"
-    return TypeError(
-        f"{name} changed the type of {where}: init is {_type_of(a, init=True)} but {name} returned "
-        f"{_type_of(b)}; a loop carry keeps its shape and dtype, as in jax.lax.scan and "
-        f"jax.lax.while_loop: {fix}"
-    )
-
-
-def _strong_carry(
-    f: Callable, init: Any, x_example: Any, *, name: str = "f"
-) -> tuple[Any, list[bool]]:
-    """Checks that f keeps the carry's structure, shapes and dtypes: ``(init, read_only)``.
-
-    As in ``lax.scan`` and ``lax.while_loop``, a weakly typed init leaf (a Python float)
-    is first promoted with the dtype the body returns (``jnp.result_type``), so
-    ``init=0.0`` works with a float32 body, and the body is traced again on the promoted
-    init; a body that still returns another dtype (a float init returned as int32) is
-    an error, never a silent cast. ``read_only[i]`` is True when f returns carry leaf i
-    unchanged (the same value, not a copy).
-    """
-    init = jax.tree_util.tree_map(jnp.asarray, init)
-    closed, out = jax.make_jaxpr(f, return_shape=True)(init, x_example)
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(f"{name} must return a pair (new_carry, y); got {type(out).__name__}")
-    new_carry = out[0]
-    in_def = jax.tree_util.tree_structure(init)
-    out_def = jax.tree_util.tree_structure(new_carry)
-    if in_def != out_def:  # type: ignore[operator]  # jaxlib ships no stub for PyTreeDef
-        raise TypeError(
-            f"{name} changed the carry's structure: init is {in_def} but {name} returned "
-            f"{out_def}; return a carry with the same pytree structure as init"
-        )
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(init)[0]]
-    leaves = jax.tree_util.tree_leaves(init)
-    promoted = False
-    for i, (path, a, b) in enumerate(zip(paths, leaves, jax.tree_util.tree_leaves(new_carry))):
-        if a.shape == b.shape and a.dtype == b.dtype:
-            continue
-        if a.shape != b.shape or not getattr(a, "weak_type", False):
-            raise _carry_type_error(name, path, a, b)
-        dtype = jnp.result_type(a, b.dtype)
-        if dtype != b.dtype:
-            raise _carry_type_error(name, path, a, b)
-        leaves[i] = lax.convert_element_type(a, dtype)
-        promoted = True
-    if promoted:  # the body may type its output by its input's: check it on the new init
-        return _strong_carry(f, jax.tree_util.tree_unflatten(in_def, leaves), x_example, name=name)
-    n = len(leaves)
-    jaxpr = closed.jaxpr
-    read_only = [o is i for o, i in zip(jaxpr.outvars[:n], jaxpr.invars[:n])]
-    return init, read_only
-
-
-def _loop_body(
-    flat: Callable, carry: list, xs: list, read_only: list, *, item: Callable = first_items
-) -> tuple[Callable, list, list, list]:
-    """The loop as ``_binomial`` runs it: ``(body, consts, loop_carry, xs)``.
-
-    The read-only carry leaves (``flat`` returns them unchanged) leave the loop carry
-    and become closed-over constants, as in ``lax.scan``: they keep their own value
-    (unbatched under ``vmap`` when they were), cost no checkpoint slot, and their
-    gradient flows as a constant's.
-
-    Inside ``shard_map`` the loop carry and xs are cast to vary like the loop's inputs
-    (the carry as far as the body makes it vary: the fixed point that ``lax.scan`` asks
-    the user to cast to), and the body's casts of replicated closed-over arrays are
-    applied once, before the loop: the backward loop then accumulates local partial
-    cotangents, and each cast's transpose all-reduces a replicated input's cotangent
-    once, after the loop (``lax.scan`` all-reduces a replicated parameter's every step).
-
-    ``item(xs)`` is what one step receives of ``xs`` (one row; a while loop's buffers
-    whole).
-    """
-    moving = [not r for r in read_only]
-
-    def step(loop_carry, x):
-        new_carry, y = flat(fill(carry, moving, loop_carry), x)
-        return [vary(a, varying_axes(c)) for a, c in zip(select(new_carry, moving), loop_carry)], y
-
-    loop_carry = select(carry, moving)
-    body, consts = closure_convert(step, loop_carry, item(xs))
-    axes = varying_over(loop_carry, xs, consts)
-    if not axes:
-        return body, list(consts), loop_carry, xs
-    xs = vary(xs, axes)
-    while True:
-        out, _ = jax.eval_shape(step, loop_carry, item(xs))
-        if all(varying_axes(o) <= varying_axes(c) for o, c in zip(out, loop_carry)):
-            break
-        loop_carry = [vary(c, varying_axes(o)) for c, o in zip(loop_carry, out)]
-    closed, out = jax.make_jaxpr(step, return_shape=True)(loop_carry, item(xs))
-    jaxpr, consts = hoist_constant_casts(closed)
-    run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jaxpr, []))
-    out_tree = jax.tree.structure(out)
-
-    def hoisted_body(loop_carry, x, *consts):
-        return jax.tree.unflatten(out_tree, run(*consts, *loop_carry, *x))
-
-    return hoisted_body, consts, loop_carry, xs
 
 
 # --------------------------------------------------------------------------------------
@@ -373,16 +210,16 @@ def scan(
         >>> bool(jnp.allclose(jax.grad(loss)(0.5, xs), jax.grad(loss_lax)(0.5, xs)))
         True
     """
-    _check_callable(f, "f")
+    check_callable(f, "f")
     check_arrays(init, "init")
     check_arrays(xs, "xs")
     _check_flags(reverse, unroll)
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {_SCHEDULES}")
     n = _scan_length(xs, length)
-    init, read_only = _strong_carry(f, init, first_items(xs))
+    init, read_only = strong_carry(f, init, first_items(xs))
     if inverse is not None or drift is not None:
-        from memwise import _reversible  # it builds on this module's loop plumbing
+        from memwise import _reversible  # the executor; it sits below this public face
 
         static = (schedule, checkpoints, reverse, unroll)
         return _reversible.scan(f, inverse, init, xs, n, read_only, drift, *static)
@@ -459,24 +296,12 @@ def _nested_scan(f, init, xs, plan, reverse, unroll):
     return run(init, xs, plan)
 
 
-def _flat_step(f, carry_def, x_def, y_def_box):
-    def step(carry_leaves, x_leaves):
-        carry = jax.tree_util.tree_unflatten(carry_def, carry_leaves)
-        x = jax.tree_util.tree_unflatten(x_def, x_leaves)
-        new_carry, y = f(carry, x)
-        y_leaves, y_def = jax.tree_util.tree_flatten(y)
-        y_def_box[:] = [y_def]
-        return jax.tree_util.tree_leaves(new_carry), y_leaves
-
-    return step
-
-
 def _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only):
     carry_leaves, carry_def = jax.tree_util.tree_flatten(init)
     x_leaves, x_def = jax.tree_util.tree_flatten(xs)
     y_def_box: list = []
-    flat = _flat_step(f, carry_def, x_def, y_def_box)
-    body, consts, loop_carry, x_leaves = _loop_body(flat, carry_leaves, x_leaves, read_only)
+    flat = flat_step(f, carry_def, x_def, y_def_box)
+    body, consts, loop_carry, x_leaves = loop_body(flat, carry_leaves, x_leaves, read_only)
     y_def = y_def_box[0]
     loop = _binomial.Loop(
         body=body,

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from memwise._arguments import as_array
+from memwise._attention_args import check_scale
 from memwise._attention_tiles import (
     Visibility,
     attend,
@@ -51,7 +52,6 @@ from memwise._attention_tiles import (
 )
 from memwise._dtypes import accumulation_dtype
 from memwise._sdpa_split import run_split, sequence_split
-from memwise.attention import _check_scale
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]
@@ -347,7 +347,7 @@ def dot_product_attention(
         )
     G = N // K
     dtype = arrays[0].dtype
-    scale = _check_scale(scale, H)
+    scale = check_scale(scale, H)
     window = _window(local_window_size)
     striped = check_stripes(stripes, T, S)
     softcap = _positive_float(logit_soft_cap, "logit_soft_cap")

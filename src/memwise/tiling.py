@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from memwise import costmodel, knobs
+from memwise._arguments import positive_int
 from memwise._item_bytes import _FALLBACK_ITEM_BYTES, ItemBytes, item_bytes, pair_bytes
 
 __all__ = [
@@ -229,13 +230,12 @@ ChunkSize = int | tuple | str | Tiling
 
 
 def _check_positive_int(value: Any, arg: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(
-            f"{arg} must be a positive int, a (rows, cols) tuple of them, or 'auto'; got {value!r}"
-        )
-    if value <= 0:
-        raise ValueError(f"{arg} must be >= 1, got {value}; pass e.g. {arg}=1024 or 'auto'")
-    return int(value)
+    return positive_int(
+        value,
+        arg,
+        accepts=", a (rows, cols) tuple of them, or 'auto'",
+        fix=f"; pass e.g. {arg}=1024 or 'auto'",
+    )
 
 
 def leading_length(tree: Any, arg: str) -> int:

@@ -39,7 +39,8 @@ from jax import lax
 
 from memwise.linearize import linearize, taylor_expand
 from memwise.nt._triple import named_tuple
-from memwise.ntk.empirical import _contract_jacobians, empirical
+from memwise.ntk._jacobians import contract_jacobians
+from memwise.ntk.empirical import empirical
 from memwise.tiling import ChunkSize
 
 __all__ = [
@@ -260,7 +261,7 @@ def _ntk_of_leaf(
         else:
             j1 = jax.jacrev(g)(params, x1)
             j2 = j1 if x2 is x1 else jax.jacrev(g)(params, x2)
-            blocks = _contract_jacobians(j1, j2, ndim)
+            blocks = contract_jacobians(j1, j2, ndim)
         return _trace_and_diagonal(blocks, trace_axes, diagonal_axes)
 
     in_axis, out_axis = axes

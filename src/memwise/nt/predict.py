@@ -31,7 +31,7 @@ import numpy as np
 from memwise.engine import accumulation_dtype
 from memwise.nt._triple import KernelFn as _CompatKernelFn
 from memwise.nt._triple import named_tuple
-from memwise.ntk.predict import _check_time, _Propagator
+from memwise.ntk._gradient_flow import Propagator, check_time
 from memwise.ntk.predict import predict as _predict
 
 __all__ = [
@@ -176,14 +176,14 @@ def gradient_descent_mse(
             else _as_matrix(k_test_train, "k_test_train", y.shape[0], full).astype(wide)
         )
         if t is None:
-            propagate = _Propagator(k, ridge, None, n_outputs)
+            propagate = Propagator(k, ridge, None, n_outputs)
             fx_train_t = y.astype(k.dtype)
             if fx_test_0 is None or k_td is None:
                 return fx_train_t
             fx_test_t = fx_test_0 + unflat(k_td @ propagate(rhs))
             return fx_test_t if fx_train_0 is None else (fx_train_t, fx_test_t)
         times = jnp.asarray(t, wide) * learning_rate
-        propagate = _Propagator(k, ridge, 1.0, n_outputs)
+        propagate = Propagator(k, ridge, 1.0, n_outputs)
         theta = propagate.evecs @ (propagate.evals[:, None] * propagate.evecs.T)
         gains = jax.vmap(lambda s: propagate(rhs, time_scale=s))(times.reshape(-1))
         out = []
@@ -237,11 +237,11 @@ def gp_inference(
     y = _check_targets(y_train)
     _check_trace_axes(trace_axes, y)
 
-    def propagator(g: str) -> _Propagator:
+    def propagator(g: str) -> Propagator:
         k = _check_matrix(_attr(k_train_train, g, "k_train_train"), "k_train_train", y.shape[0])
         wide = accumulation_dtype(jnp.result_type(k.dtype, y.dtype))
         ridge = _relative_ridge(k, diag_reg, diag_reg_absolute_scale)
-        return _Propagator(k.astype(wide), ridge, None, y.shape[1])
+        return Propagator(k.astype(wide), ridge, None, y.shape[1])
 
     def predict_fn(get: Any = None, k_test_train: Any = None, k_test_test: Any = None) -> Any:
         gets, single = _gets(get, ("nngp", "ntk", "ntkgp"))
@@ -352,7 +352,7 @@ def gradient_descent_mse_ensemble(
         if t is None:
             mean = y.astype(k_dd.dtype)
             return Gaussian(mean, jnp.zeros_like(k_dd)) if compute_cov else mean
-        propagate = _Propagator(k_dd, diag_reg, 1.0, y.shape[1])
+        propagate = Propagator(k_dd, diag_reg, 1.0, y.shape[1])
         evals, evecs = jnp.maximum(propagate.evals, 0.0), propagate.evecs
         times = jnp.asarray(t, k_dd.dtype) * learning_rate
         size = y.size
@@ -387,7 +387,7 @@ def gradient_descent_mse_ensemble(
                 "supported by memwise.nt.predict"
             )
         gets, single = _gets(get)
-        _check_time(t)
+        check_time(t)
         t = None if t is None else jnp.asarray(t)
         out = {}
         for g in gets:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
+from memwise._arguments import positive_int
 from memwise.ntk._covariance import Layer, _check_layers, _is_zero_ntk, register
 from memwise.ntk._walk import _Flow, _to_diagonal
 
@@ -38,13 +37,8 @@ class FanOut(Layer):
     n: int
 
     def __post_init__(self):
-        if not isinstance(self.n, (int, np.integer)) or isinstance(self.n, (bool, np.bool_)):
-            raise TypeError(f"FanOut n must be an int (the number of branches), got {self.n!r}")
-        if self.n < 1:
-            raise ValueError(
-                f"FanOut n must be a positive int (the number of branches), got {self.n!r}"
-            )
-        object.__setattr__(self, "n", int(self.n))
+        n = positive_int(self.n, "FanOut n", accepts=" (the number of branches)")
+        object.__setattr__(self, "n", n)
 
     def _leaves(self):
         return iter(())

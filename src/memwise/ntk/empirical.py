@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from memwise._dtypes import accumulation_dtype
 from memwise.chunked import chunked_map, over_row_chunks
+from memwise.ntk._jacobians import contract_jacobians
 from memwise.tiling import ChunkSize, pair_bytes, tiling
 
 __all__ = ["empirical"]
@@ -49,19 +50,6 @@ def _tree_dot(a: Any, b: Any) -> jax.Array:
     dtype = jnp.result_type(*(x for pair in pairs for x in pair))
     acc = accumulation_dtype(dtype)
     terms = [jnp.sum(x.astype(acc) * y.astype(acc)) for x, y in pairs]
-    return sum(terms[1:], terms[0]).astype(dtype)
-
-
-def _contract_jacobians(j1: Any, j2: Any, out_ndim: int) -> jax.Array:
-    """(O x P) . (O x P)^T summed over leaves -> (O, O) (or () for scalar outputs), in at
-    least float32 and cast back (see :func:`_tree_dot`)."""
-    pairs = list(zip(jax.tree_util.tree_leaves(j1), jax.tree_util.tree_leaves(j2)))
-    dtype = jnp.result_type(*(x for pair in pairs for x in pair))
-    acc = accumulation_dtype(dtype)
-    terms = []
-    for a, b in pairs:
-        param_axes = list(range(out_ndim, a.ndim))
-        terms.append(jnp.tensordot(a, b, axes=(param_axes, param_axes), preferred_element_type=acc))
     return sum(terms[1:], terms[0]).astype(dtype)
 
 
@@ -185,7 +173,7 @@ def empirical(
                 jj = jacobian(xj)
 
                 def pair(ji):
-                    k = _contract_jacobians(ji, jj, out_ndim)
+                    k = contract_jacobians(ji, jj, out_ndim)
                     return _trace(k, out_ndim) if trace else k
 
                 return jax.vmap(pair)(j_rows)

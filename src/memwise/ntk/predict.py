@@ -30,11 +30,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
 import numpy as np
 
 from memwise._dtypes import accumulation_dtype
 from memwise.chunked import over_row_chunks
+from memwise.ntk._gradient_flow import Propagator, check_time
 from memwise.ntk.regression import (
     _check_pair,
     _check_ridge,
@@ -46,45 +46,6 @@ from memwise.ntk.regression import (
 from memwise.tiling import ChunkSize
 
 __all__ = ["predict"]
-
-
-def _check_time(t: Any) -> None:
-    """``t``: None (infinite time), a time >= 0 or an array of them (a traced ``t`` is
-    not checked)."""
-    if t is None or isinstance(t, jax.core.Tracer):
-        return
-    value = np.asarray(t)
-    if not (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)):
-        raise TypeError(
-            f"t must be None (infinite time), a training time >= 0 or an array of them, got {t!r}"
-        )
-    if not np.all(value >= 0):
-        raise ValueError(f"t must be >= 0 (a training time) or None for infinite time, got {t!r}")
-
-
-class _Propagator:
-    """``M_t B`` for the regularised train-train kernel ``Theta`` (see the module doc):
-    ``b.shape``, or ``t.shape + b.shape`` for an array of times (one eigendecomposition
-    for all of them)."""
-
-    def __init__(self, theta: jax.Array, ridge: Any, t: Any, n_outputs: int):
-        n = theta.shape[0]
-        theta = 0.5 * (theta + theta.T)  # exact symmetry, whatever the tile order
-        theta = theta + (ridge * jnp.trace(theta) / n) * jnp.eye(n, dtype=theta.dtype)
-        self.t = t
-        self.normalization = n * n_outputs  # neural-tangents' y_train.size
-        if t is None:
-            self.factor = jsl.cho_factor(theta, lower=True)
-        else:
-            self.evals, self.evecs = jnp.linalg.eigh(theta)
-
-    def __call__(self, b: jax.Array, time_scale: float = 1.0) -> jax.Array:
-        if self.t is None:
-            return jsl.cho_solve(self.factor, b)
-        evals = jnp.maximum(self.evals, 0.0)
-        t = jnp.asarray(self.t, self.evals.dtype) * time_scale
-        gain = -jnp.expm1(-evals * t[..., None] / self.normalization) / jnp.abs(self.evals)
-        return self.evecs @ (gain[..., None] * (self.evecs.T @ b))
 
 
 def predict(
@@ -157,7 +118,7 @@ def predict(
         ((5, 2), (5, 5))
     """
     _check_ridge(ridge)
-    _check_time(t)
+    check_time(t)
     if get not in ("ntk", "nngp"):
         raise ValueError(f"get must be 'ntk' or 'nngp', got {get!r}")
     if not isinstance(compute_cov, bool):
@@ -179,7 +140,7 @@ def predict(
     theta = _matrix(kernel, p_train, p_train, cols, cols)
     out_dtype = jnp.result_type(theta.dtype, y_train.dtype)
     wide = accumulation_dtype(theta.dtype)  # no bfloat16/float16 Cholesky or eigh in JAX
-    propagate = _Propagator(theta.astype(wide), ridge, t, y_train.shape[1])
+    propagate = Propagator(theta.astype(wide), ridge, t, y_train.shape[1])
     alpha = propagate(y_train.astype(wide))  # times + (n, outputs)
     # Every time's coefficients side by side: one tiled pass for all of them.
     (n, outputs), times = y_train.shape, (() if t is None else jnp.shape(t))
