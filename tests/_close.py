@@ -8,7 +8,7 @@ which backend a figure is about.
 
 Backends. Tolerances are written for XLA:CPU. On a TPU float32 matrix products run at
 bfloat16 precision by default (about 1e-3 relative): a test that means to check float32
-arithmetic runs at ``precision=HIGHEST`` there (the suite's autouse fixture does it on
+arithmetic runs at ``precision=HIGHEST`` there (conftest.py sets it for the session on
 every backend but CPU; a test of the default precision is marked
 ``default_precision``), and what HIGHEST leaves (transcendentals, and sums the backend
 orders differently) is the backend's floor in :data:`FLOOR`: a tolerance is the larger

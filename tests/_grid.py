@@ -92,6 +92,7 @@ def sample(cases: Sequence[frozenset], fraction: float, key: str) -> list[int]:
             chosen.append(i)
             covered |= cases[i]
     target = math.ceil(fraction * len(cases))
-    rest = [i for i in order if i not in set(chosen)]
+    taken = set(chosen)
+    rest = [i for i in order if i not in taken]
     chosen += rest[: max(0, target - len(chosen))]
     return sorted(chosen)
