@@ -802,48 +802,6 @@ def test_each_reduction_combines_over_devices_as_over_all_columns():
     assert "OK" in out
 
 
-def test_a_registered_kernel_replaces_the_loops_and_matches_them():
-    # The seam for fused kernels: a kernel registered for attention's pattern on this
-    # platform runs instead of the plain-JAX loops (here a dense reference standing in
-    # for a Pallas kernel); one that declines, or none, leaves the loops to run.
-    from memwise.engine import kernels
-
-    calls = []
-
-    def dense_attention(call, rows, cols, pairs, consts):
-        calls.append(call)
-        r = jax.tree.unflatten(call.trees[0], rows)
-        c = jax.tree.unflatten(call.trees[1], cols)
-        s = jnp.einsum("...qd,...kd->...qk", r["q"], c["k"]) * consts[0]
-        lse = jax.nn.logsumexp(s, axis=-1)
-        return jnp.einsum("...qk,...kd->...qd", jnp.exp(s - lse[..., None]), c["v"]), lse
-
-    q = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 4))
-    loss = lambda q: jnp.sum(jnp.sin(mw.attention(q, q, q, chunk_size=4)))
-    plain, plain_grad = jax.value_and_grad(loss)(q)
-    kernel = kernels.register(
-        kernels.Kernel(
-            "dense reference",
-            "dot_product_attention",
-            "softmax",
-            (kernels.platform(),),
-            apply=dense_attention,
-            accepts=lambda call: not call.pattern.option("causal"),
-        )
-    )
-    try:
-        fused, fused_grad = jax.value_and_grad(loss)(q)
-        assert len(calls) == 1 and calls[0].pattern.option("rows") == ("q",)
-        assert_allclose(fused, plain, rtol=1e-5)
-        assert_allclose(fused_grad, plain_grad, rtol=1e-4, atol=1e-6)
-        mw.attention(q, q, q, causal=True, chunk_size=4)  # declined: the loops ran
-        assert len(calls) == 1
-    finally:
-        kernels.unregister(kernel)
-    mw.attention(q, q, q, chunk_size=4)
-    assert len(calls) == 1 and kernel not in kernels.registered()
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.complex64, jnp.int32])
 def test_zeros_made_after_a_pass_inputs_are_exact_zeros(dtype):
     """The accumulators' zeros, read from a pass's inputs, are +0 in their dtype even when

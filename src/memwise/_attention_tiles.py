@@ -167,6 +167,8 @@ def attend(
     groups: tuple[int, int] | None = None,
     caller: str = "memwise.attention",
     auto_shape: DeviceShare | None = None,
+    implementation: str | None = None,
+    lse_unused: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of attention in tiles: ``out`` in the values' dtype, the per-row
     log-sum-exp in float32 (``-inf`` where a query sees no key, ``out`` 0 there).
@@ -189,8 +191,11 @@ def attend(
     skips and the dropout mask's columns use the positions before striping (``q_keep``,
     ``kv_keep`` and the row hashes are the caller's, in the striped order).
     ``auto_shape``: the device's share of a ring step a ``"auto"`` tile is chosen for
-    (:func:`memwise.tiling.tiling`). Gradients: q, k, v, bias and a traced scale.
-    ``caller`` names the public function in the error forward mode raises.
+    (:func:`memwise.tiling.tiling`). ``implementation``: the engine's backend choice
+    (:mod:`memwise.engine.kernels`); an explicit ``chunk_size`` sets a fused kernel's
+    block sizes too; ``lse_unused``: the caller
+    does not read ``lse`` outside differentiation (a kernel may then skip writing it).
+    Gradients: q, k, v, bias and a traced scale. ``caller`` names the public function in the error forward mode raises.
     """
     vis = visibility
     heads = 0 if groups is None else 2  # q's head dims after the sequence axis
@@ -319,6 +324,11 @@ def attend(
         auto_shape=auto_shape,
         band=None if band is None else band[1] - band[0],
     )
+    # The tile the caller asked for, if any: a fused kernel's blocks follow it too.
+    requested = None
+    if not isinstance(chunk_size, str):
+        forward = (tiles.rows.size, tiles.cols.size)
+        requested = forward + (tiles._backward() or forward)
     if groups is not None and band is None and not isinstance(chunk_size, Tiling):
         # With the heads inside the tile, each backward tile moves its K/V block's heads
         # first and back (once per tile, as the forward): at half the forward's rows this
@@ -353,8 +363,12 @@ def attend(
                 ("cols", tuple(sorted(cols))),
                 ("pairs", tuple(sorted(pairs))),
                 ("consts", tuple(sorted(consts))),
+                ("stripes", stripes),
+                ("chunk_size", requested),
+                ("lse_unused", lse_unused),
             ),
         ),
+        implementation=implementation,
         row_layout=None if groups is None else _heads_first,
         forward_mode_error=(
             f"{caller} supports reverse mode (grad, vjp, jacrev; also jax.hessian and "

@@ -52,6 +52,7 @@ __all__ = [
     "forbid_reverse_mode",
     "hoist_constant_casts",
     "persistent_cache_bypassed",
+    "splash_attention_parts",
 ]
 
 
@@ -245,3 +246,33 @@ def persistent_cache_bypassed():
             compilation_cache.is_cache_used = original
 
     return bypassed()
+
+
+def splash_attention_parts() -> tuple[Any, Any, Any]:
+    """Splash attention's forward, dK/dV and dQ kernels, called one by one:
+    ``(forward, backward_dkv, backward_dq)``.
+
+    Why: the public ``make_splash_mha`` kernel returns the log-sum-exp only without a
+    derivative (``save_residuals=True`` raises under ``grad``), and memwise's attention
+    returns it differentiably (attention sinks, ``return_residual``). Its backward is the
+    kernel's own with the log-sum-exp's cotangent folded into the per-row term
+    ``D_i = sum(o_i * do_i)`` (``D_i - dlse_i``), which needs the three pieces the public
+    ``custom_vjp`` composes. Imported on first use (Pallas's TPU modules are not needed
+    on other platforms).
+    """
+    try:
+        from jax.experimental.pallas.ops.tpu.splash_attention import (
+            splash_attention_kernel as splash,
+        )
+
+        return (
+            splash._splash_attention_forward,
+            splash._splash_attention_bwd_dkv,
+            splash._splash_attention_bwd_dq,
+        )
+    except (ImportError, AttributeError) as error:  # pragma: no cover - JAX release
+        raise ImportError(
+            f"memwise's TPU attention needs splash attention's kernels, which jax "
+            f"{jax.__version__} does not have as memwise expects ({error}); pass "
+            "implementation='xla', or install a jax release memwise supports"
+        ) from error

@@ -42,6 +42,7 @@ from memwise._arguments import as_array
 from memwise._attention_args import attention_sharding, check_scale
 from memwise._attention_tiles import Visibility, attend, check_stripes, stripe_count
 from memwise.engine import Ring
+from memwise.engine.kernels import check_implementation
 from memwise.sharding import (
     devices,
     ring_step,
@@ -83,6 +84,7 @@ def attention(
     shard_dim: int = -2,
     ring: bool | None = None,
     stripes: int | None = None,
+    implementation: str | None = None,
 ) -> jax.Array:
     """Softmax attention ``softmax(q k^T * scale + bias) v`` in tiles, forward and backward.
 
@@ -147,6 +149,12 @@ def attention(
         ``s`` the number of devices of a causal ring, every device does the same number
         of visible tiles at every ring step (contiguous, device ``i`` does ``i + 1``
         blocks' worth while the others wait). Needs ``Lq == Lk``, divisible by ``s``.
+      implementation: ``None`` (the default): a fused kernel where one is compiled for
+        the platform and serves the call (on a TPU: splash attention's Pallas kernels,
+        with or without ``causal``, lengths multiples of 128, no mask or bias, on one
+        device), the XLA tiles elsewhere; ``"xla"``: the XLA tiles; ``"pallas"``: the
+        kernel (in Pallas's interpret mode off the TPU), or a ``ValueError`` naming
+        the option it lacks.
 
     Example::
 
@@ -179,6 +187,7 @@ def attention(
         raise TypeError(f"q, k, v must be float arrays, got {q.dtype}, {k.dtype}, {v.dtype}")
     dtype = jnp.result_type(q, k, v)
     scale = check_scale(scale, d)
+    check_implementation(implementation)
     striped = check_stripes(stripes, lq, lk)
     if mask is not None:
         mask = as_array(mask, "mask")
@@ -218,7 +227,20 @@ def attention(
                 "ring=True needs the queries split over devices: pass mesh= "
                 "(and axis_name=), shard q, or call under jax.set_mesh"
             )
-        return _attention_local(q, k, v, mask, bias, scale, causal, chunk_size, None, None, striped)
+        return _attention_local(
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            scale,
+            causal,
+            chunk_size,
+            None,
+            None,
+            striped,
+            implementation=implementation,
+        )
     mesh, spec = sharding
     row_axes = spec[-2]
     ringed = auto_shape = None
@@ -240,7 +262,19 @@ def attention(
             # Causal masking compares global positions: this device's first query.
             offset = lax.axis_index(row_axes).astype(jnp.int32) * q.shape[-2]
         return _attention_local(
-            q, k, v, mask, bias, scale, causal, chunk_size, offset, ringed, striped, auto_shape
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            scale,
+            causal,
+            chunk_size,
+            offset,
+            ringed,
+            striped,
+            auto_shape,
+            implementation=implementation,
         )
 
     kv_spec = P(*spec[:-2], row_axes if ringed else None, None)
@@ -344,6 +378,8 @@ def _attention_local(
     ring=None,
     stripes=None,
     auto_shape=None,
+    *,
+    implementation=None,
 ):
     """Attention on one device (or per device inside shard_map); ``row_offset`` is the
     global index of the first query (None: 0); with a ``ring``, k and v are this
@@ -362,5 +398,7 @@ def _attention_local(
         ring=ring,
         stripes=stripes,
         auto_shape=auto_shape,
+        implementation=implementation,
+        lse_unused=True,
     )
     return out.astype(jnp.result_type(q, k, v))

@@ -52,6 +52,7 @@ from memwise._attention_tiles import (
 )
 from memwise._dtypes import accumulation_dtype
 from memwise._sdpa_split import run_split, sequence_split
+from memwise.engine.kernels import check_implementation
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]
@@ -240,9 +241,14 @@ def dot_product_attention(
       key_value_seq_lengths: int array ``(B,)``: keys at or past it are not seen.
       local_window_size: ``(left, right)`` or an int for both: query ``i`` sees keys
         ``i - left <= j <= i + right``.
-      implementation: ``None`` or ``"xla"`` (accepted for compatibility; the
-        computation is memwise's tiled one). ``"cudnn"`` raises ``ValueError``: call
-        ``jax.nn.dot_product_attention`` for cuDNN's fused kernel.
+      implementation: ``None`` (the default): a fused kernel where one is compiled for
+        the platform and serves the call (on a TPU: splash attention's Pallas kernels,
+        for causal, local windows, segment ids, soft cap, sinks and grouped-query K/V
+        with lengths that are multiples of 128), memwise's XLA tiles elsewhere and
+        for the rest; ``"xla"``: the XLA tiles; ``"pallas"``: the kernel (in Pallas's
+        interpret mode off the TPU), and a ``ValueError`` naming the option it lacks.
+        ``"cudnn"`` raises ``ValueError``: call ``jax.nn.dot_product_attention`` for
+        cuDNN's fused kernel.
       return_residual: also return the per-row log-sum-exp of the scores, ``(B, T, N)``
         (``(T, N)`` unbatched) in the inputs' dtype, as ``jax.nn`` (including the sink
         when there are ``sinks``); as ``jax.nn``'s, it has no gradient unless
@@ -299,12 +305,13 @@ def dot_product_attention(
         >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
         ((2, 128, 8, 16), True)
     """
-    if implementation not in (None, "xla"):
+    if implementation == "cudnn":
         raise ValueError(
-            f"implementation={implementation!r} is not memwise's: memwise runs its own "
-            "tiled kernel (pass implementation=None or 'xla'); for cuDNN's fused kernel "
-            "call jax.nn.dot_product_attention(..., implementation='cudnn')"
+            "implementation='cudnn' is not memwise's: memwise runs its own kernels "
+            "(implementation=None, 'xla' or 'pallas'); for cuDNN's fused kernel call "
+            "jax.nn.dot_product_attention(..., implementation='cudnn')"
         )
+    check_implementation(implementation)
     for flag, name in (
         (is_causal, "is_causal"),
         (return_residual, "return_residual"),
@@ -491,6 +498,8 @@ def dot_product_attention(
             row_offset=row_offset,
             stripes=striped,
             auto_shape=auto_shape,
+            implementation=implementation,
+            lse_unused=not (return_residual or sinks is not None or may_see_nothing),
         )
 
     split = sequence_split(q4, S, (k4, v4), per_head and G > 1)

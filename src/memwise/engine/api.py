@@ -113,6 +113,7 @@ def tiled_reduce(
     col_axis: Any = 0,
     backward: str = "rows",
     band: tuple[int, int] | None = None,
+    implementation: str | None = None,
 ) -> Any:
     """The engine: reduce tile scores over columns, for every row, tile by tile.
 
@@ -201,9 +202,9 @@ def tiled_reduce(
     masked by ``tile_fn``; on a ring it is not used.
 
     ``pattern`` (optional) names what ``tile_fn`` computes, so that a fused kernel
-    registered for it, this reduction and the platform (:mod:`memwise.engine.kernels`)
-    runs instead of the plain-JAX loops; with none registered (the default) the loops
-    run.
+    registered for it and this reduction (:mod:`memwise.engine.kernels`) may run instead
+    of the XLA loops, as ``implementation`` asks: ``None`` (the kernel on the platforms
+    it is compiled for, the loops elsewhere), ``"xla"`` or ``"pallas"``.
 
     Example::
 
@@ -277,18 +278,26 @@ def tiled_reduce(
     leaves = [
         guard_forward_mode([jnp.asarray(a) for a in lv], forward_mode_error) for lv, _ in flat
     ]
-    if pattern is not None:
-        call = kernels.KernelCall(
-            pattern, reduce, tiles, batch, spec.trees, ring, kernels.platform()
-        )
-        kernel = kernels.find(call)
-        if kernel is not None:
-            return kernel.apply(call, *leaves)
-    if ring is None:
-        return _tiled_core(spec, *leaves)
-    if col_batch:
+    if ring is not None and col_batch:
         raise ValueError(
             "columns that broadcast over batch dims are not supported with a ring; "
             "give every column leaf the full batch dims"
         )
-    return ring_core(ring_spec(spec), ring, *leaves)
+
+    def loops(*leaves):
+        return (
+            _tiled_core(spec, *leaves)
+            if ring is None
+            else ring_core(ring_spec(spec), ring, *leaves)
+        )
+
+    if pattern is None:
+        kernels.check_implementation(implementation)
+        if implementation == "pallas":
+            raise ValueError("implementation='pallas' needs a pattern a kernel can serve")
+        return loops(*leaves)
+    call = kernels.KernelCall(pattern, reduce, tiles, batch, ring)
+    operands = tuple(jax.tree.unflatten(t, lv) for t, lv in zip(spec.trees, leaves))
+    return kernels.dispatch(
+        call, operands, lambda *trees: loops(*map(jax.tree.leaves, trees)), implementation
+    )

@@ -1,32 +1,56 @@
-"""The seam for fused kernels: where a backend's own implementation (a Pallas kernel on
-GPU or TPU) may replace the engine's plain-JAX tile loops.
+"""The backend seam: where a fused kernel (Pallas, on the platform it is compiled for)
+replaces the engine's XLA tile loops.
 
-The plain-JAX loops evaluate any ``tile_fn``; a fused kernel computes one known tile
-function (scaled dot-product scores, say) with its reduction in one program, its own
-block sizes and its own backward. A caller that knows its tile function is such a
-pattern says so with a :class:`Pattern` (a name and hashable static options); the
-engine then asks :func:`find` for a kernel registered for that pattern, the reduction
-kind and the platform the computation is traced for, and calls it instead of the
-loops. With no kernel registered (the default everywhere; the only path on CPU), or
-when every registered kernel declines the call, the plain-JAX loops run: they are the
-reference each kernel is tested against (``tests/test_engine.py`` shows the check).
+The XLA loops evaluate any ``tile_fn``; a fused kernel computes one known tile function
+(scaled dot-product scores, say) with its reduction in one program, its own block sizes
+and its own backward. A caller whose tile function is such a pattern says so with a
+:class:`Pattern` (a name and hashable static options) and an ``implementation``:
 
-A kernel receives the call's :class:`KernelCall` (pattern, reduction, resolved tiling,
-batch, the operands' tree structures) and the operands as the engine's leaves, and
-returns what :func:`~memwise.engine.tiled_reduce` returns; it owns its derivative (a
-Pallas kernel's ``custom_vjp``). Pallas's ``ops/gpu/attention.py`` is the model:
-explicit forward and backward block sizes, a reference implementation beside it.
+* ``"xla"``: the loops, everywhere.
+* ``None`` (the default): the first registered kernel that serves the call, on the
+  platforms it is compiled for, and the loops on every other platform. The choice is
+  made when the program is lowered (``jax.lax.platform_dependent``), not when it is
+  traced, so ``jax.jit(f, backend="cpu")`` on a TPU host runs the loops. Where no
+  platform the kernel is compiled for exists in this process (a CPU-only machine), the
+  kernel is not traced at all: the program is the loops' alone.
+* ``"pallas"``: that kernel, and a clear error where none serves the call; on a platform
+  it is not compiled for it runs in Pallas's interpret mode, which is how the CPU suite
+  checks every kernel's code paths against the loops (``tests/test_kernels.py``).
+
+A :class:`Kernel` says which pattern and reduction it computes, the platforms it is
+compiled for, why it declines a call (``declines(call, rows, cols, pairs, consts)``
+returns the option or shape it cannot serve, or ``None``), and ``apply(call, rows, cols,
+pairs, consts, *, interpret)``, which returns what :func:`~memwise.engine.tiled_reduce`
+returns and owns its derivative (a ``custom_vjp`` around the kernel's backward).
+Kernels register on import (:mod:`memwise.engine.tpu_attention`).
+
+Pallas's ``ops/gpu/attention.py`` is the model: explicit forward and backward block
+sizes, a reference implementation beside it (here: the loops).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 
-__all__ = ["Kernel", "KernelCall", "Pattern", "find", "register", "registered", "unregister"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "Kernel",
+    "KernelCall",
+    "Pattern",
+    "check_implementation",
+    "dispatch",
+    "find",
+    "register",
+    "registered",
+    "unregister",
+]
+
+IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +74,22 @@ class KernelCall:
     reduce: str
     tiles: Any  # memwise.tiling.Tiling
     batch: tuple[int, ...]
-    trees: tuple  # treedefs of (rows, cols, pairs, consts)
     ring: Any  # memwise.engine.Ring or None
-    platform: str
+
+
+def _serves_all(call: KernelCall, rows: Any, cols: Any, pairs: Any, consts: Any) -> None:
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """A fused implementation of one pattern's reduction on some platforms.
+    """A fused implementation of one pattern's reduction.
 
-    ``accepts(call) -> bool`` declines what the kernel does not support (a tiling it
-    has no block size for, an option it lacks); ``apply(call, rows, cols, pairs,
-    consts)`` returns the engine's result for the leaves given.
+    ``platforms``: where it is compiled (elsewhere it runs only in interpret mode, and
+    only when asked for by ``implementation="pallas"``). ``declines(call, rows, cols,
+    pairs, consts)`` names what it cannot serve (an option, a shape, a dtype) or returns
+    ``None``; ``apply(call, rows, cols, pairs, consts, *, interpret)`` returns the
+    engine's result for those operands.
     """
 
     name: str
@@ -69,7 +97,7 @@ class Kernel:
     reduce: str
     platforms: tuple[str, ...]
     apply: Callable[..., Any]
-    accepts: Callable[[KernelCall], bool] = lambda call: True
+    declines: Callable[..., str | None] = _serves_all
 
 
 _REGISTRY: list[Kernel] = []
@@ -102,20 +130,67 @@ def registered() -> tuple[Kernel, ...]:
     return tuple(_REGISTRY)
 
 
-def platform() -> str:
-    """The platform the computation being traced will run on (JAX's default backend)."""
-    return jax.default_backend()
+def check_implementation(implementation: Any, name: str = "implementation") -> None:
+    """A one-line ``ValueError`` unless ``implementation`` is one of
+    :data:`IMPLEMENTATIONS`."""
+    if not (
+        implementation is None
+        or (isinstance(implementation, str) and implementation in IMPLEMENTATIONS)
+    ):
+        raise ValueError(
+            f"{name} must be None (a fused kernel where one is compiled for the "
+            f"platform, the XLA loops elsewhere), 'xla' or 'pallas'; got {implementation!r}"
+        )
 
 
-def find(call: KernelCall) -> Kernel | None:
-    """The first registered kernel for ``call``'s pattern, reduction and platform that
-    accepts it, or ``None`` (then the plain-JAX loops run)."""
+@functools.cache
+def _platform_present(platform: str) -> bool:
+    """Whether this process has devices of ``platform``."""
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+def find(call: KernelCall, operands: tuple) -> tuple[Kernel | None, list[str]]:
+    """The first registered kernel for ``call``'s pattern and reduction that serves the
+    operands ``(rows, cols, pairs, consts)``, and each declining kernel's reason."""
+    reasons: list[str] = []
     for kernel in _REGISTRY:
-        if (
-            kernel.pattern == call.pattern.name
-            and kernel.reduce == call.reduce
-            and call.platform in kernel.platforms
-            and kernel.accepts(call)
-        ):
-            return kernel
-    return None
+        if kernel.pattern != call.pattern.name or kernel.reduce != call.reduce:
+            continue
+        why = kernel.declines(call, *operands)
+        if why is None:
+            return kernel, reasons
+        reasons.append(f"{kernel.name} does not support {why}")
+    return None, reasons
+
+
+def dispatch(
+    call: KernelCall, operands: tuple, loops: Callable[..., Any], implementation: str | None
+) -> Any:
+    """The engine's result for ``operands = (rows, cols, pairs, consts)``, from a kernel
+    or from ``loops`` (called with the same operands), as ``implementation`` asks (see
+    the module docstring)."""
+    check_implementation(implementation)
+    if implementation == "xla":
+        return loops(*operands)
+    kernel, reasons = find(call, operands)
+    if kernel is None:
+        if implementation == "pallas":
+            why = "; ".join(reasons) or f"no kernel is registered for {call.pattern.name}"
+            raise ValueError(
+                f"implementation='pallas' cannot serve this call: {why}. Pass "
+                "implementation=None (the kernel where it serves, the XLA loops "
+                "elsewhere) or 'xla'"
+            )
+        return loops(*operands)
+    compiled = {p: functools.partial(kernel.apply, call, interpret=False) for p in kernel.platforms}
+    default: Callable[..., Any]
+    if implementation == "pallas":
+        default = functools.partial(kernel.apply, call, interpret=True)
+    elif any(_platform_present(p) for p in kernel.platforms):
+        default = loops
+    else:  # nowhere to run the kernel: trace nothing of it
+        return loops(*operands)
+    return jax.lax.platform_dependent(*operands, default=default, **compiled)

@@ -1,0 +1,314 @@
+"""Benchmark ``tpu``: attention on one TPU chip, memwise against the kernels a TPU user
+already has, forward and value_and_grad.
+
+Variants, all bfloat16, batch 1, 8 query heads, ``(B, T, N, H)`` inputs as
+``jax.nn.dot_product_attention`` callers pass them:
+
+* ``memwise``: ``mw.dot_product_attention`` with its default dispatch (on a TPU: splash
+  attention's kernels behind memwise's backend seam, moved to heads-first and back);
+* ``memwise xla``: the same call with ``implementation="xla"`` (memwise's XLA tiles);
+* ``splash <blocks>``: JAX's Pallas splash attention called directly on heads-first
+  inputs, at each block configuration of a small sweep (separate dQ and dK/dV backward
+  kernels, or the fused one where its float32 dQ per K/V block fits); the best is
+  reported as ``splash best``;
+* ``flash``: JAX's Pallas flash attention (heads-first, K/V repeated for grouped-query);
+* ``jax.nn xla``: ``jax.nn.dot_product_attention(implementation="xla")``, where it fits.
+
+Per variant: the compiled temporaries (``memory_analysis()``), the median time of
+``--repeats`` runs after a warm-up, and TFLOP/s (4 B N T S H, halved when causal; the
+gradient counts 3.5 times the forward: two matmuls forward, five backward). Results go to
+``results/tpu.json`` after every case, so a run cut short keeps what it measured.
+``--cpu`` runs a small case in Pallas's interpret mode: the check that the script works
+before device time is spent on it.
+
+Usage: ``python benchmarks/tpu.py [--cases 4k,16k,64k] [--full] [--variants memwise]
+[--cpu]`` (``python -m benchmarks tpu`` on a TPU host; elsewhere it does nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import memwise as mw
+
+RESULTS = Path(__file__).with_name("results") / "tpu.json"
+
+
+def _splash_fn(t, heads, kv_heads, causal, blocks, fused, interpret):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    fq, fkv, bq, bkv = blocks
+    sizes = sa.BlockSizes(
+        block_q=fq,
+        block_kv=fkv,
+        block_kv_compute=fkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=None if fused else bq,
+        block_kv_dq=None if fused else bkv,
+        use_fused_bwd_kernel=fused,
+    )
+    one = sa.CausalMask((t, t)) if causal else sa.FullMask((t, t))
+    kernel = sa.make_splash_mha_single_device(
+        sa.MultiHeadMask([one] * heads), block_sizes=sizes, interpret=interpret
+    )
+    return jax.vmap(kernel)
+
+
+def _variants(t, heads, kv_heads, hd, causal, interpret, full):
+    scale = hd**-0.5
+    rep = heads // kv_heads
+    out = {}
+    out["memwise"] = (lambda q, k, v: mw.dot_product_attention(q, k, v, is_causal=causal), False)
+    if not interpret:
+        out["memwise xla"] = (
+            lambda q, k, v: mw.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="xla"
+            ),
+            False,
+        )
+    sweep = [
+        ((512, 1024, 1024, 1024), False),
+        ((1024, 1024, 1024, 1024), False),
+        ((512, 512, 512, 512), False),
+    ]
+    if t <= 16_384:  # the fused backward's float32 dQ per K/V block: 17 GB at 64k
+        sweep += [((512, 1024, 512, 1024), True), ((512, 512, 512, 512), True)]
+    if interpret:
+        sweep = [((128, 128, 128, 128), False)]
+    for blocks, fused in sweep:
+        blocks = tuple(min(b, t) for b in blocks)
+        kernel = _splash_fn(t, heads, kv_heads, causal, blocks, fused, interpret)
+        name = f"splash {'fused' if fused else 'separate'} {'x'.join(map(str, blocks))}"
+        # heads-first inputs: splash as a user calls it directly (no transposes timed)
+        out[name] = (
+            functools.partial(
+                lambda kernel, q, k, v: kernel(q * jnp.asarray(scale, q.dtype), k, v), kernel
+            ),
+            True,
+        )
+    if not interpret:
+        from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+        b = min(512, t)
+        sizes = fa.BlockSizes(
+            block_q=b,
+            block_k_major=b,
+            block_k=b,
+            block_b=1,
+            block_q_major_dkv=b,
+            block_k_major_dkv=b,
+            block_k_dkv=b,
+            block_q_dkv=b,
+            block_k_major_dq=b,
+            block_k_dq=b,
+            block_q_dq=b,
+        )
+
+        def flash(q, k, v):  # heads first; K/V repeated for grouped-query (its own cost)
+            k, v = (jnp.repeat(a, rep, axis=1) for a in (k, v))
+            return fa.flash_attention(q, k, v, causal=causal, sm_scale=scale, block_sizes=sizes)
+
+        out["flash"] = (flash, True)
+        if t <= 16_384:
+            out["jax.nn xla"] = (
+                lambda q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, is_causal=causal, implementation="xla"
+                ),
+                False,
+            )
+    return out
+
+
+def _time(fn, args, repeats):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_case(t, heads, kv_heads, hd, causal, *, interpret, repeats, full, only=()):
+    key = jax.random.key(0)
+    kq, kk, kv = jax.random.split(key, 3)
+    dtype = jnp.bfloat16
+    q = jax.random.normal(kq, (1, t, heads, hd), dtype)
+    k = jax.random.normal(kk, (1, t, kv_heads, hd), dtype)
+    v = jax.random.normal(kv, (1, t, kv_heads, hd), dtype)
+    flops = 4 * heads * t * t * hd * (0.5 if causal else 1.0)
+    rows = []
+    for name, (fn, heads_first) in _variants(
+        t, heads, kv_heads, hd, causal, interpret, full
+    ).items():
+        if only and not name.startswith(tuple(only)):
+            continue
+        args = tuple(a.swapaxes(1, 2) for a in (q, k, v)) if heads_first else (q, k, v)
+        loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
+        for mode, f in (("forward", fn), ("value_and_grad", jax.value_and_grad(loss, (0, 1, 2)))):
+            row = {"variant": name, "mode": mode}
+            try:
+                compiled = jax.jit(f).lower(*args).compile()
+                row["temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+                seconds = _time(compiled, args, repeats)
+                row["ms"] = 1e3 * seconds
+                work = flops * (3.5 if mode == "value_and_grad" else 1.0)
+                row["tflops"] = work / seconds / 1e12
+            except Exception as error:  # noqa: BLE001 - a variant that does not fit
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            rows.append(row)
+            print(
+                json.dumps(
+                    {
+                        "T": t,
+                        "heads": heads,
+                        "kv_heads": kv_heads,
+                        "hd": hd,
+                        "causal": causal,
+                        **row,
+                    }
+                ),
+                flush=True,
+            )
+    return rows
+
+
+NOTES = (
+    "One TPU v5e chip, bfloat16, batch 1, 8 query heads, head dim 128, causal; loss "
+    "sum(out ** 2). memwise: mw.dot_product_attention's default dispatch on (B, T, N, H) "
+    "inputs (splash attention's kernels behind memwise's backend seam, q, k, v and the "
+    "output moved heads-first and back); memwise xla: its XLA tiles; splash best: the "
+    "fastest of a sweep of splash attention's block sizes and backward kernels (fused, or "
+    "separate dQ and dK/dV) on heads-first inputs; flash: Pallas flash attention at 512 "
+    "blocks (K/V repeated for grouped-query); jax.nn: its XLA implementation (up to 16k). "
+    "TFLOP/s count 4 N T^2 H / 2 forward and 3.5 times that for value_and_grad; the "
+    "chip's bfloat16 matmul peak is 197 TFLOP/s on paper, about 170 for a plain matmul. Times are medians of 5 runs (3 at "
+    "65,536); memory is the compiled temporaries."
+)
+
+
+def tables(cases: dict) -> list[dict]:
+    """One BENCHMARKS.md table per case: each variant's forward and value_and_grad."""
+    out = []
+    columns = [
+        ["variant", "variant"],
+        ["fwd", "forward ms"],
+        ["fwd_x", "/ splash best"],
+        ["fwd_tf", "TFLOP/s"],
+        ["fwd_temp", "temp"],
+        ["vjp", "value_and_grad ms"],
+        ["vjp_x", "/ splash best"],
+        ["vjp_tf", "TFLOP/s"],
+        ["vjp_temp", "temp"],
+    ]
+    for case, rows in cases.items():
+        best = {}
+        for mode in ("forward", "value_and_grad"):
+            timed = [
+                r
+                for r in rows
+                if r["mode"] == mode and "ms" in r and r["variant"].startswith("splash")
+            ]
+            best[mode] = min(timed, key=lambda r: r["ms"]) if timed else None
+        merged: dict = {}
+        for r in rows:
+            name = r["variant"]
+            if name.startswith("splash"):
+                if r is not best[r["mode"]]:
+                    continue
+                name = f"splash best ({name[len('splash ') :]})"
+            key = "fwd" if r["mode"] == "forward" else "vjp"
+            row = merged.setdefault(
+                r["variant"]
+                if not r["variant"].startswith("splash")
+                else "splash best " + r["mode"],
+                {"variant": name},
+            )
+            if "ms" not in r:
+                row[key] = r.get("error", "failed")[:60]
+                continue
+            ratio = r["ms"] / best[r["mode"]]["ms"] if best[r["mode"]] else None
+            row[key] = f"{r['ms']:.2f}"
+            row[key + "_x"] = "-" if ratio is None else f"{ratio:.2f}x"
+            row[key + "_tf"] = f"{r['tflops']:.0f}"
+            row[key + "_temp"] = f"{r['temp_mib']:.1f} MiB"
+        out.append(
+            {
+                "title": f"attention on one TPU v5e, {case}",
+                "columns": columns,
+                "rows": list(merged.values()),
+            }
+        )
+    return out
+
+
+def main(argv=None, quick: bool = False) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="4k,16k,64k")
+    parser.add_argument(
+        "--full", action="store_true", help="also full (non-causal) and head dim 64"
+    )
+    parser.add_argument("--cpu", action="store_true", help="a small case in interpret mode")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--variants", default="", help="only variants whose name starts so")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args([] if argv is None else argv)
+    if jax.default_backend() != "tpu" and not args.cpu:
+        print("benchmark 'tpu': no TPU found; nothing to do (--cpu checks the script)")
+        return 0
+    if args.cpu:
+        cases = [(256, 8, 1, 128, True)]
+    else:
+        lengths = {"4k": 4096, "16k": 16_384, "64k": 65_536}
+        cases = []
+        for name in args.cases.split(","):
+            for kv_heads in (8, 1):
+                for causal in (True, False) if args.full else (True,):
+                    for hd in (128, 64) if args.full else (128,):
+                        cases.append((lengths[name], 8, kv_heads, hd, causal))
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() and not args.cpu else {}
+    results["date"] = time.strftime("%Y-%m-%d")
+    results["machine"] = {
+        "backend": jax.default_backend(),
+        "processor": str(jax.devices()[0].device_kind),
+        "cpu_count": os.cpu_count(),
+        "versions": {"jax": jax.__version__},
+    }
+    results["notes"] = NOTES
+    results.setdefault("cases", {})
+    for t, heads, kv_heads, hd, causal in cases:
+        rows = run_case(
+            t,
+            heads,
+            kv_heads,
+            hd,
+            causal,
+            interpret=args.cpu,
+            repeats=1 if args.cpu else args.repeats,
+            full=args.full,
+            only=[v for v in args.variants.split(",") if v],
+        )
+        name = f"T={t} N={heads} K={kv_heads} H={hd} {'causal' if causal else 'full'}"
+        results["cases"][name] = rows
+        results["tables"] = tables(results["cases"])
+        if not args.cpu:
+            out.parent.mkdir(exist_ok=True)
+            out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
