@@ -382,6 +382,28 @@ def test_where_it_differs_from_jax_nn_a_minus_inf_bias_and_mixed_dtypes():
         mw.dot_product_attention(q.astype(jnp.bfloat16), k, v)
 
 
+def test_a_row_hidden_by_a_large_negative_bias_has_jax_nn_gradients():
+    # An additive mask of -1e9 (or -1e30, or finfo.min / 2) over every key of a row: the
+    # scores all round to the bias, and the backward's probabilities must still sum to
+    # one (a log-sum-exp of -1e9 + log(S) rounds to -1e9 in float32: they summed to S).
+    q, k, v = (a.astype(jnp.float32) for a in _qkv(B=1, T=3, S=10, N=2, K=2))
+    row = jnp.zeros((3, 10)).at[0].set(1.0).at[1, :4].set(1.0)  # hidden, partly, seen
+
+    @jax.jit
+    def grads(hide):
+        def loss(fn, q, k, v):
+            return jnp.sum(jnp.sin(fn(q, k, v, bias=row * hide)))
+
+        ours = jax.grad(lambda *a: loss(mw.dot_product_attention, *a), (0, 1, 2))(q, k, v)
+        ref = jax.grad(lambda *a: loss(jax.nn.dot_product_attention, *a), (0, 1, 2))(q, k, v)
+        return ours, ref
+
+    for hide in (-1e5, -1e9, -1e30, float(jnp.finfo(jnp.float32).min) / 2):
+        ours, ref = grads(jnp.float32(hide))
+        for name, g, r in zip("qkv", ours, ref):
+            np.testing.assert_allclose(g, r, atol=2e-6, err_msg=f"d{name}, bias {hide}")
+
+
 @pytest.mark.slow
 def test_every_option_on_8_devices_matches_one_device():
     """Queries split over their sequence (and batch) dim: K/V, their key-side masks and
