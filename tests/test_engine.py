@@ -633,7 +633,10 @@ def test_a_ring_gradient_reuses_the_outputs_buffer_on_4_devices():
     # buffer. Made after the output's cotangent instead, it held O alive beside it: with
     # 8 query heads per K/V head, two query-sized buffers per device beyond the
     # arguments instead of one (the output's cotangent). Compiled at two lengths, the
-    # temporaries' growth in local query blocks: 2.03 before, 1.03 now.
+    # temporaries' growth in local query blocks: 2.03 before, 1.03 now. The column
+    # slices' zero accumulators are made after delta too: made after the residual, they
+    # read O, and XLA scheduled them after the queries' accumulator once the softmax
+    # saved its log-sum-exp's rounding error as well (2.08).
     out = run_on_devices(
         """
         import jax, jax.numpy as jnp
