@@ -5,6 +5,8 @@ test_sdpa_jax.py; dtypes, transformations and edge shapes are rows of test_matri
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -382,6 +384,62 @@ def test_where_it_differs_from_jax_nn_a_minus_inf_bias_and_mixed_dtypes():
         mw.dot_product_attention(q.astype(jnp.bfloat16), k, v)
 
 
+def _attention_in_sdpa_layout(query, key, value, bias, mask, *, chunk_size):
+    """mw.attention, heads before the sequence, with jax.nn's arguments and layout; a row
+    that sees no key is zeros there (jax.nn, as mw.dot_product_attention: the mean of
+    the values)."""
+    t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+    out = mw.attention(t(query), t(key), t(value), mask=mask, bias=bias, chunk_size=chunk_size)
+    return t(out)
+
+
+def _jax_nn_as_attention(query, key, value, bias, mask):
+    """jax.nn's attention with mw.attention's zeros for a row that sees no key."""
+    out = jax.nn.dot_product_attention(query, key, value, bias, mask)
+    return jnp.where(jnp.any(mask, -1).swapaxes(1, 2)[..., None], out, 0.0)
+
+
+@pytest.mark.parametrize("size", [4, 10, 100])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fn", ["dot_product_attention", "attention"])
+def test_a_row_hidden_by_a_large_negative_bias_has_jax_nn_gradients(fn, dtype, size):
+    # An additive mask of -1e9 (or -1e30, or finfo.min / 2) over every key of a row: the
+    # scores all round to the bias, and the backward's probabilities must still sum to
+    # one (a log-sum-exp of -1e9 + log(S) rounds to -1e9 in float32: they summed to S,
+    # and dq, dk, dv were S times jax.nn's). Rows: hidden by the bias, half hidden, seen,
+    # hidden by the mask, half by the mask and half by the bias; two column tiles or more.
+    q, k, v = (a.astype(dtype) for a in _qkv(B=1, T=5, S=size, N=2, K=2))
+    half = size // 2
+    hide = jnp.zeros((5, size), jnp.float32).at[0].set(1).at[1, :half].set(1).at[4, half:].set(1)
+    mask = jnp.ones((5, size), bool).at[3].set(False).at[4, :half].set(False)[None, None]
+    if fn == "attention":
+        ours_fn = functools.partial(_attention_in_sdpa_layout, chunk_size=(2, 3))
+        ref_fn = _jax_nn_as_attention
+    else:
+        ours_fn = functools.partial(mw.dot_product_attention, chunk_size=(2, 3))
+        ref_fn = jax.nn.dot_product_attention
+
+    @jax.jit
+    def grads(bias):
+        def loss(fn, *qkv):
+            return jnp.sum(jnp.sin(fn(*qkv, bias.astype(dtype), mask).astype(jnp.float32)))
+
+        ours = jax.grad(lambda *a: loss(ours_fn, *a), (0, 1, 2))(q, k, v)
+        # The reference in float32 from the same inputs (jax.nn rounds bfloat16's
+        # probabilities to bfloat16).
+        up = [a.astype(jnp.float32) for a in (q, k, v)]
+        ref = jax.grad(lambda *a: loss(ref_fn, *a), (0, 1, 2))(*up)
+        return ours, ref
+
+    tol = 2e-6 if dtype == jnp.float32 else 2e-2
+    for value in (-1e5, -1e9, -1e30, float(jnp.finfo(jnp.float32).min) / 2):
+        ours, ref = grads(hide * jnp.float32(value))
+        for name, g, r in zip("qkv", ours, ref):
+            np.testing.assert_allclose(
+                g.astype(jnp.float32), r, atol=tol, rtol=tol, err_msg=f"d{name}, bias {value}"
+            )
+
+
 @pytest.mark.slow
 def test_every_option_on_8_devices_matches_one_device():
     """Queries split over their sequence (and batch) dim: K/V, their key-side masks and
@@ -414,6 +472,9 @@ def test_every_option_on_8_devices_matches_one_device():
             "mask+bias": dict(mask=jax.random.bernoulli(ks[3], 0.8, (B, 1, T, T)),
                               bias=jax.random.normal(ks[4], (1, 1, T, T))),
             "per-head mask": dict(mask=jax.random.bernoulli(ks[5], 0.8, (B, N, T, T))),
+            # rows a -1e9 bias hides, wholly and on some devices' blocks only (the merge)
+            "hidden rows": dict(bias=jnp.zeros((1, 1, T, T)).at[..., 0, :].set(-1e9)
+                                .at[..., 1, 40:].set(-1e9).at[..., 2, :70].set(-1e9)),
         }
         for name, kw in cases.items():
             floats = {n: a for n, a in kw.items() if n in ("sinks", "bias")}
@@ -470,4 +531,4 @@ def test_every_option_on_8_devices_matches_one_device():
         """,
         n_devices=8,
     )
-    assert out.count("ok") == 12
+    assert out.count("ok") == 13

@@ -202,16 +202,17 @@ def dot_product_attention(
     serves its ``N / K`` query heads without being repeated. Returns ``query``'s shape
     (last dim ``value``'s) in the inputs' dtype.
 
-    Memory: the inputs, the output, a float32 log-sum-exp per query and head, and one
-    tile of scores for every head, in both passes; never a ``T x S`` matrix, and never
-    K/V repeated to ``N`` heads. The inputs are read where they are, in their
-    ``(B, T, N, H)`` layout, every head inside each tile. A mask or bias adds its own
-    size (no more: it is sliced tile by tile from its own shape); one with a head dim
-    (``N`` > 1 in ``(B, N, T, S)``) is read heads-first, which moves q, k, v and the
-    output to a ``(B, N, T, H)`` copy and back (their gradients too). Compute: about
-    2.5 forward passes for the gradient; tiles that ``is_causal``, ``local_window_size``, the sequence lengths or
-    the segment ids make invisible are skipped in both passes (a window of ``W`` keys
-    costs about ``T * W``, not ``T * S``).
+    Memory: the inputs, the output, a float32 log-sum-exp per query and head (and what
+    rounding it lost: two floats), and one tile of scores for every head, in both
+    passes; never a ``T x S`` matrix, and never K/V repeated to ``N`` heads. The inputs
+    are read where they are, in their ``(B, T, N, H)`` layout, every head inside each
+    tile. A mask or bias adds its own size (no more: it is sliced tile by tile from its
+    own shape); one with a head dim (``N`` > 1 in ``(B, N, T, S)``) is read heads-first,
+    which moves q, k, v and the output to a ``(B, N, T, H)`` copy and back (their
+    gradients too). Compute: about 2.5 forward passes for the gradient; tiles that
+    ``is_causal``, ``local_window_size``, the sequence lengths or the segment ids make
+    invisible are skipped in both passes (a window of ``W`` keys costs about ``T * W``,
+    not ``T * S``).
 
     Many devices: when ``query``'s data is split over its batch or sequence dim (a
     ``NamedSharding``, an Explicit-axes type under ``jit``, or a mesh with Auto axes set

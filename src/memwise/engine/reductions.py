@@ -38,12 +38,18 @@ def safe_max(m: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def closed_lse(m: jax.Array, denom: jax.Array) -> jax.Array:
-    """``log sum exp`` from the running max and the shifted sum: ``-inf`` where no score
-    was finite, with a zero derivative there (``log 0``'s is ``0 / 0``: a ring block that
-    a row does not see made forward-over-reverse NaN through the merge)."""
+def log_denominator(denom: jax.Array) -> jax.Array:
+    """``log denom`` of a shifted sum: ``-inf`` where no score was finite, with a zero
+    derivative there (``log 0``'s is ``0 / 0``: a ring block that a row does not see made
+    forward-over-reverse NaN through the merge)."""
     seen = (denom > 0) | jnp.isnan(denom)  # a NaN score propagates, as in jnp
-    return jnp.where(seen, safe_max(m) + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+    return jnp.where(seen, jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+
+
+def closed_lse(m: jax.Array, denom: jax.Array) -> jax.Array:
+    """``log sum exp`` from the running max and the shifted sum (``-inf`` where no score
+    was finite)."""
+    return safe_max(m) + log_denominator(denom)
 
 
 def merged_lse(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -380,7 +386,17 @@ class Softmax(Reduction):
     """``(sum_j p_ij w_ij v_j, lse_i)`` with ``p`` the softmax of the scores over ``j``
     (attention; value weights ``w``, dropout's ``keep / (1 - rate)``, leave the
     denominator unchanged and get no gradient). The residual is the unrounded output
-    and the float32 log-sum-exp.
+    and the float32 log-sum-exp as an unevaluated sum ``lse + lse_low``: ``lse`` rounded,
+    ``lse_low`` what the rounding lost.
+
+    Why two numbers: a row whose every key a large additive mask hides (a bias of
+    ``-1e9``) has scores that all round to the bias, and ``lse = -1e9 + log S`` rounds
+    to ``-1e9`` in float32; the backward's ``exp(s - lse)`` then re-formed weights of 1,
+    not ``1 / S``, and dq, dk, dv came out ``S`` times too large. So the statistics keep
+    the row's maximum and the log of the shifted sum apart (their merges too) until
+    :meth:`finish`, and the backward re-forms ``exp((s - lse) - lse_low)``, where
+    ``s - lse`` is exact when the two are close (Sterbenz): one more subtraction per
+    score, and one more float32 per row in the residual.
 
     A tile may hold several heads, leading: scores ``h + (R, C)``, values
     ``h' + (C,) + dv`` where each dim of ``h'`` is that of ``h`` or 1 (a K/V head
@@ -430,45 +446,53 @@ class Softmax(Reduction):
         return m_new, denom, acc
 
     def close(self, state):
+        """``(out, max, log_sum)``: the log-sum-exp is ``max + log_sum``, kept apart (the
+        max 0 and the log ``-inf`` where no score was finite)."""
         m, denom, acc = state
         nh = m.ndim - 1
-        lse = closed_lse(m, denom)
         out = acc / expand(jnp.where(denom > 0, denom, 1.0), acc.ndim)
         # Rows first: heads h + (R,) + dv -> (R,) + h + dv (once per row block).
-        return jnp.moveaxis(out, nh, 0), jnp.moveaxis(lse, nh, 0)
+        return tuple(jnp.moveaxis(a, nh, 0) for a in (out, safe_max(m), log_denominator(denom)))
 
     def combine(self, a, b):
-        (oa, la), (ob, lb) = a, b
-        lse = merged_lse(la, lb)
-        shift = safe_max(lse)
+        (oa, ma, la), (ob, mb, lb) = a, b
+        # The larger max of the blocks that saw a score (an unseen block's is a stand-in
+        # 0), and each block's log-sum relative to it.
+        m = jnp.where(jnp.isneginf(la), mb, jnp.where(jnp.isneginf(lb), ma, jnp.maximum(ma, mb)))
+        la, lb = la + (ma - m), lb + (mb - m)
+        log_sum = merged_lse(la, lb)
+        shift = safe_max(log_sum)
         wa, wb = (expand(jnp.exp(w - shift), oa.ndim) for w in (la, lb))
-        return oa * wa.astype(oa.dtype) + ob * wb.astype(ob.dtype), lse
+        return oa * wa.astype(oa.dtype) + ob * wb.astype(ob.dtype), m, log_sum
 
     def finish(self, first, stats):
         s_type, v_type = first[:2]
-        out, lse = stats
+        out, m, log_sum = stats
+        lse = m + log_sum
+        lse_low = jnp.where(jnp.isfinite(lse), (m - lse) + log_sum, 0.0)
         # The backward's rowsum(dO * O) needs the unrounded output: with a bfloat16 one,
         # dq and dk came out up to 1.4x less accurate than dense attention's.
-        return (out.astype(v_type.dtype), lse.astype(s_type.dtype)), (out, lse)
+        return (out.astype(v_type.dtype), lse.astype(s_type.dtype)), (out, lse, lse_low)
 
     def row_cotangents(self, residual, ct, batch_ndim, result):
-        out, lse = residual
+        out, lse, lse_low = residual
         ct_out = dense(ct[0], out)
         ct_lse = dense(ct[1], lse).astype(lse.dtype)
         # The value dims: after the batch dims, the row and the heads (lse's dims).
         delta = jnp.sum(ct_out.astype(lse.dtype) * out, axis=tuple(range(lse.ndim, out.ndim)))
-        return [ct_out, ct_lse - delta, lse]
+        return [ct_out, ct_lse - delta, lse, lse_low]
 
     def score_cotangent(self, out, row_data, r_valid, c_valid, c_ids):
         s, vals = out[:2]
         nh = s.ndim - 2
         dv = self._dims(s.ndim, vals.ndim)[1]
         # The rows' data with the heads leading, as in the tile.
-        ct_out, ct_lse_minus_delta, lse = (jnp.moveaxis(a, 0, nh) for a in row_data)
+        ct_out, ct_lse_minus_delta, lse, lse_low = (jnp.moveaxis(a, 0, nh) for a in row_data)
         acc = lse.dtype
         seen = r_valid & jnp.isfinite(lse)
         valid = c_valid & seen[..., None]
-        p = jnp.where(valid, jnp.exp(s.astype(acc) - safe_max(lse)[..., None]), 0.0)
+        shifted = s.astype(acc) - safe_max(lse)[..., None]
+        p = jnp.where(valid, jnp.exp(shifted - lse_low[..., None]), 0.0)
         rows, v_acc, hl = _grouped(s, vals.astype(acc))
         ct_acc = rows(ct_out.astype(acc))
         dp = jnp.einsum(f"{hl}r{dv},{hl}j{dv}->{hl}rj", ct_acc, v_acc).reshape(s.shape)
@@ -487,6 +511,7 @@ class Softmax(Reduction):
         return ds.astype(s.dtype), d_vals, jnp.zeros_like(out[2])
 
     def combine_over_devices(self, local, axes, m_local):
+        """``local`` is the result ``(out, lse)``."""
         out, lse = local
         total = LogSumExp().combine_over_devices(lse, axes, m_local)
         weight = expand(jnp.exp(lse - safe_max(total)), out.ndim)

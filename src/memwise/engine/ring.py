@@ -233,6 +233,14 @@ def _ring_core_bwd(spec, ring, res, ct):
     axes = varying_over(values, [c for c in jax.tree.leaves(ct) if not is_zero(c)])
     d_pairs0 = [vary(jnp.zeros(p.shape, accumulation_dtype(p.dtype)), axes) for p in squeezed]
 
+    # Every zero accumulator is made after the residual's last read (attention's delta,
+    # rowsum(dO * O)) and reads no residual itself. The slices' ones were made after the
+    # residual: they read the float32 output, and where XLA scheduled them after the
+    # queries' gradient accumulator (as it did once the softmax saved its log-sum-exp's
+    # rounding error too), the output stayed alive beside it, a second query-sized
+    # buffer a device.
+    last_reads = last_read(row_data(spec, values, residual, ct))
+
     def pair_share(g, p, k, width):
         # the slice's pair cotangent without the backward pass's padding
         limits = list(g.shape)
@@ -270,8 +278,7 @@ def _ring_core_bwd(spec, ring, res, ct):
         C = sub.tiles.backward_cols
         d_blk = made_after(
             [padded_zeros(a, C, accumulation_dtype(a.dtype), nb) for a in select(blk, col_f)],
-            ct,
-            residual,
+            last_reads,
         )
         init = (blk, d_blk, d_rows, d_pairs, d_consts)
         (_, d_blk, d_rows, d_pairs, d_consts), _ = lax.scan(step, init, jnp.arange(ring.size))
@@ -294,7 +301,7 @@ def _ring_core_bwd(spec, ring, res, ct):
             [jnp.zeros(a.shape, accumulation_dtype(a.dtype)) for a in select(rows, row_f)],
             d_pairs0,
         ),
-        last_read(row_data(spec, values, residual, ct)),
+        last_reads,
     )
     carry = (None, d_rows, d_pairs, accumulators(select(consts, const_f)))
     d_home, d_rows, d_pairs, d_consts = _over_slices(sub_ring, carry, spec, m_local)
