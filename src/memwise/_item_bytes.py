@@ -115,7 +115,8 @@ def pair_bytes(fn: Callable, first: Any, second: Any, *consts: Any) -> int:
 
     Example::
 
-        >>> b = pair_bytes(lambda a, b: jnp.sum(a * a) - 2.0 * jnp.dot(a, b), jnp.ones(64), jnp.ones(64))
+        >>> b = pair_bytes(lambda a, b: jnp.sum(a * a) - 2.0 * jnp.dot(a, b),
+        ...                jnp.ones(64), jnp.ones(64))
         >>> int(b) < 64 < b.per_row, b.per_col
         (True, 0)
     """

@@ -114,9 +114,11 @@ class DriftLog:
         >>> step = lambda h, x: (h + jnp.sin(x), None)       # h -> h + sin(x) ...
         >>> unstep = lambda h, x: h - jnp.sin(x)             # ... and back
         >>> log = mw.DriftLog()
-        >>> loss = lambda h0, xs: mw.scan(step, h0, xs, inverse=unstep, drift=log)[0].sum()
+        >>> loss = lambda h0, xs: mw.scan(
+        ...     step, h0, xs, inverse=unstep, drift=log)[0].sum()
         >>> _ = jax.grad(loss)(jnp.zeros(3), jnp.ones((100, 3)))
-        >>> [(d.step, d.steps_rebuilt) for d in log.records], log.max_relative < 1e-5
+        >>> ([(d.step, d.steps_rebuilt) for d in log.records],
+        ...  log.max_relative < 1e-5)
         ([(0, 100)], True)
     """
 

@@ -297,7 +297,8 @@ def chunked_map(
 
         >>> import jax, jax.numpy as jnp, memwise as mw
         >>> w = jnp.ones((3, 3))
-        >>> ys = mw.chunked_map(lambda x: jnp.tanh(w @ x), jnp.ones((10, 3)), chunk_size=4)
+        >>> ys = mw.chunked_map(
+        ...     lambda x: jnp.tanh(w @ x), jnp.ones((10, 3)), chunk_size=4)
         >>> ys.shape
         (10, 3)
     """
@@ -366,7 +367,8 @@ def over_row_chunks(fn: Callable, x_rows: Any, row_tiles: Chunking) -> Any:
 
         >>> import jax.numpy as jnp
         >>> from memwise.tiling import Chunking
-        >>> over_row_chunks(lambda block: block * 2, jnp.arange(5.0), Chunking(5, 2))
+        >>> over_row_chunks(lambda block: block * 2, jnp.arange(5.0),
+        ...                 Chunking(5, 2))
         Array([0., 2., 4., 6., 8.], dtype=float32)
     """
 

@@ -271,9 +271,11 @@ def tile_time(cost: Cost, tiles: int, machine: Machine) -> float:
     Example::
 
         >>> m = Machine("cpu/test", 1e11, ((2**15, 1e11), (2**27, 1e10)), 1e-7)
-        >>> round(tile_time(Cost(1e6, 4e6, 10, 4e6), 10, m) * 1e3, 3)  # memory-bound
+        >>> # memory-bound
+        >>> round(tile_time(Cost(1e6, 4e6, 10, 4e6), 10, m) * 1e3, 3)
         0.843
-        >>> round(tile_time(Cost(1e9, 1e3, 10, 1e3), 1, m) * 1e3, 3)   # one tile: arithmetic
+        >>> # one tile: arithmetic
+        >>> round(tile_time(Cost(1e9, 1e3, 10, 1e3), 1, m) * 1e3, 3)
         10.0
     """
     compute = cost.flops / machine.flops_per_s

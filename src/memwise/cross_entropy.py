@@ -178,7 +178,7 @@ def linear_cross_entropy(
         >>> w = jax.random.normal(jax.random.PRNGKey(1), (8, 50))
         >>> labels = jnp.array([1, 4, 9, 49, 0, 3])
         >>> loss = mw.linear_cross_entropy(x, w, labels, chunk_size=(4, 16))
-        >>> logp = jax.nn.log_softmax(x @ w)                  # the dense computation
+        >>> logp = jax.nn.log_softmax(x @ w)  # the dense computation
         >>> dense = -jnp.take_along_axis(logp, labels[:, None], 1).mean()
         >>> bool(jnp.allclose(loss, dense, rtol=1e-6))
         True

@@ -93,8 +93,10 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         ...     sol = diffrax.diffeqsolve(term, diffrax.Dopri5(), 0.0, 1.0, 0.1, y0,
         ...                               adjoint=adjoint, max_steps=64)
         ...     return sol.ys[-1]
-        >>> g = jax.grad(final_y)(1.0, memwise.diffrax.CheckpointAdjoint(checkpoints=4))
-        >>> g_ref = jax.grad(final_y)(1.0, diffrax.RecursiveCheckpointAdjoint(checkpoints=4))
+        >>> g = jax.grad(final_y)(
+        ...     1.0, memwise.diffrax.CheckpointAdjoint(checkpoints=4))
+        >>> g_ref = jax.grad(final_y)(
+        ...     1.0, diffrax.RecursiveCheckpointAdjoint(checkpoints=4))
         >>> bool(jnp.allclose(g, g_ref)), round(float(g), 4)  # d/dy0 of y0 exp(-1)
         (True, 0.3679)
     """

@@ -7,7 +7,8 @@ convention of ``nn.scan`` for the usual recurrent case (``variable_broadcast="pa
 False}``, ``in_axes``, ``out_axes``) and runs the loop with ``memwise.scan`` and its
 optimal binomial checkpointing (Griewank & Walther 2000), so the fix is one line::
 
-    @functools.partial(mw.flax.scan, variable_broadcast="params", in_axes=1, out_axes=1,
+    @functools.partial(mw.flax.scan, variable_broadcast="params",
+                       in_axes=1, out_axes=1,
                        split_rngs={"params": False}, checkpoints=16)
     def forward(self, carry, x):
         return self.cell(carry, x)
@@ -191,8 +192,8 @@ def scan(
         >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, memwise.flax
         >>> class LSTM(nn.Module):
         ...     @functools.partial(memwise.flax.scan, variable_broadcast="params",
-        ...                        split_rngs={"params": False}, in_axes=1, out_axes=1,
-        ...                        checkpoints=8)
+        ...                        split_rngs={"params": False},
+        ...                        in_axes=1, out_axes=1, checkpoints=8)
         ...     @nn.compact
         ...     def __call__(self, carry, x):
         ...         return nn.OptimizedLSTMCell(16)(carry, x)
@@ -241,7 +242,8 @@ def scan_module(
         >>> carry = (jnp.zeros((2, 16)), jnp.zeros((2, 16)))
         >>> def loss(cell):
         ...     _, ys = memwise.flax.scan_module(
-        ...         lambda m, c, x: m(c, x), cell, carry, jnp.ones((50, 2, 3)), checkpoints=8)
+        ...         lambda m, c, x: m(c, x), cell, carry, jnp.ones((50, 2, 3)),
+        ...         checkpoints=8)
         ...     return ys.sum()
         >>> grads = nnx.jit(nnx.grad(loss))(cell)
         >>> grads.dense_i.kernel.shape, grads.dense_h.kernel.shape

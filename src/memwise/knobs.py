@@ -60,7 +60,8 @@ class Knob:
         ...     _ = knobs.auto("checkpoints", candidates=[100, 10], cost=[1.0, 1.5],
         ...                    default=10, source="model.py:7")
         >>> found[0]
-        Knob(kind='checkpoints', source='model.py:7', candidates=(100, 10), cost=(1.0, 1.5),
+        Knob(kind='checkpoints', source='model.py:7', candidates=(100, 10),
+             cost=(1.0, 1.5),
              default=10, label='')
     """
 
@@ -167,12 +168,14 @@ def auto(
         >>> from memwise import knobs
         >>> def chunk_size():  # what a primitive does with chunk_size="auto"
         ...     return knobs.auto("chunk_size", candidates=[4096, 1024, 256],
-        ...                       cost=[1.0, 1.0, 1.1], default=1024, source="model.py:3")
+        ...                       cost=[1.0, 1.0, 1.1], default=1024,
+        ...                       source="model.py:3")
         >>> chunk_size()  # outside mw.fit: the default
         1024
         >>> with knobs.recording() as found:
         ...     _ = chunk_size()
-        >>> with knobs.recording(plan=[2], layout=found):  # the plan picks candidate 2
+        >>> # the plan picks candidate 2
+        >>> with knobs.recording(plan=[2], layout=found):
         ...     planned = chunk_size()
         >>> planned
         256
@@ -219,7 +222,8 @@ def recording(
         >>> import jax, jax.numpy as jnp, memwise as mw
         >>> from memwise import knobs
         >>> def loss(xs):
-        ...     h, _ = mw.scan(lambda h, x: (h + x, None), 0.0, xs, checkpoints="auto")
+        ...     h, _ = mw.scan(lambda h, x: (h + x, None), 0.0, xs,
+        ...                    checkpoints="auto")
         ...     return h
         >>> with knobs.recording() as found:
         ...     _ = jax.eval_shape(loss, jnp.ones(100))

@@ -259,7 +259,8 @@ class Linearized:
         Linearized(<lambda>, 1 parameter arrays)
         >>> float(lin(jnp.float32(0.5), 2.0))  # sin(0) x + cos(0) x (0.5 - 0)
         1.0
-        >>> jax.tree.leaves(lin)  # the expansion point is a leaf, not a baked-in constant
+        >>> # the expansion point is a leaf, not a baked-in constant
+        >>> jax.tree.leaves(lin)
         [Array(0., dtype=float32)]
     """
 

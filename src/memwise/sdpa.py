@@ -300,7 +300,8 @@ def dot_product_attention(
 
         >>> import jax, jax.numpy as jnp, memwise as mw
         >>> q = jax.random.normal(jax.random.key(0), (2, 128, 8, 16))
-        >>> kv = jax.random.normal(jax.random.key(1), (2, 128, 2, 16))  # 4 heads per K/V
+        >>> # 4 heads per K/V
+        >>> kv = jax.random.normal(jax.random.key(1), (2, 128, 2, 16))
         >>> out = mw.dot_product_attention(q, kv, kv, is_causal=True)
         >>> ref = jax.nn.dot_product_attention(q, kv, kv, is_causal=True)
         >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
@@ -598,8 +599,8 @@ def flax_attention_fn(
     Example::
 
         >>> import flax.linen as nn, jax, jax.numpy as jnp, memwise as mw
-        >>> layer = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32,
-        ...                                         attention_fn=mw.flax_attention_fn)
+        >>> layer = nn.MultiHeadDotProductAttention(
+        ...     num_heads=4, qkv_features=32, attention_fn=mw.flax_attention_fn)
         >>> x = jnp.ones((2, 50, 16))
         >>> params = layer.init(jax.random.key(0), x)
         >>> layer.apply(params, x).shape

@@ -359,7 +359,7 @@ def ring_pays(whole: int, block: int, n_devices: int) -> bool:
         False
         >>> ring_pays(whole=100, block=25, n_devices=4)  # equal operands, D = 4
         True
-        >>> ring_pays(whole=25, block=25, n_devices=4)  # 8:1 grouped-query K/V, D = 4
+        >>> ring_pays(whole=25, block=25, n_devices=4)  # 8:1 grouped-query K/V
         False
     """
     return whole * (1 - 1 / n_devices) > block

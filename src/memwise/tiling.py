@@ -101,7 +101,8 @@ class Chunking:
         >>> c = Chunking(10, 4)
         >>> c.n_chunks, c.padded, c.ragged
         (3, 12, True)
-        >>> [int(i) for i in c.chunk_ids(2)[0]], [bool(v) for v in c.chunk_ids(2)[1]]
+        >>> ids, valid = c.chunk_ids(2)
+        >>> [int(i) for i in ids], [bool(v) for v in valid]
         ([6, 7, 8, 9], [False, False, True, True])
     """
 
@@ -331,7 +332,7 @@ def chunking(
     Example::
 
         >>> c = chunking(10, 4)
-        >>> c, c.split(jnp.arange(10.0)).shape     # 3 chunks, the last slid back: 6..9
+        >>> c, c.split(jnp.arange(10.0)).shape  # 3 chunks, the last slid back: 6..9
         (Chunking(length=10, size=4), (3, 4))
     """
     if length < 1:

@@ -440,8 +440,10 @@ def fit(
         ...         return jnp.tanh(h @ w + x), None
         ...     h, _ = mw.scan(step, jnp.zeros(16), xs, checkpoints="auto")
         ...     return jnp.sum(h)
-        >>> fitted = mw.fit(loss, budget="24KiB")  # all 200 carries would take 28 KiB
-        >>> g = jax.grad(fitted)(jnp.eye(16), jnp.ones((200, 16)))  # planned on first call
+        >>> # all 200 carries would take 28 KiB
+        >>> fitted = mw.fit(loss, budget="24KiB")
+        >>> # planned on first call
+        >>> g = jax.grad(fitted)(jnp.eye(16), jnp.ones((200, 16)))
         >>> print(fitted.plan)
         plan: peak ... within budget 24.0 KiB, predicted time ...
           policy (whole loss) ...

@@ -28,7 +28,8 @@ class MemoryBudgetError(RuntimeError):
         >>> fitted(jnp.ones(10_000))
         Traceback (most recent call last):
           ...
-        memwise.fit.MemoryBudgetError: no plan fits the budget of 1.0 KiB (1,024 B): ...
+        memwise.fit.MemoryBudgetError: no plan fits the budget of 1.0 KiB
+        (1,024 B): ...
     """
 
 

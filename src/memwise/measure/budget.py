@@ -67,7 +67,8 @@ def device_memory_bytes() -> int:
     Example::
 
         >>> from memwise.measure import device_memory_bytes, parse_budget
-        >>> parse_budget(0.5) == device_memory_bytes() // 2  # a float budget is a fraction
+        >>> # a float budget is a fraction
+        >>> parse_budget(0.5) == device_memory_bytes() // 2
         True
     """
     try:

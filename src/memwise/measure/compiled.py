@@ -146,8 +146,10 @@ def compile_measured(
 
         >>> import jax.numpy as jnp, memwise as mw
         >>> loss = lambda x: jnp.sum(jnp.sin(x) ** 2)
-        >>> compiled, mem = mw.measure.compile_measured(loss, jnp.ones(1000), grad=True)
-        >>> compiled(jnp.zeros(1000)).shape, mem.output_bytes  # the gradient, 1000 floats
+        >>> compiled, mem = mw.measure.compile_measured(
+        ...     loss, jnp.ones(1000), grad=True)
+        >>> # the gradient, 1000 floats
+        >>> compiled(jnp.zeros(1000)).shape, mem.output_bytes
         ((1000,), 4000)
     """
     lowered, consts = lower(fn, args, kwargs, grad, argnums, static_argnums, static_argnames)

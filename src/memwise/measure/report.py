@@ -36,10 +36,12 @@ class MemoryReport(CompiledMemory):
     Example::
 
         >>> import jax.numpy as jnp, memwise as mw
-        >>> report = mw.memory_report(lambda x: jnp.sum(jnp.sin(x) ** 2), jnp.ones(1000), grad=True)
+        >>> report = mw.memory_report(lambda x: jnp.sum(jnp.sin(x) ** 2),
+        ...                           jnp.ones(1000), grad=True)
         >>> report.grad, report.argument_bytes, report.output_bytes
         (True, 4000, 4000)
-        >>> report.to_dict()["residuals"][0]["shape"]  # the backward keeps arrays like x
+        >>> # the backward keeps arrays like x
+        >>> report.to_dict()["residuals"][0]["shape"]
         (1000,)
     """
 
@@ -80,7 +82,8 @@ class MemoryReport(CompiledMemory):
             >>> report = mw.memory_report(lambda x: jnp.sum(jnp.sin(x) ** 2),
             ...                           jnp.ones(1000), grad=True)
             >>> tl = report.timeline()
-            >>> tl.peak_bytes <= report.argument_bytes + report.output_bytes + report.temp_bytes
+            >>> tl.peak_bytes <= (report.argument_bytes + report.output_bytes
+            ...                   + report.temp_bytes)
             True
         """
         if self._lowered is None:
@@ -216,8 +219,10 @@ def memory_report(
         >>> import jax, jax.numpy as jnp, memwise as mw
         >>> def loss(w, x):
         ...     return jnp.sum(jnp.tanh(x @ w) ** 2)
-        >>> report = mw.memory_report(loss, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
-        >>> report.argument_bytes, report.output_bytes  # w and x in; the gradient of w out
+        >>> report = mw.memory_report(
+        ...     loss, jnp.ones((64, 64)), jnp.ones((8, 64)), grad=True)
+        >>> # w and x in; the gradient of w out
+        >>> report.argument_bytes, report.output_bytes
         (18432, 16384)
         >>> print(report.to_text())
         memory report: gradient of loss  (compiled, not run)

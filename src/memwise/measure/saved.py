@@ -46,7 +46,8 @@ class Residual:
 
         >>> import jax.numpy as jnp, memwise as mw
         >>> mw.measure.residuals(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(8))[0]
-        Residual(shape=(8,), dtype='float32', nbytes=32, source='...', count=1, what='cos')
+        Residual(shape=(8,), dtype='float32', nbytes=32, source='...', count=1,
+                 what='cos')
     """
 
     shape: tuple[int, ...]
@@ -165,7 +166,8 @@ def residuals(
 
         >>> import jax.numpy as jnp, memwise as mw
         >>> kept = mw.measure.residuals(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(8))
-        >>> [(r.what, r.shape, r.nbytes) for r in kept]  # sin's backward keeps cos(x)
+        >>> # sin's backward keeps cos(x)
+        >>> [(r.what, r.shape, r.nbytes) for r in kept]
         [('cos', (8,), 32)]
     """
     fn, args, kwargs, nums = _arguments.prepare(

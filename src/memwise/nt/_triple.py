@@ -49,7 +49,8 @@ class KernelFn:
 
         >>> import jax.numpy as jnp
         >>> from memwise.nt import stax
-        >>> _, _, kernel_fn = stax.serial(stax.Dense(512), stax.Relu(), stax.Dense(1))
+        >>> _, _, kernel_fn = stax.serial(
+        ...     stax.Dense(512), stax.Relu(), stax.Dense(1))
         >>> kernel_fn(jnp.ones((2, 3)), None, "nngp").shape
         (2, 2)
         >>> kernel_fn(jnp.ones((2, 3)), get=("ntk", "nngp"))._fields
@@ -310,7 +311,8 @@ def serial(*layers: Layer) -> Layer:
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise.nt import stax
-        >>> init_fn, apply_fn, kernel_fn = stax.serial(stax.Dense(16), stax.Relu(), stax.Dense(1))
+        >>> init_fn, apply_fn, kernel_fn = stax.serial(
+        ...     stax.Dense(16), stax.Relu(), stax.Dense(1))
         >>> shape, params = init_fn(jax.random.PRNGKey(0), (-1, 3))
         >>> shape, len(params), apply_fn(params, jnp.ones((2, 3))).shape
         ((-1, 1), 3, (2, 1))
@@ -341,9 +343,11 @@ def parallel(*layers: Layer) -> Layer:
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise.nt import stax
-        >>> block = stax.serial(stax.FanOut(2), stax.parallel(stax.Identity(), stax.Relu()),
-        ...                     stax.FanInSum())
-        >>> block.apply_fn(block.init_fn(jax.random.PRNGKey(0), (1, 2))[1], jnp.array([[-1.0, 2.0]]))
+        >>> block = stax.serial(
+        ...     stax.FanOut(2), stax.parallel(stax.Identity(), stax.Relu()),
+        ...     stax.FanInSum())
+        >>> block.apply_fn(block.init_fn(jax.random.PRNGKey(0), (1, 2))[1],
+        ...                jnp.array([[-1.0, 2.0]]))
         Array([[-1.,  4.]], dtype=float32)
     """
     _check_layers(layers, "parallel")
@@ -397,9 +401,11 @@ def FanInConcat(axis: int = -1) -> Layer:  # noqa: N802
         >>> import jax.numpy as jnp
         >>> from memwise.nt import stax
         >>> _, _, kernel_fn = stax.serial(
-        ...     stax.FanOut(2), stax.parallel(stax.Dense(64), stax.Dense(192, W_std=2.0)),
+        ...     stax.FanOut(2),
+        ...     stax.parallel(stax.Dense(64), stax.Dense(192, W_std=2.0)),
         ...     stax.FanInConcat())
-        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])  # (64 * 1 + 192 * 4) / 256
+        >>> # (64 * 1 + 192 * 4) / 256
+        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])
         3.25
     """
     if isinstance(axis, bool) or not hasattr(axis, "__index__"):

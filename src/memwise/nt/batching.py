@@ -59,7 +59,8 @@ def batch(
         >>> import jax.numpy as jnp
         >>> import memwise.nt as nt
         >>> from memwise.nt import stax
-        >>> _, _, kernel_fn = stax.serial(stax.Dense(512), stax.Relu(), stax.Dense(1))
+        >>> _, _, kernel_fn = stax.serial(
+        ...     stax.Dense(512), stax.Relu(), stax.Dense(1))
         >>> batched = nt.batch(kernel_fn, batch_size=2)
         >>> batched(jnp.ones((5, 3)), jnp.ones((3, 3)), "ntk").shape
         (5, 3)

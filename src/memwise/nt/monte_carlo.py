@@ -70,8 +70,10 @@ def monte_carlo_kernel_fn(
         >>> import jax, jax.numpy as jnp
         >>> import memwise.nt as nt
         >>> from memwise.nt import stax
-        >>> init_fn, apply_fn, _ = stax.serial(stax.Dense(64), stax.Relu(), stax.Dense(1))
-        >>> mc = nt.monte_carlo_kernel_fn(init_fn, apply_fn, jax.random.PRNGKey(0), 4)
+        >>> init_fn, apply_fn, _ = stax.serial(
+        ...     stax.Dense(64), stax.Relu(), stax.Dense(1))
+        >>> mc = nt.monte_carlo_kernel_fn(
+        ...     init_fn, apply_fn, jax.random.PRNGKey(0), 4)
         >>> mc(jnp.ones((3, 2)), None, "nngp").shape
         (3, 3)
     """

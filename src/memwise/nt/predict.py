@@ -227,10 +227,11 @@ def gp_inference(
         >>> import jax, jax.numpy as jnp
         >>> import memwise.nt as nt
         >>> from memwise.nt import stax
-        >>> _, _, kernel_fn = stax.serial(stax.Dense(512, b_std=0.1), stax.Erf(), stax.Dense(1))
+        >>> _, _, kernel_fn = stax.serial(
+        ...     stax.Dense(512, b_std=0.1), stax.Erf(), stax.Dense(1))
         >>> x, x_test = jnp.linspace(-1, 1, 8)[:, None], jnp.array([[0.3]])
-        >>> predict_fn = nt.predict.gp_inference(kernel_fn(x, None, ("nngp", "ntk")), jnp.sin(x),
-        ...                                      diag_reg=1e-4)
+        >>> predict_fn = nt.predict.gp_inference(
+        ...     kernel_fn(x, None, ("nngp", "ntk")), jnp.sin(x), diag_reg=1e-4)
         >>> predict_fn("nngp", kernel_fn(x_test, x, ("nngp", "ntk"))).shape
         (1, 1)
     """
@@ -308,11 +309,13 @@ def gradient_descent_mse_ensemble(
         >>> import jax, jax.numpy as jnp
         >>> import memwise.nt as nt
         >>> from memwise.nt import stax
-        >>> _, _, kernel_fn = stax.serial(stax.Dense(512, b_std=0.1), stax.Relu(), stax.Dense(1))
+        >>> _, _, kernel_fn = stax.serial(
+        ...     stax.Dense(512, b_std=0.1), stax.Relu(), stax.Dense(1))
         >>> x = jnp.linspace(-1, 1, 8)[:, None]
-        >>> predict_fn = nt.predict.gradient_descent_mse_ensemble(kernel_fn, x, jnp.sin(x),
-        ...                                                       diag_reg=1e-4)
-        >>> predict_fn(t=10.0, x_test=x[:3], get="ntk", compute_cov=True).covariance.shape
+        >>> predict_fn = nt.predict.gradient_descent_mse_ensemble(
+        ...     kernel_fn, x, jnp.sin(x), diag_reg=1e-4)
+        >>> predict_fn(
+        ...     t=10.0, x_test=x[:3], get="ntk", compute_cov=True).covariance.shape
         (3, 3)
     """
     if kernel_fn_train_train_kwargs:

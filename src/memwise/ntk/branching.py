@@ -80,8 +80,10 @@ def parallel(*layers: Layer) -> Layer:
 
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
-        >>> block = k.serial(k.FanOut(2), k.parallel(k.Identity(), k.Relu()), k.FanInSum())
-        >>> float(k.serial(k.Dense(), block)(jnp.ones((1, 3)), get="nngp")[0, 0])  # 1 + 0.5
+        >>> block = k.serial(
+        ...     k.FanOut(2), k.parallel(k.Identity(), k.Relu()), k.FanInSum())
+        >>> # 1 + 0.5
+        >>> float(k.serial(k.Dense(), block)(jnp.ones((1, 3)), get="nngp")[0, 0])
         1.5
     """
     _check_layers(layers, "parallel")
@@ -134,7 +136,8 @@ class FanInSum(Layer):
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.FanOut(3), k.FanInSum())
-        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])  # three copies of 1.0
+        >>> # three copies of 1.0
+        >>> float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0])
         3.0
     """
 

@@ -82,7 +82,8 @@ class ABRelu(Layer):
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.ABRelu(0.5, 2.0))
-        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # (a^2 + b^2) / 2
+        >>> # (a^2 + b^2) / 2
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)
         2.125
     """
 
@@ -149,7 +150,8 @@ def Relu() -> ABRelu:  # noqa: N802 (neural-tangents' layer names)
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.Relu())
-        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # E[relu(z)^2]
+        >>> # E[relu(z)^2]
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)
         0.5
     """
     return ABRelu(0.0, 1.0)
@@ -164,7 +166,8 @@ def LeakyRelu(alpha: float) -> ABRelu:  # noqa: N802
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.LeakyRelu(0.1))
-        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # (0.1^2 + 1) / 2
+        >>> # (0.1^2 + 1) / 2
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)
         0.505
     """
     return ABRelu(_real("LeakyRelu", "alpha", alpha), 1.0)
@@ -199,7 +202,8 @@ class Erf(Layer):
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.Erf())
-        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # 2/pi arcsin(2/3)
+        >>> # 2/pi arcsin(2/3)
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)
         0.4646
     """
 
@@ -232,7 +236,8 @@ def Sigmoid_like() -> Erf:  # noqa: N802
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.Sigmoid_like())
-        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # E[f(z)^2], z ~ N(0, 1)
+        >>> # E[f(z)^2], z ~ N(0, 1)
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)
         0.2914
     """
     return Erf(a=0.5, b=1 / 2.4020563531719796, c=0.5)
@@ -253,7 +258,8 @@ class Gelu(Layer):
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.Gelu())
-        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # E[gelu(z)^2]
+        >>> # E[gelu(z)^2]
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)
         0.4252
     """
 
@@ -292,7 +298,8 @@ class Sin(Layer):
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.Sin())
-        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)  # (1 - exp(-2)) / 2
+        >>> # (1 - exp(-2)) / 2
+        >>> round(float(kernel_fn(jnp.ones((1, 3)), get="nngp")[0, 0]), 4)
         0.4323
     """
 

@@ -95,7 +95,8 @@ def empirical(
         >>> from memwise import ntk
         >>> f = lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
         >>> params = {"w": jnp.ones((3, 8)) / 3, "v": jnp.ones((8, 2)) / 8}
-        >>> ntk.empirical(f, params, jnp.ones((5, 3)), method="vjp", chunk_size=2).shape
+        >>> ntk.empirical(
+        ...     f, params, jnp.ones((5, 3)), method="vjp", chunk_size=2).shape
         (5, 5, 2, 2)
     """
     if method not in _METHODS:

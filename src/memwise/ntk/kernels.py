@@ -96,7 +96,8 @@ class Prepared(NamedTuple):
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> p = k.serial(k.Dense(), k.Relu(), k.Dense()).prepare(jnp.ones((3, 2)))
-        >>> p.x.shape, [v.shape for v in p.variances]  # Relu reads each input's variance
+        >>> # Relu reads each input's variance
+        >>> p.x.shape, [v.shape for v in p.variances]
         ((3, 2), [(3,)])
     """
 
@@ -122,8 +123,10 @@ class KernelFn(Layer):
         >>> import jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
         >>> kernel_fn = k.serial(k.Dense(), k.Relu(), k.Dense())
-        >>> p1, p2 = kernel_fn.prepare(jnp.ones((3, 2))), kernel_fn.prepare(jnp.ones((4, 2)))
-        >>> kernel_fn.cross(p1, p2).shape  # as kernel_fn(x1, x2), each variance computed once
+        >>> p1 = kernel_fn.prepare(jnp.ones((3, 2)))
+        >>> p2 = kernel_fn.prepare(jnp.ones((4, 2)))
+        >>> # as kernel_fn(x1, x2), each variance computed once
+        >>> kernel_fn.cross(p1, p2).shape
         (3, 4)
     """
 
@@ -297,14 +300,19 @@ def serial(*layers: Layer) -> KernelFn:
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
-        >>> kernel_fn = k.serial(k.Dense(W_std=1.5, b_std=0.05), k.Relu(), k.Dense())
+        >>> kernel_fn = k.serial(
+        ...     k.Dense(W_std=1.5, b_std=0.05), k.Relu(), k.Dense())
         >>> nngp = jax.jit(lambda x1, x2: kernel_fn(x1, x2, get="nngp"))
         >>> nngp(jnp.ones((3, 5)), jnp.ones((2, 5))).shape
         (3, 2)
-        >>> block = k.serial(k.FanOut(2), k.parallel(k.Identity(), k.serial(k.Relu(),
-        ...                  k.Conv((3, 3)))), k.FanInSum())
-        >>> resnet = k.serial(k.Conv((3, 3)), block, k.Relu(), k.GlobalAvgPool(), k.Dense())
-        >>> jax.jit(resnet)(jnp.ones((2, 6, 6, 3))).shape  # the NTK of x with itself
+        >>> block = k.serial(
+        ...     k.FanOut(2),
+        ...     k.parallel(k.Identity(), k.serial(k.Relu(), k.Conv((3, 3)))),
+        ...     k.FanInSum())
+        >>> resnet = k.serial(
+        ...     k.Conv((3, 3)), block, k.Relu(), k.GlobalAvgPool(), k.Dense())
+        >>> # the NTK of x with itself
+        >>> jax.jit(resnet)(jnp.ones((2, 6, 6, 3))).shape
         (2, 2)
     """
     _check_layers(layers, "serial")

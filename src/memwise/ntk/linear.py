@@ -231,7 +231,8 @@ class Conv(Layer):
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
-        >>> kernel_fn = k.serial(k.Conv((3, 3), strides=(2, 2)), k.Relu(), k.Flatten(), k.Dense())
+        >>> kernel_fn = k.serial(
+        ...     k.Conv((3, 3), strides=(2, 2)), k.Relu(), k.Flatten(), k.Dense())
         >>> jax.jit(kernel_fn)(jnp.ones((2, 8, 8, 1))).shape
         (2, 2)
     """
@@ -294,7 +295,8 @@ class AvgPool(Layer):
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
-        >>> kernel_fn = k.serial(k.Conv((3, 3)), k.AvgPool((2, 2), strides=(2, 2)), k.Flatten())
+        >>> kernel_fn = k.serial(
+        ...     k.Conv((3, 3)), k.AvgPool((2, 2), strides=(2, 2)), k.Flatten())
         >>> jax.jit(kernel_fn)(jnp.ones((2, 4, 4, 1))).shape
         (2, 2)
     """
@@ -381,7 +383,8 @@ class GlobalAvgPool(Layer):
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise.ntk import kernels as k
-        >>> kernel_fn = k.serial(k.Conv((3, 3)), k.Relu(), k.GlobalAvgPool(), k.Dense())
+        >>> kernel_fn = k.serial(
+        ...     k.Conv((3, 3)), k.Relu(), k.GlobalAvgPool(), k.Dense())
         >>> jax.jit(kernel_fn)(jnp.ones((2, 4, 4, 1))).shape
         (2, 2)
     """

@@ -112,7 +112,8 @@ def predict(
         >>> x = jax.random.normal(jax.random.PRNGKey(0), (12, 4))
         >>> y = jnp.sin(x[:, :2])
         >>> predict = jax.jit(lambda x, y, x_test: ntk.predict(
-        ...     kernel_fn, x, y, x_test, ridge=1e-3, t=10.0, compute_cov=True, chunk_size=4))
+        ...     kernel_fn, x, y, x_test, ridge=1e-3, t=10.0, compute_cov=True,
+        ...     chunk_size=4))
         >>> mean, cov = predict(x, y, x[:5] + 0.1)
         >>> mean.shape, cov.shape
         ((5, 2), (5, 5))

@@ -249,11 +249,14 @@ def kernel_regression(
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise import ntk
-        >>> k = ntk.kernels.serial(ntk.kernels.Dense(), ntk.kernels.Relu(), ntk.kernels.Dense())
+        >>> k = ntk.kernels.serial(
+        ...     ntk.kernels.Dense(), ntk.kernels.Relu(), ntk.kernels.Dense())
         >>> x = jnp.linspace(-1, 1, 12).reshape(6, 2)
         >>> y = jnp.sin(x[:, 0])
-        >>> fit = jax.jit(lambda x, y, x_test: ntk.kernel_regression(k, x, y, x_test, ridge=1e-6))
-        >>> prediction = fit(x, y, x[:2])  # a tiny ridge interpolates the training targets
+        >>> fit = jax.jit(lambda x, y, x_test: ntk.kernel_regression(
+        ...     k, x, y, x_test, ridge=1e-6))
+        >>> # a tiny ridge interpolates the training targets
+        >>> prediction = fit(x, y, x[:2])
         >>> prediction.shape, bool(jnp.allclose(prediction, y[:2], atol=1e-3))
         ((2,), True)
     """
@@ -329,12 +332,16 @@ def kip_loss(
 
         >>> import jax, jax.numpy as jnp
         >>> from memwise import ntk
-        >>> k = ntk.kernels.serial(ntk.kernels.Dense(), ntk.kernels.Relu(), ntk.kernels.Dense())
-        >>> xs, ys = jax.random.normal(jax.random.PRNGKey(1), (4, 3)), jnp.eye(4)  # support
+        >>> k = ntk.kernels.serial(
+        ...     ntk.kernels.Dense(), ntk.kernels.Relu(), ntk.kernels.Dense())
+        >>> # support
+        >>> xs, ys = jax.random.normal(jax.random.PRNGKey(1), (4, 3)), jnp.eye(4)
         >>> xt = jax.random.normal(jax.random.PRNGKey(0), (10, 3))  # targets
         >>> yt = jnp.eye(4)[jnp.arange(10) % 4]
-        >>> loss = lambda xs, ys: ntk.kip_loss(k, xs, ys, xt, yt, ridge=1e-3, chunk_size=(5, 2))
-        >>> value, (grad_x, grad_y) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(xs, ys)
+        >>> loss = lambda xs, ys: ntk.kip_loss(
+        ...     k, xs, ys, xt, yt, ridge=1e-3, chunk_size=(5, 2))
+        >>> value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        >>> value, (grad_x, grad_y) = value_and_grad(xs, ys)
         >>> round(float(value), 3), grad_x.shape, grad_y.shape
         (1.67, (4, 3), (4, 4))
     """

@@ -61,7 +61,8 @@ class SinkhornResult(NamedTuple):
     Example::
 
         >>> import functools, jax, jax.numpy as jnp, memwise as mw
-        >>> x, y = jnp.zeros((3, 2)), jnp.ones((4, 2))  # every pair costs |x - y|^2 = 2
+        >>> # every pair costs |x - y|^2 = 2
+        >>> x, y = jnp.zeros((3, 2)), jnp.ones((4, 2))
         >>> out = jax.jit(functools.partial(mw.ot.sinkhorn, epsilon=1.0))(x, y)
         >>> out.f.shape, out.g.shape, out.errors.shape, float(out.reg_ot_cost)
         ((3,), (4,), (2000,), 2.0)
@@ -196,7 +197,8 @@ def sinkhorn(
         >>> def cost(x):
         ...     out = mw.ot.sinkhorn(x, y, epsilon=0.1, chunk_size=128)
         ...     return out.reg_ot_cost, out
-        >>> (value, out), grad_x = jax.jit(jax.value_and_grad(cost, has_aux=True))(x)
+        >>> value_and_grad = jax.jit(jax.value_and_grad(cost, has_aux=True))
+        >>> (value, out), grad_x = value_and_grad(x)
         >>> bool(out.converged), round(float(value), 1), grad_x.shape
         (True, 2.5, (300, 2))
     """
@@ -426,7 +428,8 @@ def sinkhorn_divergence(
         >>> import jax, memwise as mw
         >>> x = jax.random.normal(jax.random.key(0), (300, 2))
         >>> y = jax.random.normal(jax.random.key(1), (200, 2)) + 1.0
-        >>> divergence = lambda x: mw.ot.sinkhorn_divergence(x, y, epsilon=0.1, chunk_size=128)
+        >>> divergence = lambda x: mw.ot.sinkhorn_divergence(
+        ...     x, y, epsilon=0.1, chunk_size=128)
         >>> loss, grad_x = jax.jit(jax.value_and_grad(divergence))(x)
         >>> round(float(loss), 1), grad_x.shape
         (2.2, (300, 2))

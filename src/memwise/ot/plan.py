@@ -185,7 +185,8 @@ class TransportPlan:
 
             >>> import jax.numpy as jnp, memwise as mw
             >>> y = jnp.array([[0.0, 0.0], [4.0, 0.0]])
-            >>> out = mw.ot.sinkhorn(jnp.array([[0.0, 0.0], [4.0, 0.0]]), y, epsilon=0.1)
+            >>> out = mw.ot.sinkhorn(jnp.array([[0.0, 0.0], [4.0, 0.0]]), y,
+            ...                      epsilon=0.1)
             >>> out.plan.transport(jnp.array([[0.5, 0.0]])).round(3)  # near y_0
             Array([[0., 0.]], dtype=float32)
         """
