@@ -290,3 +290,26 @@ def test_readme_blocks_that_open_with_imports_stand_alone():
         if unbound:
             missing[f"README.md:{block.line}"] = unbound
     assert not missing, f"blocks that use modules they do not import: {missing}"
+
+
+def test_the_api_pages_list_bare_names_and_examples_fit_their_box():
+    # The contents list of an API page shows the public name without the package (long
+    # labels were cut by the theme), and no docstring example line is wider than the
+    # rendered code box (80 columns with the docstring's indent): it would scroll.
+    root = Path(__file__).resolve().parent.parent
+    labels = re.findall(r"toc_label:\s*(\S+)", "".join(
+        p.read_text() for p in sorted((root / "docs" / "api").glob("*.md"))
+    ))
+    assert labels and not [label for label in labels if label.startswith("memwise.")]
+    wide = []
+    for path in sorted((root / "src" / "memwise").rglob("*.py")):
+        if any(part.startswith("_") and part != "__init__.py" for part in path.parts):
+            continue  # private modules: not on the API pages
+        indent = 0  # of the example's >>> lines: what the page strips
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            example = re.match(r"(\s*)(>>>|\.\.\.)( |$)", line)
+            if example and example.group(2) == ">>>":
+                indent = len(example.group(1))
+            if example and len(line) - indent > 80:
+                wide.append(f"{path.relative_to(root)}:{number}")
+    assert not wide, wide
