@@ -249,3 +249,84 @@ def test_second_derivatives_through_the_kernel_name_the_fix():
     ):
         with pytest.raises(TypeError, match="no second derivatives .*implementation='xla'"):
             second()
+
+
+def _close_to_the_loops(got, want, rtol):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.float32(a), np.float32(b)
+        assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b))))
+
+
+def test_grad_of_vmap_through_the_kernel_when_its_lse_is_unused():
+    # The kernel's lse-free forward (the caller reads no lse) under vmap, then jit(grad):
+    # its zero lse was unbatched while the forward rule's was batched, and the
+    # conditional of dispatch was linearized at the wrong shape (a TypeError from the
+    # moveaxis of the heads: "transpose permutation isn't a permutation").
+    q, kv = _normal((2, 128, 2, 8)), _normal((2, 128, 1, 8))
+
+    def grad(impl):
+        one = lambda q, kv: mw.dot_product_attention(q, kv, kv, implementation=impl)  # noqa: E731
+        loss = lambda q, kv: jnp.sum(jnp.sin(jax.vmap(one)(q, kv)))  # noqa: E731
+        return jax.jit(jax.grad(loss, (0, 1)))(q, kv)
+
+    _close_to_the_loops(grad("pallas"), grad("xla"), 2e-5)
+
+
+def test_bfloat16_with_sinks_and_unseen_rows_runs_the_kernel():
+    # dot_product_attention upcasts bfloat16 values to float32 for its per-row
+    # corrections (sinks, rows that see no key): the kernel declined the call as mixed
+    # dtypes "bfloat16/bfloat16/float32" the caller never passed.
+    b = jnp.bfloat16
+    q, kv = _normal((1, 128, 2, 16), b), _normal((1, 128, 1, 16), b)
+    kwargs = dict(
+        sinks=jnp.array([0.5, -1.0]),
+        q_segment_ids=jnp.zeros((1, 128), jnp.int32).at[:, :3].set(5),  # 3 rows see none
+        kv_segment_ids=jnp.zeros((1, 128), jnp.int32),
+    )
+
+    def value_and_grad(impl):
+        def loss(q, kv):
+            out = mw.dot_product_attention(q, kv, kv, implementation=impl, **kwargs)
+            return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+        return jax.value_and_grad(loss, (0, 1))(q, kv)
+
+    got, want = value_and_grad("pallas"), value_and_grad("xla")
+    assert [a.dtype for a in got[1]] == [b, b]
+    _close_to_the_loops(got, want, 2e-2)
+    with pytest.raises(ValueError, match="does not support dtype float16/float16/float16"):
+        mw.dot_product_attention(
+            *(a.astype(jnp.float16) for a in (q, kv, kv)), implementation="pallas"
+        )
+
+
+def test_a_traced_scale_in_bfloat16_gets_the_loops_gradient():
+    # The scale is folded into q: rounded to bfloat16 and multiplied there, its gradient
+    # (a sum over all of q) was accumulated in bfloat16, 8% off at 128 tokens.
+    q, k, v = (_normal((1, 128, 2, 16), jnp.bfloat16) for _ in range(3))
+
+    def grad(impl):
+        def loss(scale):
+            out = mw.dot_product_attention(
+                q, k, v, scale=scale, is_causal=True, implementation=impl
+            )
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss)(jnp.float32(0.25))
+
+    assert_allclose(grad("pallas"), grad("xla"), rtol=1e-2)
+
+
+def test_grouped_query_heads_through_the_kernel_under_enable_x64():
+    # Splash's grouped-query index maps divide an int32 head id by an int64 when
+    # jax_enable_x64 is on: a bare TypeError from lax.div instead of attention.
+    q, kv = _normal((1, 128, 4, 8)), _normal((1, 128, 2, 8))
+    with jax.enable_x64(True):
+
+        def value_and_grad(impl):
+            loss = lambda q, kv: jnp.sum(  # noqa: E731
+                jnp.sin(mw.dot_product_attention(q, kv, kv, is_causal=True, implementation=impl))
+            )
+            return jax.value_and_grad(loss, (0, 1))(q, kv)
+
+        _close_to_the_loops(value_and_grad("pallas"), value_and_grad("xla"), 2e-5)

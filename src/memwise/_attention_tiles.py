@@ -169,6 +169,7 @@ def attend(
     auto_shape: DeviceShare | None = None,
     implementation: str | None = None,
     lse_unused: bool = False,
+    value_dtype: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of attention in tiles: ``out`` in the values' dtype, the per-row
     log-sum-exp in float32 (``-inf`` where a query sees no key, ``out`` 0 there).
@@ -194,7 +195,9 @@ def attend(
     (:func:`memwise.tiling.tiling`). ``implementation``: the engine's backend choice
     (:mod:`memwise.engine.kernels`); an explicit ``chunk_size`` sets a fused kernel's
     block sizes too; ``lse_unused``: the caller
-    does not read ``lse`` outside differentiation (a kernel may then skip writing it).
+    does not read ``lse`` outside differentiation (a kernel may then skip writing it);
+    ``value_dtype``: the dtype ``v`` had before the caller upcast it (exactly), which a
+    kernel may read it in.
     Gradients: q, k, v, bias and a traced scale. ``caller`` names the public function in the error forward mode raises.
     """
     vis = visibility
@@ -366,6 +369,7 @@ def attend(
                 ("stripes", stripes),
                 ("chunk_size", requested),
                 ("lse_unused", lse_unused),
+                ("value_dtype", None if value_dtype is None else jnp.dtype(value_dtype).name),
             ),
         ),
         implementation=implementation,

@@ -502,6 +502,7 @@ def dot_product_attention(
             auto_shape=auto_shape,
             implementation=implementation,
             lse_unused=not (return_residual or sinks is not None or may_see_nothing),
+            value_dtype=dtype,
         )
 
     split = sequence_split(q4, S, (k4, v4), per_head and G > 1)

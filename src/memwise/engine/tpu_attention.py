@@ -141,9 +141,10 @@ def _declines(
         if extra:
             return _MEANING.get((name, extra[0]), f"the {name} operand {extra[0]!r}")
     q, k, v = rows["q"], cols["k"], cols["v"]
-    dtypes = {jnp.dtype(a.dtype) for a in (q, k, v)}
+    v_dtype = jnp.dtype(pattern.option("value_dtype") or v.dtype)
+    dtypes = {jnp.dtype(q.dtype), jnp.dtype(k.dtype), v_dtype}
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        return f"dtype {q.dtype}/{k.dtype}/{v.dtype} (it takes bfloat16 or float32 q, k, v alike)"
+        return f"dtype {q.dtype}/{k.dtype}/{v_dtype} (it takes bfloat16 or float32 q, k, v alike)"
     nb = len(call.batch)
     if pattern.option("groups") is None and (
         k.shape[:nb] != call.batch or v.shape[:nb] != call.batch
@@ -229,13 +230,19 @@ def _infos(kernel: Any) -> tuple:
 # fails to linearize inside ``platform_dependent``'s conditional on jax 0.10.2.
 
 
-def _precision(dtype):
-    """The kernels' matmul precision: the MXU's native one for bfloat16 operands (a
-    session-wide ``jax_default_matmul_precision="highest"`` would ask Mosaic for a
-    float32 contraction of bfloat16 vectors, which it rejects)."""
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        return jax.default_matmul_precision("default")
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def _kernel_config(dtype):
+    """The configuration splash's kernels are traced under: 32-bit indices (under a
+    session-wide ``jax_enable_x64`` its grouped-query index maps divide an int32 head
+    id by an int64 and raise a bare ``TypeError``), and the MXU's native matmul
+    precision for bfloat16 operands (a session-wide
+    ``jax_default_matmul_precision="highest"`` would ask Mosaic for a float32
+    contraction of bfloat16 vectors, which it rejects)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.enable_x64(False))
+        if jnp.dtype(dtype) == jnp.bfloat16:
+            stack.enter_context(jax.default_matmul_precision("default"))
+        yield
 
 
 SECOND_ORDER = (
@@ -272,7 +279,7 @@ def _forward(kernel, q, k, v, seg, save_residuals):
         attn_logits_soft_cap=kw["attn_logits_soft_cap"],
         interpret=kw["interpret"],
     )
-    with _precision(q.dtype):
+    with _kernel_config(q.dtype):
         batched = jax.vmap(lambda q, k, v, seg: one(q, k, v, seg, None))
         return _first_order(batched, q, k, v, seg)
 
@@ -281,7 +288,11 @@ def _forward(kernel, q, k, v, seg, save_residuals):
 def _attend(kernel, lse_unused, q, k, v, seg):
     if lse_unused:  # outside differentiation: splash's forward without its lse output
         out = _forward(kernel, q, k, v, seg, False)
-        return out, jnp.zeros(out.shape[:-1], jnp.float32)
+        # Zeros that carry out's batch dims (an empty sum, nothing read): under vmap a
+        # plain jnp.zeros is unbatched while _attend_fwd's lse is batched, and
+        # jit(grad(vmap(...))) then linearized the conditional of dispatch with the
+        # unbatched shape (a TypeError in the moveaxis of _apply).
+        return out, jnp.sum(out[..., :0], axis=-1, dtype=jnp.float32)
     return _attend_fwd(kernel, lse_unused, q, k, v, seg)[0]
 
 
@@ -342,7 +353,7 @@ def _attend_bwd(kernel, lse_unused, residuals, cotangents):
             dq = one_dq(q, k, v, seg, None, lse, dout, di)
         return dq, dk, dv
 
-    with _precision(q.dtype):
+    with _kernel_config(q.dtype):
         dq, dk, dv = _first_order(jax.vmap(backward), q, k, v, seg, lse, dout, di)
     return dq, dk, dv, None
 
@@ -361,6 +372,9 @@ def _apply(
     nb = len(call.batch)
     count = math.prod(call.batch)
     q, k, v = rows["q"], cols["k"], cols["v"]
+    # Values the caller upcast (bfloat16 to float32 for its per-row corrections) are
+    # read in their own dtype: the cast back is exact, and splash takes q, k, v alike.
+    v = v.astype(pattern.option("value_dtype") or v.dtype)
     t, s = q.shape[nb], k.shape[nb]
     # Heads first, (count, N, T, H) and (count, K, S, H), the scale folded into q.
     if groups is None:
@@ -372,7 +386,10 @@ def _apply(
         heads = kh * g
         qh = jnp.moveaxis(q.reshape(count, t, heads, q.shape[-1]), 1, 2)
         kh_, vh = (jnp.moveaxis(a.reshape(count, s, kh, a.shape[-1]), 1, 2) for a in (k, v))
-    qh = (qh * consts["scale"].astype(qh.dtype)).astype(q.dtype)
+    # The scale multiplies in float32 and rounds once: a bfloat16 scale (3.3 -> 3.297)
+    # shifted every score, and the traced scale's gradient, a sum over all of q, was
+    # accumulated in bfloat16 (8% off at 128 tokens).
+    qh = (qh.astype(jnp.float32) * consts["scale"].astype(jnp.float32)).astype(q.dtype)
     seg = None
     if "seg" in rows:
         seg = sa.SegmentIds(
@@ -395,6 +412,7 @@ def _apply(
     lse_unused = bool(pattern.option("lse_unused")) and seg is None
     out, lse = _attend(kernel, lse_unused, qh, kh_, vh, seg)
     del kh
+    out = out.astype(cols["v"].dtype)  # the loops' dtype (both branches of dispatch)
     if groups is None:
         return out.reshape(*call.batch, t, out.shape[-1]), lse.reshape(*call.batch, t)
     out = jnp.moveaxis(out, 1, 2).reshape(*call.batch, t, *groups, out.shape[-1])
