@@ -3,27 +3,30 @@
 in one process."""
 
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
 
+import _launch_cases
+import numpy as np
 import pytest
 
 MULTI_HOST_PROGRAM = textwrap.dedent(
     """
+    import pathlib
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import memwise as mw
-    from memwise import ot
     from beside import RTOL  # a module next to the script, found as `python script.py` would
+    from launch_cases import CASES, microbatch_loss  # tests/_launch_cases.py, copied
 
     me = jax.process_index()
     procs = jax.process_count()
     assert procs in (2, 4) and len(jax.devices()) == 4, jax.devices()
     mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-    x = jax.random.normal(jax.random.PRNGKey(0), (32, 3))
-    y = jax.random.normal(jax.random.PRNGKey(1), (24, 3)) + 1.0
-    q = jax.random.normal(jax.random.PRNGKey(2), (2, 32, 4))
+    # the inputs and each case's value and gradients in one process (the test's)
+    data = dict(np.load(pathlib.Path(__file__).with_name("cases.npz")))
 
 
     def global_array(a, dim=0):
@@ -38,60 +41,23 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
         return np.asarray(jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))(a))
 
 
-    def check(name, f, args, global_args, n_diff=None):
-        # The same function, sharded over both processes vs in this process alone.
-        argnums = tuple(range(len(args) if n_diff is None else n_diff))
-        value, grads = jax.jit(jax.value_and_grad(f, argnums))(*global_args)
-        ref_value, ref_grads = jax.jit(jax.value_and_grad(f, argnums))(*args)
-        np.testing.assert_allclose(gather(value), ref_value, rtol=RTOL, err_msg=name)
-        for g, r in zip(grads, ref_grads):
-            np.testing.assert_allclose(gather(g), r, rtol=1e-5, atol=1e-6, err_msg=name)
-
-
-    A = jnp.asarray(0.5)
-    check("pairwise_reduce",
-          lambda x, y: jnp.sum(jnp.sin(mw.pairwise_reduce(
-              lambda a, b: -A * jnp.sum((a - b) ** 2), x, y, reduce="logsumexp",
-              chunk_size=(3, 4)))),
-          (x, y), (global_array(x), global_array(y)))
-    check("attention (ring, causal)",
-          lambda q, k: jnp.sum(jnp.sin(mw.attention(q, k, k, causal=True, chunk_size=(4, 4)))),
-          (q, q), (global_array(q, 1), global_array(q, 1)))
-    # masks and biases on the ring (split like the queries), and jax.nn's layout with
-    # 2:1 grouped K/V, segment ids, key padding and a causal mask (a ring at 4 devices);
-    # in float64, where the two summation orders agree to rounding far below 1e-5
-    with jax.enable_x64(True):
-        f64 = lambda seed, shape: jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float64)
-        qd = f64(2, (2, 32, 4))
-        mask = jax.random.bernoulli(jax.random.PRNGKey(3), 0.8, (2, 32, 32))
-        bias = f64(4, (2, 32, 32))
-        check("attention (ring, mask and bias)",
-              lambda q, k, b, m: jnp.sum(jnp.sin(mw.attention(
-                  q, k, k, mask=m, bias=b, chunk_size=(4, 4)))),
-              (qd, qd, bias, mask),
-              (global_array(qd, 1), global_array(qd, 1), global_array(bias, 1),
-               global_array(mask, 1)),
-              n_diff=3)
-        qh, kh = f64(5, (2, 32, 4, 8)), f64(6, (2, 32, 2, 8))
-        segments = jnp.asarray([[0] * 10 + [1] * 14 + [2] * 8, [0] * 20 + [1] * 12], jnp.int32)
-        lengths = jnp.asarray([30, 32], jnp.int32)
-        check("dot_product_attention (ring, grouped, segments, padding, causal)",
-              lambda q, k, v, s: jnp.sum(jnp.sin(mw.dot_product_attention(
-                  q, k, v, is_causal=True, q_segment_ids=s, kv_segment_ids=s,
-                  key_value_seq_lengths=lengths, chunk_size=(4, 4)))),
-              (qh, kh, kh, segments),
-              (global_array(qh, 1), global_array(kh, 1), global_array(kh, 1),
-               global_array(segments, 1)),
-              n_diff=3)
-    check("sinkhorn_divergence",
-          lambda x, y: ot.sinkhorn_divergence(x, y, epsilon=0.5, chunk_size=4, threshold=1e-6),
-          (x, y), (global_array(x), global_array(y)))
-    w = jnp.full(3, 0.1)
-    lf = lambda w, b: jnp.mean(jnp.tanh(b @ w) ** 2)
-    loss, grad = jax.jit(lambda w, b: mw.accumulate_grad(lf, w, b, microbatches=2))(w, global_array(x))
-    ref_loss, ref_grad = jax.value_and_grad(lf)(w, x)
-    np.testing.assert_allclose(gather(loss), ref_loss, rtol=1e-5)
-    np.testing.assert_allclose(gather(grad), ref_grad, rtol=1e-5, atol=1e-7)
+    for case in CASES:
+        # The same function, sharded over the processes vs in one process alone.
+        with jax.enable_x64(case.x64):
+            global_args = [global_array(data[n], d) for n, d in zip(case.args, case.split)]
+            step = jax.jit(jax.value_and_grad(case.loss(data), tuple(range(case.n_diff))))
+            value, grads = step(*global_args)
+            ref = lambda what: data[f"{case.name}/{what}"]
+            np.testing.assert_allclose(gather(value), ref("value"), rtol=RTOL, err_msg=case.name)
+            assert len(grads) == case.n_diff
+            for i, g in enumerate(grads):
+                np.testing.assert_allclose(
+                    gather(g), ref(f"grad{i}"), rtol=1e-5, atol=1e-6, err_msg=case.name
+                )
+    step = jax.jit(lambda w, b: mw.accumulate_grad(microbatch_loss, w, b, microbatches=2))
+    loss, grad = step(data["w"], global_array(data["x"]))
+    np.testing.assert_allclose(gather(loss), data["accumulate/value"], rtol=1e-5)
+    np.testing.assert_allclose(gather(grad), data["accumulate/grad"], rtol=1e-5, atol=1e-7)
     # one write per line: the processes share the launcher's stdout, and print("OK", me)
     # wrote its pieces separately ("OKOK 3\\n 2" in one run)
     import sys
@@ -99,6 +65,14 @@ MULTI_HOST_PROGRAM = textwrap.dedent(
     sys.stdout.flush()
     """
 )
+
+
+@pytest.fixture(scope="module")
+def cases():
+    """The inputs and every case's value and gradients, computed once in this process
+    for both launches."""
+    data = _launch_cases.inputs()
+    return data | _launch_cases.references(data)
 
 
 def launch(tmp_path, program, *args, timeout=300):
@@ -115,11 +89,13 @@ def launch(tmp_path, program, *args, timeout=300):
 
 @pytest.mark.parametrize("processes, devices", [(2, 2), (4, 1)])
 @pytest.mark.slow
-def test_processes_match_one(tmp_path, processes, devices):
+def test_processes_match_one(tmp_path, processes, devices, cases):
     # Each process feeds its own rows (make_array_from_process_local_data); no mesh=
     # anywhere: pairwise_reduce and attention (rings, with masks, biases and segment
     # ids), sinkhorn_divergence and accumulate_grad, values and gradients equal to one
     # process's to 1e-5.
+    shutil.copy(_launch_cases.__file__, tmp_path / "launch_cases.py")
+    np.savez(tmp_path / "cases.npz", **cases)
     proc = launch(
         tmp_path,
         MULTI_HOST_PROGRAM,
