@@ -297,9 +297,10 @@ def test_the_api_pages_list_bare_names_and_examples_fit_their_box():
     # labels were cut by the theme), and no docstring example line is wider than the
     # rendered code box (80 columns with the docstring's indent): it would scroll.
     root = Path(__file__).resolve().parent.parent
-    labels = re.findall(r"toc_label:\s*(\S+)", "".join(
-        p.read_text() for p in sorted((root / "docs" / "api").glob("*.md"))
-    ))
+    labels = re.findall(
+        r"toc_label:\s*(\S+)",
+        "".join(p.read_text() for p in sorted((root / "docs" / "api").glob("*.md"))),
+    )
     assert labels and not [label for label in labels if label.startswith("memwise.")]
     wide = []
     for path in sorted((root / "src" / "memwise").rglob("*.py")):
