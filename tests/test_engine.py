@@ -160,10 +160,12 @@ def test_logsumexp_pick_on_a_ring_of_4_devices():
             s = a @ b.T
             return jnp.stack([jax.nn.logsumexp(s, -1), s[jnp.arange(4), k]], -1)
 
-        np.testing.assert_allclose(jax.jit(ring)(a, b), dense(a, b), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(jax.jit(ring)(a, b), jax.jit(dense)(a, b), rtol=1e-5,
+                                   atol=1e-6)
         w = jnp.array([0.4, -1.2])
+        # (references compiled: in a fresh process every eager operation compiles)
         for got, want in zip(jax.jit(jax.grad(lambda a, b: jnp.sum(ring(a, b) * w), (0, 1)))(a, b),
-                             jax.grad(lambda a, b: jnp.sum(dense(a, b) * w), (0, 1))(a, b)):
+                             jax.jit(jax.grad(lambda a, b: jnp.sum(dense(a, b) * w), (0, 1)))(a, b)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         print("OK")
         """,
@@ -536,7 +538,8 @@ def test_ring_matches_dense_for_every_reduction_on_4_devices():
             L = lambda x, y, A: jnp.sum(jnp.sin(ringed(red, x, y, A)))
             R = lambda x, y, A: jnp.sum(jnp.sin(dense[red](scores(x, y, A), axis=1)))
             v, g = jax.jit(jax.value_and_grad(L, (0, 1, 2)))(x, y, A)
-            rv, rg = jax.value_and_grad(R, (0, 1, 2))(x, y, A)
+            # (compiled: in a fresh process every eager operation compiles)
+            rv, rg = jax.jit(jax.value_and_grad(R, (0, 1, 2)))(x, y, A)
             np.testing.assert_allclose(v, rv, rtol=1e-12)
             for a, b in zip(g, rg):
                 np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
@@ -575,7 +578,7 @@ def test_ring_matches_dense_for_every_reduction_on_4_devices():
         L = lambda *a: jnp.sum(jnp.sin(ring_softmax(*a)))
         R = lambda *a: jnp.sum(jnp.sin(dense_softmax(*a)))
         v1, g1 = jax.jit(jax.value_and_grad(L, (0, 1, 2)))(xb, yb, v)
-        v2, g2 = jax.value_and_grad(R, (0, 1, 2))(xb, yb, v)
+        v2, g2 = jax.jit(jax.value_and_grad(R, (0, 1, 2)))(xb, yb, v)
         np.testing.assert_allclose(v1, v2, rtol=1e-12)
         for a, b in zip(g1, g2):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
@@ -799,9 +802,10 @@ def test_each_reduction_combines_over_devices_as_over_all_columns():
         for red in sorted(REDUCTIONS):
             def local(x, yl, vl, red=red):
                 return REDUCTIONS[red].combine_over_devices(result(red, x, yl, vl), "d", 3)
-            got = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d")),
-                                out_specs=P(), check_vma=False)(x, y, v)
-            want = result(red, x, y, v)
+            # compiled: eager, shard_map compiled each of its operations alone
+            got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d")),
+                                        out_specs=P(), check_vma=False))(x, y, v)
+            want = jax.jit(result, static_argnums=0)(red, x, y, v)
             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=red)
         print("OK")
