@@ -52,7 +52,7 @@ from memwise._cross_entropy_inputs import (
     vocabulary_split,
 )
 from memwise._dtypes import accumulation_dtype
-from memwise.engine import REDUCTIONS, tiled_reduce
+from memwise.engine import REDUCTIONS, kernels, tiled_reduce
 from memwise.sharding import check_divisible, sharded_call
 from memwise.tiling import ChunkSize, Tiling, item_bytes, tiling
 
@@ -89,6 +89,7 @@ def linear_cross_entropy(
     mesh: jax.sharding.Mesh | None = None,
     token_axis: str | tuple[str, ...] | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
+    implementation: str | None = None,
 ) -> Any:
     """Softmax cross-entropy of the logits ``x @ w + bias`` with integer ``labels``, tiled.
 
@@ -158,6 +159,11 @@ def linear_cross_entropy(
         on a mesh with Auto axes, the tokens over all of them.
       token_axis: the mesh axis (or axes) splitting the tokens, with ``mesh``.
       vocab_axis: the mesh axis (or axes) splitting the vocabulary, with ``mesh``.
+      implementation: ``None`` (the default) or ``"xla"``: the XLA tiles;
+        ``"pallas"``: a fused Pallas kernel (:mod:`memwise.engine.tpu_cross_entropy`),
+        compiled on a TPU, in Pallas's interpret mode elsewhere, with a ``ValueError``
+        naming what it cannot serve (float16, ``x`` and ``w`` of different dtypes). The
+        default will choose the kernel on a TPU once its speed there is measured.
 
     Returns:
       The loss (a scalar, or ``labels.shape`` for ``"none"``) in the inputs' dtype;
@@ -183,6 +189,7 @@ def linear_cross_entropy(
         >>> bool(jnp.allclose(loss, dense, rtol=1e-6))
         True
     """
+    kernels.check_implementation(implementation)
     x, w, labels = as_arrays(x, w, labels)
     bias = None if bias is None else float_array(bias, "bias")
     if layout not in _LAYOUTS:
@@ -223,7 +230,9 @@ def linear_cross_entropy(
 
     valid = jnp.broadcast_to(valid, shape)
     safe_labels = jnp.where(in_range, labels, 0).astype(jnp.int32)  # (< vocab)
-    options = _Options(layout, cap, smoothing, z, reduction, return_lse, return_argmax, chunk_size)
+    options = _Options(
+        layout, cap, smoothing, z, reduction, return_lse, return_argmax, chunk_size, implementation
+    )
     split = vocabulary_split(x, w, layout, mesh, token_axis, vocab_axis)
     if split is None:
         out = _local(options, vocab, None, None, x, w, safe_labels, valid, in_range, bias)
@@ -261,6 +270,7 @@ class _Options:
     return_lse: bool
     return_argmax: bool
     chunk_size: Any
+    implementation: str | None
 
 
 def _local(
@@ -287,7 +297,6 @@ def _local(
     shape = labels.shape
     n = math.prod(shape)
     x2 = x.reshape(n, x.shape[-1])
-    head = _Head(w, bias, opts.layout, opts.cap)
     local_vocab = w.shape[1 if opts.layout == "dv" else 0]
     offset = 0 if vocab_axes is None else lax.axis_index(vocab_axes) * local_vocab
     labels2 = labels.reshape(n) - offset  # a label is picked on its owner only
@@ -296,6 +305,16 @@ def _local(
         local_vocab,
         opts.chunk_size,
         pair_bytes=lambda: _pair_bytes(x2, w, opts.layout, opts.cap),
+    )
+    # an explicit chunk_size sets a kernel's blocks; "auto" leaves them to the kernel
+    explicit = not isinstance(opts.chunk_size, (str, Tiling))
+    head = _Head(
+        w,
+        bias,
+        opts.layout,
+        opts.cap,
+        opts.implementation,
+        (tiles.rows.size, tiles.cols.size) if explicit else None,
     )
     both = _lse_and_label(head, x2, labels2, tiles)
     if vocab_axes is not None:
@@ -347,6 +366,8 @@ class _Head:
     bias: jax.Array | None
     layout: str
     cap: float | None
+    implementation: str | None = None
+    chunk_size: tuple[int, int] | None = None  # an explicit tile, for a kernel's blocks
 
     def reduce(self, tile_fn: Callable, rows: Any, tiles: Tiling, reduce: str) -> Any:
         """``tiled_reduce`` over the vocabulary of ``tile_fn(rows_blk, head_blk)``."""
@@ -367,6 +388,11 @@ class _Head:
             backward="split" if narrow else "rows",
             upcast=True,
             forward_mode_error=_FORWARD_MODE,
+            pattern=kernels.Pattern(
+                "linear_cross_entropy",
+                (("cap", self.cap), ("chunk_size", self.chunk_size), ("layout", self.layout)),
+            ),
+            implementation=self.implementation,
         )
 
     def scores(

@@ -52,7 +52,10 @@ on accelerators.
 """
 
 from memwise._dtypes import accumulation_dtype, promote, sum_dtype
-from memwise.engine import tpu_attention  # noqa: F401, E402  (registers its kernel)
+from memwise.engine import (
+    tpu_attention,  # noqa: F401, E402  (registers its kernel)
+    tpu_cross_entropy,  # noqa: F401, E402  (registers its kernels)
+)
 from memwise.engine.api import tiled_reduce
 from memwise.engine.reductions import REDUCTIONS, Reduction
 from memwise.engine.ring import Ring

@@ -8,7 +8,8 @@ and its own backward. A caller whose tile function is such a pattern says so wit
 
 * ``"xla"``: the loops, everywhere.
 * ``None`` (the default): the first registered kernel that serves the call, on the
-  platforms it is compiled for, and the loops on every other platform. The choice is
+  platforms it is compiled for, and the loops on every other platform (a kernel
+  registered with ``default=False``, not yet measured on its platform, is left out). The choice is
   made when the program is lowered (``jax.lax.platform_dependent``), not when it is
   traced, so ``jax.jit(f, backend="cpu")`` on a TPU host runs the loops. Where no
   platform the kernel is compiled for exists in this process (a CPU-only machine), the
@@ -30,12 +31,14 @@ sizes, a reference implementation beside it (here: the loops).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -45,8 +48,10 @@ __all__ = [
     "check_implementation",
     "dispatch",
     "find",
+    "first_order",
     "register",
     "registered",
+    "trace_config",
     "unregister",
 ]
 
@@ -89,7 +94,9 @@ class Kernel:
     only when asked for by ``implementation="pallas"``). ``declines(call, rows, cols,
     pairs, consts)`` names what it cannot serve (an option, a shape, a dtype) or returns
     ``None``; ``apply(call, rows, cols, pairs, consts, *, interpret)`` returns the
-    engine's result for those operands.
+    engine's result for those operands. ``default=False``: served only when asked for
+    (``implementation="pallas"``), never chosen by ``None``: a kernel whose speed on
+    its platform has not been measured against the loops yet.
     """
 
     name: str
@@ -98,6 +105,7 @@ class Kernel:
     platforms: tuple[str, ...]
     apply: Callable[..., Any]
     declines: Callable[..., str | None] = _serves_all
+    default: bool = True
 
 
 _REGISTRY: list[Kernel] = []
@@ -152,12 +160,17 @@ def _platform_present(platform: str) -> bool:
         return False
 
 
-def find(call: KernelCall, operands: tuple) -> tuple[Kernel | None, list[str]]:
+def find(
+    call: KernelCall, operands: tuple, *, asked: bool = True
+) -> tuple[Kernel | None, list[str]]:
     """The first registered kernel for ``call``'s pattern and reduction that serves the
-    operands ``(rows, cols, pairs, consts)``, and each declining kernel's reason."""
+    operands ``(rows, cols, pairs, consts)``, and each declining kernel's reason; with
+    ``asked=False`` (the default dispatch) only kernels with ``default=True``."""
     reasons: list[str] = []
     for kernel in _REGISTRY:
         if kernel.pattern != call.pattern.name or kernel.reduce != call.reduce:
+            continue
+        if not (asked or kernel.default):
             continue
         why = kernel.declines(call, *operands)
         if why is None:
@@ -175,7 +188,7 @@ def dispatch(
     check_implementation(implementation)
     if implementation == "xla":
         return loops(*operands)
-    kernel, reasons = find(call, operands)
+    kernel, reasons = find(call, operands, asked=implementation == "pallas")
     if kernel is None:
         if implementation == "pallas":
             why = "; ".join(reasons) or f"no kernel is registered for {call.pattern.name}"
@@ -194,3 +207,31 @@ def dispatch(
     else:  # nowhere to run the kernel: trace nothing of it
         return loops(*operands)
     return jax.lax.platform_dependent(*operands, default=default, **compiled)
+
+
+@contextlib.contextmanager
+def trace_config(dtype: Any) -> Iterator[None]:
+    """The configuration a TPU kernel is traced under: 32-bit indices (under a
+    session-wide ``jax_enable_x64`` an index map that divides an int32 program id by a
+    Python int gives an int64, which Mosaic rejects with a bare ``TypeError``), and the
+    MXU's native matmul precision for bfloat16 operands (a session-wide
+    ``jax_default_matmul_precision="highest"`` would ask Mosaic for a float32
+    contraction of bfloat16 vectors, which it rejects)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.enable_x64(False))
+        if jnp.dtype(dtype) == jnp.bfloat16:
+            stack.enter_context(jax.default_matmul_precision("default"))
+        yield
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def first_order(message: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, whose derivative raises ``TypeError(message)`` when traced: a
+    kernel's own backward has no derivative (JAX would raise a bare
+    ``NotImplementedError`` from inside the Pallas call)."""
+    return fn(*args)
+
+
+@first_order.defjvp
+def _first_order_jvp(message, fn, primals, tangents):
+    raise TypeError(message)

@@ -31,7 +31,6 @@ block (``S / block`` times q's size in float32), which does not fit at 65,536 to
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -230,37 +229,14 @@ def _infos(kernel: Any) -> tuple:
 # fails to linearize inside ``platform_dependent``'s conditional on jax 0.10.2.
 
 
-@contextlib.contextmanager
-def _kernel_config(dtype):
-    """The configuration splash's kernels are traced under: 32-bit indices (under a
-    session-wide ``jax_enable_x64`` its grouped-query index maps divide an int32 head
-    id by an int64 and raise a bare ``TypeError``), and the MXU's native matmul
-    precision for bfloat16 operands (a session-wide
-    ``jax_default_matmul_precision="highest"`` would ask Mosaic for a float32
-    contraction of bfloat16 vectors, which it rejects)."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.enable_x64(False))
-        if jnp.dtype(dtype) == jnp.bfloat16:
-            stack.enter_context(jax.default_matmul_precision("default"))
-        yield
-
-
 SECOND_ORDER = (
     "memwise's TPU attention kernel (splash attention) has no second derivatives "
     "(jax.hessian, jacfwd of grad, grad of grad): pass implementation='xla' for them"
 )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _first_order(fn, *args):
-    """``fn(*args)``, whose derivative raises memwise's error at trace time (a Pallas
-    call has none: JAX would raise a bare ``NotImplementedError``)."""
-    return fn(*args)
-
-
-@_first_order.defjvp
-def _first_order_jvp(fn, primals, tangents):
-    raise TypeError(SECOND_ORDER)
+    return kernels.first_order(SECOND_ORDER, fn, *args)
 
 
 def _forward(kernel, q, k, v, seg, save_residuals):
@@ -279,7 +255,7 @@ def _forward(kernel, q, k, v, seg, save_residuals):
         attn_logits_soft_cap=kw["attn_logits_soft_cap"],
         interpret=kw["interpret"],
     )
-    with _kernel_config(q.dtype):
+    with kernels.trace_config(q.dtype):
         batched = jax.vmap(lambda q, k, v, seg: one(q, k, v, seg, None))
         return _first_order(batched, q, k, v, seg)
 
@@ -353,7 +329,7 @@ def _attend_bwd(kernel, lse_unused, residuals, cotangents):
             dq = one_dq(q, k, v, seg, None, lse, dout, di)
         return dq, dk, dv
 
-    with _kernel_config(q.dtype):
+    with kernels.trace_config(q.dtype):
         dq, dk, dv = _first_order(jax.vmap(backward), q, k, v, seg, lse, dout, di)
     return dq, dk, dv, None
 

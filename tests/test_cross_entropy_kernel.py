@@ -1,0 +1,241 @@
+"""The fused cross-entropy kernel (memwise.engine.tpu_cross_entropy) behind
+``mw.linear_cross_entropy(implementation="pallas")``.
+
+On CPU it runs in Pallas's interpret mode at small shapes and is held to the XLA tiles
+(float32 arithmetic, ``precision="highest"``) and to optax's dense loss; its TPU lowering
+(Pallas to Mosaic) is checked by exporting for the TPU, which needs no chip. On a TPU
+(``make test-accelerator``) the same cases run compiled.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _close import ON_CPU, assert_allclose
+from jax import export
+
+import memwise as mw
+from memwise.engine import kernels, tpu_cross_entropy
+
+RNG = np.random.default_rng(0)
+
+# Each case several options at once; shapes with ragged last blocks (tokens and words
+# that no block divides) and a vocabulary smaller than a block.
+CASES = {
+    "dv, ignore_index, ragged blocks, lse": dict(
+        n=300,
+        d=16,
+        vocab=1000,
+        layout="dv",
+        chunk=(128, 256),
+        kw=dict(ignore_index=-100, return_lse=True),
+    ),
+    "vd, bias, soft cap, smoothing, z-loss, where, none": dict(
+        n=200,
+        d=24,
+        vocab=500,
+        layout="vd",
+        chunk="auto",
+        kw=dict(
+            logit_soft_cap=4.0,
+            label_smoothing=0.1,
+            z_loss=1e-3,
+            reduction="none",
+            bias=True,
+            where=True,
+        ),
+    ),
+    "dv, bias, soft cap, sum, argmax, one token block": dict(
+        n=64,
+        d=16,
+        vocab=384,
+        layout="dv",
+        chunk=(64, 128),
+        kw=dict(logit_soft_cap=3.0, reduction="sum", bias=True, return_argmax=True),
+    ),
+}
+
+
+def _inputs(n, d, vocab, layout, dtype=jnp.float32, bias=False, where=False, ignore=True):
+    x = jnp.asarray(RNG.normal(size=(n, d)), dtype)
+    shape = (d, vocab) if layout == "dv" else (vocab, d)
+    w = jnp.asarray(RNG.normal(size=shape) / np.sqrt(d), dtype)
+    b = jnp.asarray(RNG.normal(size=(vocab,)), dtype) if bias else None
+    labels = jnp.asarray(RNG.integers(0, vocab, n))
+    if ignore:
+        labels = labels.at[::7].set(-100)
+    mask = jnp.asarray(RNG.random(n) < 0.8) if where else None
+    return x, w, b, labels, mask
+
+
+def _optax(x, w, b, labels, mask, layout, kw):
+    logits = x @ (w if layout == "dv" else w.T)
+    if b is not None:
+        logits = logits + b
+    cap = kw.get("logit_soft_cap")
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
+    safe = jnp.where(labels == kw.get("ignore_index", -1), 0, labels)
+    target = jax.nn.one_hot(safe, logits.shape[-1])
+    if kw.get("label_smoothing"):
+        target = optax.smooth_labels(target, kw["label_smoothing"])
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    loss = optax.softmax_cross_entropy(logits, target) + kw.get("z_loss", 0.0) * lse**2
+    keep = labels != kw.get("ignore_index", -1)
+    if mask is not None:
+        keep = keep & mask
+    loss = jnp.where(keep, loss, 0.0)
+    reduction = kw.get("reduction", "mean")
+    if reduction == "none":
+        return loss
+    return jnp.sum(loss) if reduction == "sum" else jnp.sum(loss) / jnp.maximum(keep.sum(), 1)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kernel_in_interpret_mode_equals_the_xla_tiles_and_optax(case):
+    c = CASES[case]
+    kw = dict(c["kw"])
+    x, w, b, labels, mask = _inputs(
+        c["n"], c["d"], c["vocab"], c["layout"], bias=kw.pop("bias", False),
+        where=kw.pop("where", False), ignore="ignore_index" in kw,
+    )  # fmt: skip
+    extras = kw.get("return_lse", False) or kw.get("return_argmax", False)
+
+    def run(x, w, b, implementation):
+        out = mw.linear_cross_entropy(
+            x, w, labels, bias=b, where=mask, layout=c["layout"], chunk_size=c["chunk"],
+            implementation=implementation, **kw,
+        )  # fmt: skip
+        return out if extras else (out,)
+
+    def loss(x, w, b, implementation):
+        out = run(x, w, b, implementation)
+        total = jnp.sum(out[0] * jnp.linspace(0.5, 1.5, out[0].size).reshape(out[0].shape))
+        if kw.get("return_lse"):
+            total = total + 0.3 * jnp.sum(jnp.cos(out[1]))  # the lse's own gradient
+        return total
+
+    argnums = (0, 1, 2) if b is not None else (0, 1)
+    with jax.default_matmul_precision("highest"):
+        fused = run(x, w, b, "pallas")
+        tiles = run(x, w, b, "xla")
+        grads = jax.grad(loss, argnums)(x, w, b, "pallas")
+        expected = jax.grad(loss, argnums)(x, w, b, "xla")
+        dense = _optax(x, w, b, labels, mask, c["layout"], kw)
+    for got, want in zip(fused, tiles):
+        if jnp.issubdtype(want.dtype, jnp.integer):
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    assert_allclose(fused[0], dense, rtol=2e-5, atol=1e-6)
+    for got, want in zip(grads, expected):
+        assert got.dtype == want.dtype
+        assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_through_the_kernel_is_within_bfloat16_rounding_of_the_tiles():
+    # The logit gradient is cast to bfloat16 before the two backward products (the
+    # fused kernel's design); dW is summed in float32 and rounded once.
+    x, w, b, labels, _ = _inputs(256, 32, 640, "dv", jnp.bfloat16, bias=True)
+
+    def loss(x, w, b, implementation):
+        return mw.linear_cross_entropy(
+            x, w, labels, bias=b, ignore_index=-100, chunk_size=(64, 256),
+            implementation=implementation,
+        )  # fmt: skip
+
+    value, grads = jax.value_and_grad(loss, (0, 1, 2))(x, w, b, "pallas")
+    ref_value, ref_grads = jax.value_and_grad(loss, (0, 1, 2))(x, w, b, "xla")
+    assert value.dtype == jnp.bfloat16
+    assert_allclose(value.astype(np.float32), ref_value.astype(np.float32), rtol=1e-2)
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == jnp.bfloat16
+        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+        error = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        assert error <= 2e-2 * scale, (error, scale)
+
+
+def test_pallas_names_what_the_kernel_cannot_serve():
+    x, w, _, labels, _ = _inputs(32, 8, 256, "dv", ignore=False)
+    for xd, wd, what in (
+        (jnp.float16, jnp.float16, "dtype float16"),
+        (jnp.bfloat16, jnp.float32, "dtype bfloat16 x and float32 w"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            mw.linear_cross_entropy(x.astype(xd), w.astype(wd), labels, implementation="pallas")
+    with pytest.raises(ValueError, match=r"chunk_size \(24, 100\)"):
+        mw.linear_cross_entropy(x, w, labels, chunk_size=(24, 100), implementation="pallas")
+    with pytest.raises(ValueError, match="implementation must be None"):
+        mw.linear_cross_entropy(x, w, labels, implementation="triton")
+
+
+def test_second_derivatives_through_the_kernel_name_the_fix():
+    x, w, _, labels, _ = _inputs(32, 8, 256, "dv", ignore=False)
+
+    def loss(x):
+        return mw.linear_cross_entropy(x, w, labels, implementation="pallas")
+
+    with pytest.raises(TypeError, match="implementation='xla'"):
+        jax.hessian(loss)(x)
+
+
+def test_vmap_of_grad_through_the_kernel():
+    x, w, _, labels, _ = _inputs(64, 8, 256, "vd", ignore=False)
+    xs = jnp.stack([x, 2 * x])
+
+    def grad(x, implementation):
+        loss = lambda x: mw.linear_cross_entropy(  # noqa: E731
+            x, w, labels, layout="vd", implementation=implementation
+        )
+        return jax.grad(loss)(x)
+
+    with jax.default_matmul_precision("highest"):
+        got = jax.vmap(lambda x: grad(x, "pallas"))(xs)
+        want = jax.vmap(lambda x: grad(x, "xla"))(xs)
+    assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_default_never_chooses_the_kernel_until_it_is_measured(monkeypatch):
+    # Registered with default=False: implementation=None runs the tiles even where a TPU
+    # is present (the dispatch would otherwise choose at lowering, platform_index).
+    assert all(not k.default for k in tpu_cross_entropy.KERNELS)
+    monkeypatch.setattr(kernels, "_platform_present", lambda platform: True)
+    x, w, _, labels, _ = _inputs(32, 8, 256, "dv", ignore=False)
+    loss = lambda x: mw.linear_cross_entropy(x, w, labels)  # noqa: E731
+    text = str(jax.make_jaxpr(jax.value_and_grad(loss))(x))
+    assert "platform_index" not in text
+
+
+@pytest.mark.skipif(not ON_CPU, reason="exports for the TPU from a machine without one")
+def test_every_kernel_lowers_for_the_tpu_at_real_sizes():
+    # Pallas lowers each kernel to Mosaic when the program is lowered for the TPU, which
+    # needs no chip: the check CI can make that a kernel's body is one Mosaic accepts.
+    def lowered(fn, *shapes):
+        module = export.export(jax.jit(fn), platforms=["tpu"])(*shapes).mlir_module()
+        return module.count("tpu_custom_call")
+
+    n, d, vocab = 8192, 4096, 128_256
+    x = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((n,), jnp.int32)
+    bias = jax.ShapeDtypeStruct((vocab,), jnp.bfloat16)
+    for layout, shape in (("dv", (d, vocab)), ("vd", (vocab, d))):
+        w = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+        def loss(x, w, labels, bias, layout=layout):
+            return mw.linear_cross_entropy(
+                x, w, labels, bias=bias, layout=layout, logit_soft_cap=30.0,
+                label_smoothing=0.1, implementation="pallas",
+            )  # fmt: skip
+
+        # forward: the statistics and the capped scores' sum; backward: one each more
+        assert lowered(jax.value_and_grad(loss, (0, 1, 3)), x, w, labels, bias) == 4, layout
+        argmax = lambda x, w, labels, layout=layout: mw.linear_cross_entropy(  # noqa: E731
+            x, w, labels, layout=layout, return_argmax=True, implementation="pallas"
+        )[1]
+        assert lowered(argmax, x, w, labels) == 1, layout
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    attention = lambda q: jnp.sum(  # noqa: E731
+        mw.dot_product_attention(q, q, q, is_causal=True, implementation="pallas")
+    )
+    assert lowered(jax.value_and_grad(attention), q) >= 2
