@@ -21,8 +21,17 @@ gradient counts 3.5 times the forward: two matmuls forward, five backward). Resu
 ``--cpu`` runs a small case in Pallas's interpret mode: the check that the script works
 before device time is spent on it.
 
-Usage: ``python benchmarks/tpu.py [--cases 4k,16k,64k] [--full] [--variants memwise]
-[--cpu]`` (``python -m benchmarks tpu`` on a TPU host; elsewhere it does nothing).
+``--suite cross_entropy``: the vocabulary cross-entropy instead (mean loss of
+``x @ w`` with integer labels, bfloat16, value_and_grad in ``x`` and ``w``): ``dense``
+(the logits ``x @ w`` and a float32 log-sum-exp), ``memwise xla``
+(``mw.linear_cross_entropy(implementation="xla")``) and ``memwise pallas`` (its fused
+kernels) at 8,192 and 32,768 tokens x 4,096 x 128,256 and 8,192 x 2,048 x 256,000
+(Gemma-size). TFLOP/s count the dense program's products, ``2 n d V`` forward and three
+times that with gradients (the fused kernel does four).
+
+Usage: ``python benchmarks/tpu.py [--suite attention|cross_entropy] [--cases 4k,16k,64k]
+[--full] [--variants memwise] [--cpu]`` (``python -m benchmarks tpu`` on a TPU host;
+elsewhere it does nothing).
 """
 
 from __future__ import annotations
@@ -185,6 +194,94 @@ def run_case(t, heads, kv_heads, hd, causal, *, interpret, repeats, full, only=(
     return rows
 
 
+def _dense_cross_entropy(x, w, labels):
+    logits = (x @ w).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0])
+
+
+def run_cross_entropy(n, d, vocab, *, interpret, repeats, only=()):
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (d, vocab)) / d**0.5).astype(jnp.bfloat16)
+    labels = jax.random.randint(keys[2], (n,), 0, vocab)
+    variants = {
+        "dense": lambda x, w: _dense_cross_entropy(x, w, labels),
+        "memwise xla": lambda x, w: mw.linear_cross_entropy(x, w, labels, implementation="xla"),
+        "memwise pallas": lambda x, w: mw.linear_cross_entropy(
+            x, w, labels, implementation="pallas"
+        ),
+    }
+    if interpret:
+        del variants["memwise xla"]
+    rows = []
+    for name, fn in variants.items():
+        if only and not name.startswith(tuple(only)):
+            continue
+        for mode, f in (("forward", fn), ("value_and_grad", jax.value_and_grad(fn, (0, 1)))):
+            row = {"variant": name, "mode": mode}
+            try:
+                compiled = jax.jit(f).lower(x, w).compile()
+                row["temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+                seconds = _time(compiled, (x, w), repeats)
+                row["ms"] = 1e3 * seconds
+                work = 2 * n * d * vocab * (3 if mode == "value_and_grad" else 1)
+                row["tflops"] = work / seconds / 1e12
+            except Exception as error:  # noqa: BLE001 - a variant that does not fit
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            rows.append(row)
+            print(json.dumps({"n": n, "d": d, "V": vocab, **row}), flush=True)
+    return rows
+
+
+CROSS_ENTROPY_NOTES = (
+    "One TPU v5e chip, bfloat16 x (tokens, d) and w (d, V), int32 labels, mean loss, "
+    "value_and_grad in x and w. dense: the logits x @ w and a float32 log-sum-exp; "
+    "memwise xla: mw.linear_cross_entropy's XLA tiles; memwise pallas: its fused Pallas "
+    "kernels (one product forward, three backward: the floor is 4/3 of dense's "
+    "value_and_grad). TFLOP/s count 2 n d V forward and 3 times that with gradients; the "
+    "chip's bfloat16 matmul peak is 197 TFLOP/s on paper. Temporaries exclude the outputs."
+)
+
+
+def cross_entropy_tables(cases: dict) -> list[dict]:
+    """One table per case: each variant's forward and value_and_grad against dense."""
+    columns = [
+        ["variant", "variant"],
+        ["fwd", "forward ms"],
+        ["fwd_x", "/ dense"],
+        ["fwd_tf", "TFLOP/s"],
+        ["fwd_temp", "temp"],
+        ["vjp", "value_and_grad ms"],
+        ["vjp_x", "/ dense"],
+        ["vjp_tf", "TFLOP/s"],
+        ["vjp_temp", "temp"],
+    ]
+    out = []
+    for case, rows in cases.items():
+        dense = {r["mode"]: r for r in rows if r["variant"] == "dense" and "ms" in r}
+        merged: dict = {}
+        for r in rows:
+            row = merged.setdefault(r["variant"], {"variant": r["variant"]})
+            key = "fwd" if r["mode"] == "forward" else "vjp"
+            if "ms" not in r:
+                row[key] = r.get("error", "failed")[:60]
+                continue
+            base = dense.get(r["mode"])
+            row[key] = f"{r['ms']:.1f}"
+            row[key + "_x"] = f"{r['ms'] / base['ms']:.2f}x" if base else "-"
+            row[key + "_tf"] = f"{r['tflops']:.0f}"
+            row[key + "_temp"] = f"{r['temp_mib']:.1f} MiB"
+        out.append(
+            {
+                "title": f"vocabulary cross-entropy on one TPU v5e, {case}",
+                "columns": columns,
+                "rows": list(merged.values()),
+            }
+        )
+    return out
+
+
 NOTES = (
     "One TPU v5e chip, bfloat16, batch 1, 8 query heads, head dim 128, causal; loss "
     "sum(out ** 2). memwise: mw.dot_product_attention's default dispatch on (B, T, N, H) "
@@ -256,6 +353,7 @@ def tables(cases: dict) -> list[dict]:
 
 def main(argv=None, quick: bool = False) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", default="attention", choices=("attention", "cross_entropy"))
     parser.add_argument("--cases", default="4k,16k,64k")
     parser.add_argument(
         "--full", action="store_true", help="also full (non-causal) and head dim 64"
@@ -268,6 +366,8 @@ def main(argv=None, quick: bool = False) -> int:
     if jax.default_backend() != "tpu" and not args.cpu:
         print("benchmark 'tpu': no TPU found; nothing to do (--cpu checks the script)")
         return 0
+    if args.suite == "cross_entropy":
+        return _main_cross_entropy(args)
     if args.cpu:
         cases = [(256, 8, 1, 128, True)]
     else:
@@ -304,6 +404,34 @@ def main(argv=None, quick: bool = False) -> int:
         name = f"T={t} N={heads} K={kv_heads} H={hd} {'causal' if causal else 'full'}"
         results["cases"][name] = rows
         results["tables"] = tables(results["cases"])
+        if not args.cpu:
+            out.parent.mkdir(exist_ok=True)
+            out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _main_cross_entropy(args) -> int:
+    if args.cpu:
+        cases = [(256, 128, 1000)]
+    else:
+        cases = [(8192, 4096, 128_256), (32_768, 4096, 128_256), (8192, 2048, 256_000)]
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() and not args.cpu else {}
+    section = results.setdefault("cross_entropy", {})
+    section["date"] = time.strftime("%Y-%m-%d")
+    section["notes"] = CROSS_ENTROPY_NOTES
+    section.setdefault("cases", {})
+    for n, d, vocab in cases:
+        rows = run_cross_entropy(
+            n,
+            d,
+            vocab,
+            interpret=args.cpu,
+            repeats=1 if args.cpu else args.repeats,
+            only=[v for v in args.variants.split(",") if v],
+        )
+        section["cases"][f"{n} tokens x d {d} x V {vocab}"] = rows
+        section["tables"] = cross_entropy_tables(section["cases"])
         if not args.cpu:
             out.parent.mkdir(exist_ok=True)
             out.write_text(json.dumps(results, indent=1))
