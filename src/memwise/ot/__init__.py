@@ -33,6 +33,11 @@ default ``use_danskin=True`` does). The plan is an operator on the result
 (:class:`memwise.ot.TransportPlan`: ``apply``, ``marginal``, ``transport_cost``, the
 entropic map ``transport`` of new points), each one or two chunked passes.
 
+Gromov-Wasserstein (:func:`gromov_wasserstein`, plain and fused): each outer iteration
+linearises the quadratic loss at the current plan into an inner-product cost of
+augmented points (the squared Euclidean distances within a cloud have rank ``d + 2``)
+and solves it with :func:`sinkhorn` (:mod:`memwise.ot.gromov`).
+
 Only first-order reverse mode is supported (``jax.grad``, ``jax.vjp``, ``jax.jacrev``):
 forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) and second derivatives
 (``jax.hessian``, grad of grad) raise memwise's ``TypeError``, eagerly and under ``jit``
@@ -55,8 +60,17 @@ from memwise.ot.api import SinkhornResult, sinkhorn, sinkhorn_divergence
 # Names that memwise.ot held as one module, importable from here as before.
 from memwise.ot.costs import CostFn as CostFn
 from memwise.ot.costs import PNormP
+from memwise.ot.gromov import GromovWassersteinResult, gromov_wasserstein
 from memwise.ot.passes import DEFAULT_EPSILON_SCALE as DEFAULT_EPSILON_SCALE
 from memwise.ot.plan import TransportPlan
 from memwise.tiling import ChunkSize as ChunkSize
 
-__all__ = ["PNormP", "SinkhornResult", "TransportPlan", "sinkhorn", "sinkhorn_divergence"]
+__all__ = [
+    "GromovWassersteinResult",
+    "PNormP",
+    "SinkhornResult",
+    "TransportPlan",
+    "gromov_wasserstein",
+    "sinkhorn",
+    "sinkhorn_divergence",
+]

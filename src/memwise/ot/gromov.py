@@ -1,0 +1,285 @@
+"""Entropic Gromov-Wasserstein between point clouds (plain and fused), in memory linear in
+the number of points: nothing of size ``n x m`` (or ``n x n``) is ever stored.
+
+Gromov-Wasserstein (GW) compares two clouds through their own distances: it looks for the
+plan ``P`` (marginals ``a``, ``b``) that minimises ``sum_ijkl (Cx_ik - Cy_jl)^2 P_ij
+P_kl`` + ``epsilon KL(P | a b^T)``, with ``Cx``, ``Cy`` the squared Euclidean distances
+within each cloud. The solver is Peyré, Cuturi and Solomon's (ICML 2016): each outer
+iteration linearises the quadratic loss at the current plan (their eq. 6, with the square
+loss ``L(c, c') = (c - c')^2``),
+
+    C_ij = (Cx^2 p)_i + (Cy^2 q)_j - 2 (Cx P Cy)_ij,   p = P 1,  q = P^T 1,
+
+(``Cx^2`` elementwise) and solves that linear entropic problem with
+:func:`memwise.ot.sinkhorn`. Fused GW (Vayer, Chapel, Flamary, Tavenard, Courty, ICML 2019)
+adds ``fused_penalty`` times the squared Euclidean cost between the two clouds' features.
+
+Memory. ``Cx = A B^T`` with ``A_i = (|x_i|^2, 1, -2 x_i)`` and ``B_k = (1, |x_k|^2,
+x_k)``, rank ``d + 2`` (likewise ``Cy``), so ``Cx P Cy = A (B^T P A') B'^T`` needs the plan
+applied to ``d + 2`` vectors (chunked passes, :meth:`memwise.ot.TransportPlan.apply`) and
+a ``(d + 2) x (d' + 2)`` product. ``(Cx^2 p)_i`` is one chunked sum over pairs
+(:func:`memwise.pairwise_reduce`). The linearised cost is then an inner product of
+augmented points of dimension ``d' + 4`` (plus the features' for fused GW), which the
+chunked Sinkhorn tiles as any cost: per outer iteration, memory O((n + m) d) and a tile.
+
+Conventions: OTT-JAX 0.6's ``GromovWasserstein`` with its defaults (balanced, square
+loss, no cost rescaling): the first linearisation at the product plan ``a b^T``, an
+absolute ``epsilon`` (default 1), the outer loop run at least ``min_iterations`` times
+and stopped once two successive linear costs agree to ``threshold`` (relative), and the
+reported ``reg_gw_cost`` the regularised cost of the linearisation at the final plan,
+taken at the last solve's potentials. Its gradient is OTT's: the envelope theorem at
+that linearisation, the plan held fixed (OTT stops the gradient through it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from memwise._arguments import positive_int
+from memwise.ot.api import sinkhorn
+from memwise.ot.gradients import reg_ot_cost
+from memwise.ot.plan import TransportPlan
+from memwise.ot.problem import _check_points, _check_weights
+from memwise.pairwise import pairwise_reduce
+
+__all__ = ["GromovWassersteinResult", "gromov_wasserstein"]
+
+Array = jax.Array
+
+
+class GromovWassersteinResult(NamedTuple):
+    """What :func:`gromov_wasserstein` returns.
+
+    Attributes:
+      reg_gw_cost: the regularised cost of the linearisation at the final plan, at the
+        last solve's potentials (OTT-JAX's ``GWOutput.reg_gw_cost``); differentiable
+        (first order, reverse mode) in the points and features.
+      plan: the final plan (:class:`memwise.ot.TransportPlan`, never formed):
+        ``out.plan.apply(v, axis=...)``, ``out.plan.marginal(axis)``.
+      costs: ``[max_iterations]``, the linear solves' ``reg_ot_cost`` per outer
+        iteration, ``-1`` for iterations not run (OTT's ``costs``).
+      n_iterations: outer iterations run.
+      converged: the outer loop stopped by its criterion (not ``max_iterations``) and
+        every linear solve converged.
+      epsilon: the regularisation used.
+    """
+
+    reg_gw_cost: Array
+    plan: TransportPlan
+    costs: Array
+    n_iterations: Array
+    converged: Array
+    epsilon: Array
+
+    def apply(self, v: Array, *, axis: int = 0) -> Array:
+        """:meth:`memwise.ot.TransportPlan.apply`: ``P^T v`` (axis 0) or ``P v`` (axis 1)."""
+        return self.plan.apply(v, axis=axis)
+
+
+def _inner(p: Array, q: Array) -> Array:
+    """The linearised cost: an inner product of augmented points (see the module)."""
+    return jnp.dot(p, q)
+
+
+def _factors(x: Array) -> tuple[Array, Array]:
+    """``A``, ``B`` with ``A B^T`` the squared Euclidean distances of ``x``."""
+    sq = jnp.sum(x * x, axis=1, keepdims=True)
+    one = jnp.ones_like(sq)
+    return jnp.concatenate([sq, one, -2.0 * x], 1), jnp.concatenate([one, sq, x], 1)
+
+
+def _squared_distances_applied(x: Array, weights: Array) -> Array:
+    """``(Cx^2 w)_i = sum_k |x_i - x_k|^4 w_k``: one chunked sum over pairs."""
+
+    def fourth(xi, xk):
+        d = xi - xk
+        return jnp.square(jnp.dot(d, d))
+
+    return pairwise_reduce(fourth, x, x, reduce="sum", weights=weights)
+
+
+def _linearised(x, y, fx, fy, penalty, plan, p, q):
+    """The augmented points whose inner products are the linearised cost at ``plan``
+    (marginals ``p``, ``q``): ``[u + a|fx|^2, 1, G^T A_i, fx]`` and ``[1, v + a|fy|^2,
+    -2 B'_j, -2 a fy]``."""
+    ax, bx = _factors(x)
+    ay, by = _factors(y)
+    plan_ay = plan.apply(ay.T, axis=1).T  # P A': [n, d' + 2]
+    g = bx.T @ plan_ay  # B^T P A': [d + 2, d' + 2]
+    u = _squared_distances_applied(x, p)
+    v = _squared_distances_applied(y, q)
+    left = [u[:, None], jnp.ones_like(u)[:, None], ax @ g]
+    right = [jnp.ones_like(v)[:, None], v[:, None], -2.0 * by]
+    if fx is not None:
+        left[0] = left[0] + penalty * jnp.sum(fx * fx, 1, keepdims=True)
+        right[1] = right[1] + penalty * jnp.sum(fy * fy, 1, keepdims=True)
+        left.append(fx)
+        right.append(-2.0 * penalty * fy)
+    return jnp.concatenate(left, 1), jnp.concatenate(right, 1)
+
+
+def gromov_wasserstein(
+    x: Array,
+    y: Array,
+    a: Array | None = None,
+    b: Array | None = None,
+    *,
+    epsilon: float = 1.0,
+    x_features: Array | None = None,
+    y_features: Array | None = None,
+    fused_penalty: float = 1.0,
+    max_iterations: int = 50,
+    min_iterations: int = 5,
+    threshold: float = 1e-3,
+    sinkhorn_options: dict | None = None,
+    chunk_size: Any = "auto",
+) -> GromovWassersteinResult:
+    """Entropic Gromov-Wasserstein between ``x`` and ``y``, fused with their features'
+    squared Euclidean cost when ``x_features``/``y_features`` are given; in chunked
+    memory (nothing ``n x m`` is formed).
+
+    The same problem and iterations as OTT-JAX's ``GromovWasserstein`` on
+    ``QuadraticProblem(PointCloud(x), PointCloud(y), [PointCloud(x_features,
+    y_features)], fused_penalty=...)`` (see the module docstring for the conventions).
+
+    Args:
+      x: ``[n, d]`` points; their squared Euclidean distances are one side's costs.
+      y: ``[m, d']`` points (``d'`` may differ from ``d``).
+      a: ``[n]`` weights (uniform when None).
+      b: ``[m]`` weights (uniform when None).
+      epsilon: the entropic regularisation, absolute (OTT's ``GromovWasserstein``
+        default is 1.0).
+      x_features: ``[n, k]`` features of ``x`` for fused GW (with ``y_features``).
+      y_features: ``[m, k]`` features of ``y``.
+      fused_penalty: the weight of the features' linear cost, >= 0: the problem is
+        ``quadratic + fused_penalty * linear`` (OTT's form; fused GW's ``alpha`` in
+        ``(1 - alpha) quadratic + alpha linear`` is ``fused_penalty = alpha / (1 -
+        alpha)`` with epsilon divided by ``1 - alpha``).
+      max_iterations: outer iterations at most.
+      min_iterations: outer iterations at least.
+      threshold: the outer loop stops when two successive linear costs agree to this
+        relative tolerance.
+      sinkhorn_options: keyword arguments of each linear solve
+        (:func:`memwise.ot.sinkhorn`: ``threshold``, ``max_iterations``, ...).
+      chunk_size: the tiles of every chunked pass.
+
+    Returns:
+      A :class:`GromovWassersteinResult`.
+
+    Raises:
+      TypeError/ValueError: bad points or weights, features given for one side only or
+        of different widths, a negative ``fused_penalty`` or ``epsilon``, iteration
+        counts that are not positive ints.
+
+    Example::
+
+        >>> import jax, memwise as mw
+        >>> x = jax.random.normal(jax.random.PRNGKey(0), (60, 2))
+        >>> rotated = x @ jax.numpy.array([[0.0, -1.0], [1.0, 0.0]])  # same distances
+        >>> out = mw.ot.gromov_wasserstein(x, rotated, epsilon=0.05)
+        >>> moved = out.plan.apply(rotated.T, axis=1).T * 60  # where each x_i is sent
+        >>> bool(jax.numpy.mean(jax.numpy.sum((moved - rotated) ** 2, 1)) < 0.1)
+        True
+    """
+    x = _check_points("x", x)
+    y = _check_points("y", y)
+    n, m = x.shape[0], y.shape[0]
+    dtype = jnp.result_type(x, y)
+    a = jnp.full((n,), 1.0 / n, dtype) if a is None else _check_weights("a", a, n, dtype)
+    b = jnp.full((m,), 1.0 / m, dtype) if b is None else _check_weights("b", b, m, dtype)
+    if (x_features is None) != (y_features is None):
+        raise ValueError(
+            "fused Gromov-Wasserstein needs both x_features and y_features (or neither)"
+        )
+    fx = fy = None
+    if x_features is not None:
+        fx = _check_points("x_features", x_features)
+        fy = _check_points("y_features", y_features)
+        if fx.shape[0] != n or fy.shape[0] != m or fx.shape[1] != fy.shape[1]:
+            raise ValueError(
+                f"x_features and y_features must be [n, k] = [{n}, k] and [m, k] = [{m}, k] "
+                f"with the same k, got {fx.shape} and {fy.shape}"
+            )
+    for name, value in (("epsilon", epsilon), ("fused_penalty", fused_penalty)):
+        if isinstance(value, (int, float)) and not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    max_iterations = positive_int(max_iterations, "max_iterations")
+    min_iterations = positive_int(min_iterations, "min_iterations")
+    options = dict(sinkhorn_options or {})
+    for reserved in ("epsilon", "cost", "a", "b", "init"):
+        if reserved in options:
+            raise ValueError(f"sinkhorn_options may not set {reserved!r}: it is the solver's")
+    options.setdefault("chunk_size", chunk_size)
+
+    def solve(points):
+        px, qy = points
+        return sinkhorn(px, qy, a, b, epsilon=epsilon, cost=_inner, **options)
+
+    def linearise(plan, x, y, fx, fy):
+        p, q = plan.marginal(1), plan.marginal(0)
+        return _linearised(x, y, fx, fy, fused_penalty, plan, p, q)
+
+    sx, sy, sfx, sfy = jax.lax.stop_gradient((x, y, fx, fy))
+    # The first linearisation at the product plan a b^T: P A' = a (b^T A').
+    product = _Product(a, b)
+    first = solve(_linearised(sx, sy, sfx, sfy, fused_penalty, product, a, b))
+
+    template = first.plan  # the cost and tiling every solve shares
+
+    def plan_of(px, qy, f, g):
+        return TransportPlan(
+            px, qy, a, b, f, g, first.epsilon, template.consts,
+            cost=template.cost, chunk=template.chunk, dtype=template.dtype,
+        )  # fmt: skip
+
+    def cond(state):
+        i, costs, _ = state
+        stable = (i >= 2) & jnp.isclose(costs[i - 2], costs[i - 1], rtol=threshold)
+        finite = jnp.isfinite(costs[jnp.maximum(i - 1, 0)])
+        go_on = (i <= 2) | (finite & ~stable) | (i < min_iterations)
+        return (i < max_iterations) & go_on
+
+    def body(state):
+        i, costs, (points, f, g, all_converged) = state
+        new_points = linearise(plan_of(points[0], points[1], f, g), sx, sy, sfx, sfy)
+        new = solve(new_points)
+        costs = costs.at[i].set(new.reg_ot_cost)
+        return i + 1, costs, (new_points, new.f, new.g, all_converged & new.converged)
+
+    first_points = jax.lax.stop_gradient(first.plan.x), jax.lax.stop_gradient(first.plan.y)
+    costs = -jnp.ones((max_iterations,), first.reg_ot_cost.dtype)
+    start = (jnp.asarray(0), costs, (first_points, first.f, first.g, first.converged))
+    n_iter, costs, (points, f, g, all_converged) = jax.lax.while_loop(cond, body, start)
+
+    # OTT's output: the linearisation at the final plan (held fixed), its regularised
+    # cost at the last potentials, differentiated by the envelope theorem.
+    f, g = jax.lax.stop_gradient((f, g))
+    plan = plan_of(points[0], points[1], f, g)
+    px, qy = linearise(plan, x, y, fx, fy)
+    eps = jax.lax.stop_gradient(first.epsilon)
+    at = TransportPlan(
+        px, qy, a, b, f, g, eps, template.consts,
+        cost=template.cost, chunk=template.chunk, dtype=template.dtype,
+    )  # fmt: skip
+    mass = jax.lax.stop_gradient(jnp.sum(at.marginal(1)))
+    taus = (jnp.asarray(1.0, dtype), jnp.asarray(1.0, dtype))
+    reg = reg_ot_cost(
+        template.cost, template.chunk, (False, False), px, qy, a, b, eps, template.consts,
+        taus, f, g, mass,
+    )  # fmt: skip
+    converged = (n_iter < max_iterations) & all_converged
+    return GromovWassersteinResult(reg, plan, costs, n_iter, converged, eps)
+
+
+class _Product:
+    """The product plan ``a b^T`` as an operator (its ``apply`` only)."""
+
+    def __init__(self, a: Array, b: Array) -> None:
+        self.a, self.b = a, b
+
+    def apply(self, v: Array, *, axis: int) -> Array:
+        assert axis == 1  # P v = a (b . v)
+        return (v @ self.b)[..., None] * self.a
