@@ -84,35 +84,68 @@ def _inner(p: Array, q: Array) -> Array:
     return jnp.dot(p, q)
 
 
-def _factors(x: Array) -> tuple[Array, Array]:
-    """``A``, ``B`` with ``A B^T`` the squared Euclidean distances of ``x``."""
-    sq = jnp.sum(x * x, axis=1, keepdims=True)
-    one = jnp.ones_like(sq)
-    return jnp.concatenate([sq, one, -2.0 * x], 1), jnp.concatenate([one, sq, x], 1)
-
-
-def _squared_distances_applied(x: Array, weights: Array) -> Array:
+def _squared_distances_applied(x: Array, weights: Array, chunk_size: Any) -> Array:
     """``(Cx^2 w)_i = sum_k |x_i - x_k|^4 w_k``: one chunked sum over pairs."""
 
     def fourth(xi, xk):
-        d = xi - xk
-        return jnp.square(jnp.dot(d, d))
+        # Expanded, so that over a tile the cross term is one matrix product (the
+        # difference would hold rows x cols x d values), as OTT's factored form does.
+        return jnp.square(jnp.sum(xi * xi) + jnp.sum(xk * xk) - 2.0 * jnp.dot(xi, xk))
 
-    return pairwise_reduce(fourth, x, x, reduce="sum", weights=weights)
+    return pairwise_reduce(fourth, x, x, reduce="sum", weights=weights, chunk_size=chunk_size)
 
 
-def _linearised(x, y, fx, fy, penalty, plan, p, q):
+@jax.custom_vjp
+def _held_apply(plan: Any, v: Array) -> Array:
+    """``P v`` for a plan held fixed, ``v`` of shape ``[m, k]``; its vjp is ``P^T ct``
+    (the plan's own arrays are its only residual: differentiating through the passes
+    would keep each pass's operands)."""
+    return _columns(plan, v, axis=1)
+
+
+def _columns(plan: Any, v: Array, axis: int) -> Array:
+    """The plan applied to each column of ``v`` in its own pass: applied to the whole
+    batch at once a tile would hold rows x cols x batch values."""
+    return jnp.stack([plan.apply(column, axis=axis) for column in v.T], axis=1)
+
+
+def _held_apply_fwd(plan, v):
+    return _held_apply(plan, v), plan
+
+
+def _held_apply_bwd(plan, ct):
+    return jax.tree.map(jnp.zeros_like, plan), _columns(plan, ct, axis=0)
+
+
+_held_apply.defvjp(_held_apply_fwd, _held_apply_bwd)
+
+
+def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size):
     """The augmented points whose inner products are the linearised cost at ``plan``
-    (marginals ``p``, ``q``): ``[u + a|fx|^2, 1, G^T A_i, fx]`` and ``[1, v + a|fy|^2,
-    -2 B'_j, -2 a fy]``."""
-    ax, bx = _factors(x)
-    ay, by = _factors(y)
-    plan_ay = plan.apply(ay.T, axis=1).T  # P A': [n, d' + 2]
-    g = bx.T @ plan_ay  # B^T P A': [d + 2, d' + 2]
-    u = _squared_distances_applied(x, p)
-    v = _squared_distances_applied(y, q)
-    left = [u[:, None], jnp.ones_like(u)[:, None], ax @ g]
-    right = [jnp.ones_like(v)[:, None], v[:, None], -2.0 * by]
+    (marginals ``p = P 1``, ``q = P^T 1``; see the module docstring).
+
+    With ``Cx = A B^T``, ``A = [|x|^2, 1, -2x]``, ``B = [1, |x|^2, x]`` (and ``A'``,
+    ``B'`` of ``y``): ``C_ij = u_i + v_j - 2 (A G)_i . B'_j`` with ``G = B^T P A'``,
+    ``u = Cx^2 p``, ``v = Cy^2 q``. ``P A' = [P |y|^2, p, -2 P y]`` takes ``d' + 1``
+    applications of the plan (``P 1 = p``); ``A`` and ``B`` are never formed.
+    """
+    sq_x = jnp.sum(x * x, axis=1)
+    sq_y = jnp.sum(y * y, axis=1)
+    columns = jnp.concatenate([sq_y[:, None], y], axis=1)
+    if isinstance(plan, _Product):
+        applied = plan.apply(columns.T, axis=1).T
+    else:
+        applied = _held_apply(plan, columns)  # [P |y|^2, P y]: [n, d' + 1]
+    plan_ay = jnp.concatenate([applied[:, :1], p[:, None], -2.0 * applied[:, 1:]], axis=1)
+    g = jnp.concatenate(
+        [jnp.sum(plan_ay, axis=0, keepdims=True), (sq_x @ plan_ay)[None], x.T @ plan_ay]
+    )  # B^T P A': [d + 2, d' + 2]
+    a_g = sq_x[:, None] * g[0] + g[1] - 2.0 * (x @ g[2:])  # A G: [n, d' + 2]
+    u = _squared_distances_applied(x, p, chunk_size)
+    v = _squared_distances_applied(y, q, chunk_size)
+    left = [u[:, None], jnp.ones_like(u)[:, None], a_g]
+    ones = jnp.ones_like(v)[:, None]
+    right = [ones, v[:, None], -2.0 * ones, -2.0 * sq_y[:, None], -2.0 * y]
     if fx is not None:
         left[0] = left[0] + penalty * jnp.sum(fx * fx, 1, keepdims=True)
         right[1] = right[1] + penalty * jnp.sum(fy * fy, 1, keepdims=True)
@@ -220,12 +253,12 @@ def gromov_wasserstein(
 
     def linearise(plan, x, y, fx, fy):
         p, q = plan.marginal(1), plan.marginal(0)
-        return _linearised(x, y, fx, fy, fused_penalty, plan, p, q)
+        return _linearised(x, y, fx, fy, fused_penalty, plan, p, q, chunk_size)
 
     sx, sy, sfx, sfy = jax.lax.stop_gradient((x, y, fx, fy))
     # The first linearisation at the product plan a b^T: P A' = a (b^T A').
     product = _Product(a, b)
-    first = solve(_linearised(sx, sy, sfx, sfy, fused_penalty, product, a, b))
+    first = solve(_linearised(sx, sy, sfx, sfy, fused_penalty, product, a, b, chunk_size))
 
     template = first.plan  # the cost and tiling every solve shares
 
