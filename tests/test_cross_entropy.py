@@ -533,3 +533,45 @@ def test_vocabulary_parallel_matches_one_device():
         """,
         n_devices=8,
     )
+
+
+def test_a_2d_mesh_gradient_gathers_no_weights():
+    """Tokens over one axis, the vocabulary over the other, of 2 x 4 and 4 x 2 meshes (the
+    layout of tensor-parallel language-model training): the compiled gradient has no
+    all-gather (not of w, not of the logits), and equals optax's dense loss on one
+    device. The split read from the data (Explicit axes, jax.make_mesh's default) and
+    named (mesh=, token_axis=, vocab_axis=)."""
+    run_on_devices(
+        """
+        import jax, jax.numpy as jnp, numpy as np, optax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import memwise as mw
+
+        k = jax.random.split(jax.random.PRNGKey(1), 3)
+        x = jax.random.normal(k[0], (16, 8))
+        w = jax.random.normal(k[1], (8, 64)) * 0.5
+        y = jax.random.randint(k[2], (16,), 0, 64)
+
+        def dense(x, w):
+            return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
+
+        ref, ref_g = jax.jit(jax.value_and_grad(dense, (0, 1)))(x, w)
+        for shape in ((2, 4), (4, 2)):
+            mesh = jax.make_mesh(shape, ("data", "vocab"))
+            xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+            ws = jax.device_put(w, NamedSharding(mesh, P(None, "vocab")))
+            ys = jax.device_put(y, NamedSharding(mesh, P("data")))
+            for named in (False, True):
+                kw = dict(mesh=mesh, token_axis="data", vocab_axis="vocab") if named else {}
+                loss = lambda x, w, y, kw=kw: mw.linear_cross_entropy(x, w, y, chunk_size=(4, 8), **kw)
+                step = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(xs, ws, ys).compile()
+                gathers = [l for l in step.as_text().splitlines() if "all-gather" in l]
+                assert not gathers, (shape, named, gathers[:2])
+                value, grads = step(xs, ws, ys)
+                np.testing.assert_allclose(value, ref, rtol=1e-5)
+                for a, e in zip(grads, ref_g):
+                    np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6)
+        print("ok")
+        """,
+        n_devices=8,
+    )
