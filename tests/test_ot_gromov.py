@@ -130,3 +130,16 @@ def test_bad_input_is_one_line():
         assert "\n" not in str(info.value)
     with pytest.raises((TypeError, ValueError), match="x"):
         mw.ot.gromov_wasserstein("abc", y)
+
+
+def test_half_precision_is_solved_in_float32_and_vmap_is_the_loop():
+    c = _clouds(40, 30)
+    x, y = c["x"], c["y"]
+    cost = jax.jit(lambda x, y: mw.ot.gromov_wasserstein(x, y).reg_gw_cost)
+    half = cost(x.astype(jnp.bfloat16), y.astype(jnp.bfloat16))
+    rounded = cost(*(v.astype(jnp.bfloat16).astype(jnp.float64) for v in (x, y)))
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(float(half), float(rounded), rtol=1e-2)
+    batched = jax.jit(jax.vmap(cost, (0, None)))(jnp.stack([x, 2 * x]), y)
+    for i, scale in enumerate((1.0, 2.0)):
+        np.testing.assert_allclose(batched[i], cost(scale * x, y), rtol=1e-10)

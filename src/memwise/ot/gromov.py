@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from memwise._arguments import positive_int
+from memwise._dtypes import accumulation_dtype
 from memwise.ot.api import sinkhorn
 from memwise.ot.gradients import reg_ot_cost
 from memwise.ot.plan import TransportPlan
@@ -221,16 +222,20 @@ def gromov_wasserstein(
     y = _check_points("y", y)
     n, m = x.shape[0], y.shape[0]
     dtype = jnp.result_type(x, y)
-    a = jnp.full((n,), 1.0 / n, dtype) if a is None else _check_weights("a", a, n, dtype)
-    b = jnp.full((m,), 1.0 / m, dtype) if b is None else _check_weights("b", b, m, dtype)
+    # bfloat16 and float16 clouds are solved in float32, as mw.ot.sinkhorn solves them
+    # (the linearised cost's sums of fourth powers need the range and the bits).
+    work = accumulation_dtype(dtype)
+    x, y = x.astype(work), y.astype(work)
+    a = jnp.full((n,), 1.0 / n, work) if a is None else _check_weights("a", a, n, work)
+    b = jnp.full((m,), 1.0 / m, work) if b is None else _check_weights("b", b, m, work)
     if (x_features is None) != (y_features is None):
         raise ValueError(
             "fused Gromov-Wasserstein needs both x_features and y_features (or neither)"
         )
     fx = fy = None
     if x_features is not None:
-        fx = _check_points("x_features", x_features)
-        fy = _check_points("y_features", y_features)
+        fx = _check_points("x_features", x_features).astype(work)
+        fy = _check_points("y_features", y_features).astype(work)
         if fx.shape[0] != n or fy.shape[0] != m or fx.shape[1] != fy.shape[1]:
             raise ValueError(
                 f"x_features and y_features must be [n, k] = [{n}, k] and [m, k] = [{m}, k] "
@@ -298,13 +303,13 @@ def gromov_wasserstein(
         cost=template.cost, chunk=template.chunk, dtype=template.dtype,
     )  # fmt: skip
     mass = jax.lax.stop_gradient(jnp.sum(at.marginal(1)))
-    taus = (jnp.asarray(1.0, dtype), jnp.asarray(1.0, dtype))
+    taus = (jnp.asarray(1.0, work), jnp.asarray(1.0, work))
     reg = reg_ot_cost(
         template.cost, template.chunk, (False, False), px, qy, a, b, eps, template.consts,
         taus, f, g, mass,
     )  # fmt: skip
     converged = (n_iter < max_iterations) & all_converged
-    return GromovWassersteinResult(reg, plan, costs, n_iter, converged, eps)
+    return GromovWassersteinResult(reg.astype(dtype), plan, costs, n_iter, converged, eps)
 
 
 class _Product:
