@@ -288,12 +288,16 @@ def _backward_kernel(cfg: _Config, *refs: Any) -> None:
             dx_buf.at[slot], dx_hbm.at[pl.ds(block * bt, bt)], writes.at[slot]
         )
 
-    # dx's block for this step: its slot's last write (two steps back) done first, then
-    # the running sum read (its own last write was nt >= 2 steps back, done), in flight
-    # while the products run.
-    @pl.when(step >= 2)
+    # dx's block for this step. Each step's write is waited for two steps later (its
+    # slot is reused then), so at this step every write up to two steps back is done:
+    # the running sum of block i, written nt steps back, may be read when nt >= 2. With
+    # one token block (nt = 1) it was written by the previous step: that write is
+    # waited for here instead. The read is in flight while the products run.
+    single = -(-cfg.tokens // bt) == 1
+
+    @pl.when(step >= (1 if single else 2))
     def _():
-        write(0, slot).wait()
+        write(0, 1 - slot if single else slot).wait()
 
     @pl.when(j > 0)
     def _():
@@ -361,12 +365,13 @@ def _backward_kernel(cfg: _Config, *refs: Any) -> None:
             db_ref[...] = db_acc[...]
 
     @pl.when(step == pl.num_programs(0) * nt - 1)
-    def _():  # the last writes land before the kernel ends
+    def _():  # the writes not yet waited for land before the kernel ends
         write(0, slot).wait()
+        if not single:
 
-        @pl.when(step >= 1)
-        def _():
-            write(0, 1 - slot).wait()
+            @pl.when(step >= 1)
+            def _():
+                write(0, 1 - slot).wait()
 
 
 def _backward(
