@@ -33,6 +33,8 @@ that linearisation, the plan held fixed (OTT stops the gradient through it).
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -47,6 +49,9 @@ from memwise.ot.problem import _check_points, _check_weights
 from memwise.pairwise import pairwise_reduce
 
 __all__ = ["GromovWassersteinResult", "gromov_wasserstein"]
+
+_SINKHORN_OPTIONS = frozenset(inspect.signature(sinkhorn).parameters)
+_SET_HERE = frozenset({"x", "y", "a", "b", "epsilon", "cost", "init"})
 
 Array = jax.Array
 
@@ -161,7 +166,7 @@ def gromov_wasserstein(
     a: Array | None = None,
     b: Array | None = None,
     *,
-    epsilon: float = 1.0,
+    epsilon: float | Array = 1.0,
     x_features: Array | None = None,
     y_features: Array | None = None,
     fused_penalty: float = 1.0,
@@ -241,20 +246,29 @@ def gromov_wasserstein(
                 f"x_features and y_features must be [n, k] = [{n}, k] and [m, k] = [{m}, k] "
                 f"with the same k, got {fx.shape} and {fy.shape}"
             )
-    for name, value in (("epsilon", epsilon), ("fused_penalty", fused_penalty)):
-        if isinstance(value, (int, float)) and not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if epsilon is None or (isinstance(epsilon, (int, float)) and not 0 < epsilon < math.inf):
+        raise ValueError(f"epsilon must be a positive finite number, got {epsilon!r}")
+    if isinstance(fused_penalty, (int, float)) and not 0 <= fused_penalty < math.inf:
+        raise ValueError(f"fused_penalty must be >= 0 and finite, got {fused_penalty!r}")
     max_iterations = positive_int(max_iterations, "max_iterations")
     min_iterations = positive_int(min_iterations, "min_iterations")
     options = dict(sinkhorn_options or {})
-    for reserved in ("epsilon", "cost", "a", "b", "init"):
-        if reserved in options:
-            raise ValueError(f"sinkhorn_options may not set {reserved!r}: it is the solver's")
+    for key in options:
+        if key in _SET_HERE:
+            raise ValueError(f"sinkhorn_options may not set {key!r}: the solver sets it")
+        if key not in _SINKHORN_OPTIONS:
+            raise ValueError(
+                f"sinkhorn_options has {key!r}, which mw.ot.sinkhorn does not take; it takes "
+                f"{sorted(_SINKHORN_OPTIONS - _SET_HERE)}"
+            )
     options.setdefault("chunk_size", chunk_size)
+    # The solves run on a constant epsilon: the loop is not differentiated; the final
+    # cost's envelope gradient reaches epsilon itself.
+    held_eps = jax.lax.stop_gradient(jnp.asarray(epsilon, work))
 
     def solve(points):
         px, qy = points
-        return sinkhorn(px, qy, a, b, epsilon=epsilon, cost=_inner, **options)
+        return sinkhorn(px, qy, a, b, epsilon=held_eps, cost=_inner, **options)
 
     def linearise(plan, x, y, fx, fy):
         p, q = plan.marginal(1), plan.marginal(0)
@@ -297,7 +311,7 @@ def gromov_wasserstein(
     f, g = jax.lax.stop_gradient((f, g))
     plan = plan_of(points[0], points[1], f, g)
     px, qy = linearise(plan, x, y, fx, fy)
-    eps = jax.lax.stop_gradient(first.epsilon)
+    eps = jnp.asarray(epsilon, work)
     at = TransportPlan(
         px, qy, a, b, f, g, eps, template.consts,
         cost=template.cost, chunk=template.chunk, dtype=template.dtype,
@@ -308,6 +322,16 @@ def gromov_wasserstein(
         template.cost, template.chunk, (False, False), px, qy, a, b, eps, template.consts,
         taus, f, g, mass,
     )  # fmt: skip
+    if isinstance(epsilon, jax.core.Tracer):
+        # OTT holds its own potentials, ours plus eps log(weight), fixed: off the
+        # optimum of this last linearisation the choice shows in d/d eps, by
+        # -sum_i (a_i - (P 1)_i) log a_i and the same for b.
+        def drift(weights, marginal):
+            safe = jnp.where(weights > 0, weights, 1.0)
+            return jnp.sum(jnp.where(weights > 0, (weights - marginal) * jnp.log(safe), 0.0))
+
+        slope = -drift(a, at.marginal(1)) - drift(b, at.marginal(0))
+        reg = reg + (eps - jax.lax.stop_gradient(eps)) * jax.lax.stop_gradient(slope)
     converged = (n_iter < max_iterations) & all_converged
     return GromovWassersteinResult(reg.astype(dtype), plan, costs, n_iter, converged, eps)
 
