@@ -1,6 +1,7 @@
 """Tests for memwise.sharding: chunked primitives on 4 CPU devices (a subprocess) against
 dense JAX, detected and explicit meshes, inside a user's shard_map, per-device memory."""
 
+import _grid
 import pytest
 from _multidevice import run_on_devices
 
@@ -29,9 +30,12 @@ def test_sharded_matches_dense_on_4_devices():
                         lambda a, b: -A * jnp.sum((a - b) ** 2), x, y, reduce=red,
                         chunk_size=(3, 4), axis=axis, mesh=mesh, axis_name="d")))
                 g = lambda x, y, A: jnp.sum(jnp.sin(dense(x, y, A, red, axis)))
-                np.testing.assert_allclose(jax.jit(f)(x, y, A), g(x, y, A), rtol=1e-5)
-                for a, b in zip(jax.jit(jax.grad(f, (0, 1, 2)))(x, y, A),
-                                jax.grad(g, (0, 1, 2))(x, y, A)):
+                # value and gradients in one compiled program, the reference's too (in a
+                # fresh process every eager operation compiles)
+                value, grads = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(x, y, A)
+                ref, ref_grads = jax.jit(jax.value_and_grad(g, (0, 1, 2)))(x, y, A)
+                np.testing.assert_allclose(value, ref, rtol=1e-5)
+                for a, b in zip(grads, ref_grads):
                     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
         # arg-extremes over the split points (axis=0): global indices, and the first NaN
         # wins across devices as in jnp.argmax (rows 5 and 13 live on devices 1 and 3)
@@ -42,7 +46,8 @@ def test_sharded_matches_dense_on_4_devices():
                 f = lambda x, y: mw.pairwise_reduce(
                     lambda a, b: -jnp.sum((a - b) ** 2), x, y, reduce=red, axis=0,
                     chunk_size=(3, 4), mesh=mesh, axis_name="d")
-                np.testing.assert_array_equal(jax.jit(f)(pts, y), getattr(jnp, red)(M, 0))
+                np.testing.assert_array_equal(jax.jit(f)(pts, y),
+                                              jax.jit(getattr(jnp, red), static_argnums=1)(M, 0))
         # detected from a committed NamedSharding
         xs = jax.device_put(x, NamedSharding(mesh, P("d")))
         np.testing.assert_allclose(
@@ -54,7 +59,8 @@ def test_sharded_matches_dense_on_4_devices():
         sm = jax.shard_map(inner, mesh=mesh, in_specs=(P("d"), P(), P()), out_specs=P("d"))
         L = lambda x, y, A: jnp.sum(jnp.sin(sm(x, y, A)))
         Ld = lambda x, y, A: jnp.sum(jnp.sin(dense(x, y, A, "logsumexp", 1)))
-        for a, b in zip(jax.jit(jax.grad(L, (0, 1, 2)))(x, y, A), jax.grad(Ld, (0, 1, 2))(x, y, A)):
+        for a, b in zip(jax.jit(jax.grad(L, (0, 1, 2)))(x, y, A),
+                        jax.jit(jax.grad(Ld, (0, 1, 2)))(x, y, A)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
         # chunked_map / chunked_sum
         W = jax.random.normal(jax.random.PRNGKey(3), (2, 2))
@@ -65,7 +71,8 @@ def test_sharded_matches_dense_on_4_devices():
             def L(x, W, kind=kind):
                 out = kind(lambda a: jnp.tanh(W @ a), x, chunk_size=3, mesh=mesh)
                 return jnp.sum((out if kind is mw.chunked_sum else jnp.sum(out, 1)) ** 2)
-            for a, b in zip(jax.jit(jax.grad(L, (0, 1)))(x, W), jax.grad(dense_loss, (0, 1))(x, W)):
+            for a, b in zip(jax.jit(jax.grad(L, (0, 1)))(x, W),
+                            jax.jit(jax.grad(dense_loss, (0, 1)))(x, W)):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
         # attention with a traced (learned) scale and a shared bias, queries split
         ks = jax.random.split(jax.random.PRNGKey(4), 4)
@@ -76,7 +83,7 @@ def test_sharded_matches_dense_on_4_devices():
                                                 chunk_size=(2, 3), **kw)))
         sharded = lambda *a: att(*a, mesh=mesh, axis_name="d")
         for a, b in zip(jax.jit(jax.grad(sharded, (0, 1, 2, 3, 4)))(q, k, v, bias, 0.3),
-                        jax.grad(att, (0, 1, 2, 3, 4))(q, k, v, bias, 0.3)):
+                        jax.jit(jax.grad(att, (0, 1, 2, 3, 4)))(q, k, v, bias, 0.3)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
         # per-device memory: the O(n) buffers split 4 ways
         n, feat = 2**16, 32
@@ -116,9 +123,26 @@ def test_sharded_matches_dense_on_4_devices():
 def test_sharding_follows_the_data_under_jit():
     # No mesh= / axis_name=: sharded NamedSharding inputs under jit (Auto axes, with and
     # without jax.set_mesh) and Explicit-axes types run one tiled loop per device; the
-    # compiled program gathers no operand (the second one travels on a ring).
+    # compiled program gathers no operand (the second one travels on a ring). The
+    # primitives x axis types x set_mesh product (30 compilations, each with its run) is
+    # a grid: a stratified sample runs every primitive, both axis types and both
+    # contexts (tests/_grid.py; MEMWISE_TEST_GRID=full runs all 30).
+    names = ["pairwise", "pairwise axis=0", "chunked_sum", "chunked_map", "attention"]
+    names += ["divergence", "kip_loss", "accumulate_grad"]
+    chosen = _grid.sample_product(
+        "test_sharding::follows_the_data",
+        0.4,
+        # OT split over Explicit axes is not supported yet: a clear error, checked below
+        where=lambda c: not (c["name"] == "divergence" and c["kind"] == "Explicit"),
+        kind=["Auto", "Explicit"],
+        with_mesh=[False, True],
+        name=names,
+    )
     out = run_on_devices(
+        f"""
+        CHOSEN = {[(c["kind"], c["with_mesh"], c["name"]) for c in chosen]!r}
         """
+        + """
         import contextlib
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
@@ -154,40 +178,39 @@ def test_sharding_follows_the_data_under_jit():
         }
         losses = {name: (lambda a, b, f=f: jnp.sum(jnp.sin(f(a, b))))
                   for name, (f, *_) in cases.items()}
-        # one device's value and gradients, once per case (the same for every mesh):
+        # one device's value and gradients, once per primitive (the same for every mesh):
         # compiled (an eager reference compiled its loops again at each call)
-        refs = {name: jax.jit(jax.value_and_grad(losses[name], (0, 1)))(a, b)
-                for name, (_, a, b, _) in cases.items()}
-        for kind in (AxisType.Auto, AxisType.Explicit):
+        refs = {}
+        for _, _, name in CHOSEN:
+            if name not in refs:
+                _, a, b, _ = cases[name]
+                refs[name] = jax.jit(jax.value_and_grad(losses[name], (0, 1)))(a, b)
+        for kind_name, with_mesh, name in CHOSEN:
+            kind = getattr(AxisType, kind_name)
             mesh = jax.make_mesh((4,), ("d",), axis_types=(kind,))
-            for with_mesh in (False, True):
-                ctx = jax.set_mesh(mesh) if with_mesh else contextlib.nullcontext()
-                for name, (f, a, b, spec) in cases.items():
-                    if name == "divergence" and kind == AxisType.Explicit:
-                        continue  # not supported yet: a clear error, checked below
-                    ref_v, ref_g = refs[name]
-                    sa = jax.device_put(a, NamedSharding(mesh, spec))
-                    # both clouds split alike (on Explicit axes OT needs them so)
-                    sb = jax.device_put(b, NamedSharding(mesh, spec)) if \
-                        name == "divergence" else b
-                    with ctx:
-                        # compiled once: run and read
-                        step = jax.jit(jax.value_and_grad(losses[name], (0, 1)))
-                        step = step.lower(sa, sb).compile()
-                        v, g = step(sa, sb)
-                        hlo = step.as_text()
-                    where = (name, kind, with_mesh)
-                    np.testing.assert_allclose(v, ref_v, rtol=2e-5, err_msg=str(where))
-                    for u, r in zip(g, ref_g):
-                        np.testing.assert_allclose(u, r, rtol=1e-4, atol=1e-5,
-                                                   err_msg=str(where))
-                    # no operand gathered (per-point partial maxima may be); the
-                    # devices do talk (ring, or reductions)
-                    gathers = [l.split("=")[1].split("all-gather(")[0]
-                               for l in hlo.splitlines() if "all-gather(" in l]
-                    whole = [f"{a.shape[-2]},{a.shape[-1]}]" for a in (a, b)]
-                    assert not any(w in g for g in gathers for w in whole), (where, gathers)
-                    assert "collective-permute(" in hlo or "all-reduce(" in hlo, where
+            ctx = jax.set_mesh(mesh) if with_mesh else contextlib.nullcontext()
+            f, a, b, spec = cases[name]
+            ref_v, ref_g = refs[name]
+            sa = jax.device_put(a, NamedSharding(mesh, spec))
+            # both clouds split alike (on Explicit axes OT needs them so)
+            sb = jax.device_put(b, NamedSharding(mesh, spec)) if name == "divergence" else b
+            with ctx:
+                # compiled once: run and read
+                step = jax.jit(jax.value_and_grad(losses[name], (0, 1)))
+                step = step.lower(sa, sb).compile()
+                v, g = step(sa, sb)
+                hlo = step.as_text()
+            where = (name, kind, with_mesh)
+            np.testing.assert_allclose(v, ref_v, rtol=2e-5, err_msg=str(where))
+            for u, r in zip(g, ref_g):
+                np.testing.assert_allclose(u, r, rtol=1e-4, atol=1e-5, err_msg=str(where))
+            # no operand gathered (per-point partial maxima may be); the devices do talk
+            # (ring, or reductions)
+            gathers = [l.split("=")[1].split("all-gather(")[0]
+                       for l in hlo.splitlines() if "all-gather(" in l]
+            whole = [f"{a.shape[-2]},{a.shape[-1]}]" for a in (a, b)]
+            assert not any(w in g for g in gathers for w in whole), (where, gathers)
+            assert "collective-permute(" in hlo or "all-reduce(" in hlo, where
         # OT split over Explicit axes: a clear error (not yet supported), not a
         # sharding type error from deep inside the solve
         mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
