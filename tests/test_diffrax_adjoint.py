@@ -262,7 +262,10 @@ def test_sde_against(diffusion_fn):
 # test_saveat_solution.py: test_subsaveat
 
 
+# Diffrax's parametrized product (multi_subs x with_fn): a ported grid, sampled (each
+# value of each parameter runs; MEMWISE_TEST_GRID=full runs all four).
 @pytest.mark.slow
+@pytest.mark.grid
 @pytest.mark.parametrize("multi_subs", [True, False])
 @pytest.mark.parametrize("with_fn", [True, False])
 def test_subsaveat(multi_subs, with_fn):
