@@ -285,7 +285,8 @@ def test_ring_carries_masks_and_biases_on_4_devices():
             np.testing.assert_allclose(ring_h, jax.jit(jax.hessian(f))(s), rtol=1e-4,
                                        err_msg=str(kw))
         print("OK")
-        """
+        """,
+        timeout=30 * len(cases) + 300,  # the full grid is 24 cases
     )
     assert "OK" in out
 

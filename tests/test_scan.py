@@ -316,12 +316,13 @@ def test_vmap_of_grad_and_grad_of_vmap():
     ours = loss_with(mw.scan, n, checkpoints=3)
     batched = jax.vmap(jax.grad(ours, argnums=(0, 1)), in_axes=(None, 0, None))
     expected = jax.vmap(jax.grad(ref, argnums=(0, 1)), in_axes=(None, 0, None))
-    assert_tree_close(jax.jit(batched)(w, xab, h0), expected(w, xab, h0))
+    # (references and gradients compiled: eager, each operation of the loops compiled alone)
+    assert_tree_close(jax.jit(batched)(w, xab, h0), jax.jit(expected)(w, xab, h0))
 
     def summed(fn):
         return lambda w: jnp.sum(jax.vmap(fn, in_axes=(None, 0, None))(w, xab, h0))
 
-    assert_tree_close(jax.grad(summed(ours))(w), jax.grad(summed(ref))(w))
+    assert_tree_close(jax.jit(jax.grad(summed(ours)))(w), jax.jit(jax.grad(summed(ref)))(w))
 
 
 FORWARD_MODE = {
@@ -386,13 +387,14 @@ def test_nested_under_jvp_and_grad_of_grad():
     ref = loss_with(lax.scan, n)
     ours = loss_with(mw.scan, n, schedule="nested", checkpoints=12)
     tangent = jnp.ones_like(w)
+    # (each compiled: eager, each operation of the loops compiled alone)
     assert_tree_close(
-        jax.jvp(lambda w: ours(w, xa, h0), (w,), (tangent,)),
-        jax.jvp(lambda w: ref(w, xa, h0), (w,), (tangent,)),
+        jax.jit(lambda w: jax.jvp(lambda w: ours(w, xa, h0), (w,), (tangent,)))(w),
+        jax.jit(lambda w: jax.jvp(lambda w: ref(w, xa, h0), (w,), (tangent,)))(w),
     )
 
     def hvp(fn):
-        return jax.grad(lambda w: jnp.vdot(jax.grad(fn)(w, xa, h0), tangent))(w)
+        return jax.jit(jax.grad(lambda w: jnp.vdot(jax.grad(fn)(w, xa, h0), tangent)))(w)
 
     assert_tree_close(hvp(ours), hvp(ref), rtol=1e-4, atol=1e-5)
 
@@ -406,8 +408,9 @@ def test_equinox_module_params_get_gradients():
         h, _ = fn(lambda h, x: (cell(x, h), None), jnp.zeros(5), xs, **kw)
         return jnp.sum(h**2)
 
-    ours = eqx.filter_grad(lambda c: loss(c, mw.scan, checkpoints=4))(cell)
-    ref = eqx.filter_grad(lambda c: loss(c, lax.scan))(cell)
+    # (compiled: eager, each operation of the loops compiled alone)
+    ours = eqx.filter_jit(eqx.filter_grad(lambda c: loss(c, mw.scan, checkpoints=4)))(cell)
+    ref = eqx.filter_jit(eqx.filter_grad(lambda c: loss(c, lax.scan)))(cell)
     leaves = jax.tree_util.tree_leaves(eqx.filter(ours, eqx.is_array))
     assert leaves and all(float(jnp.abs(a).max()) > 0 for a in leaves)
     assert_tree_close(eqx.filter(ours, eqx.is_array), eqx.filter(ref, eqx.is_array))
@@ -498,7 +501,7 @@ def test_while_loop_matches_lax(max_steps, checkpoints, steps):
     np.testing.assert_allclose(jax.jit(ours)(3.0), lax_value, rtol=1e-6)
     np.testing.assert_allclose(
         jax.jit(jax.grad(ours))(3.0),
-        jax.grad(lambda a: reference_newton(a, steps))(3.0),
+        jax.jit(jax.grad(lambda a: reference_newton(a, steps)))(3.0),
         rtol=1e-5,
     )
 
@@ -977,7 +980,9 @@ def test_a_memwise_loop_inside_a_binomial_scan_matches_lax(inner):
 
         return outer(body, jnp.ones(2), jnp.arange(3.0))[0].sum()
 
-    ours = jax.grad(loss)(0.3, lambda f, c, xs: mw.scan(f, c, xs, checkpoints=2))
+    ours = jax.jit(jax.grad(loss), static_argnums=1)(
+        0.3, lambda f, c, xs: mw.scan(f, c, xs, checkpoints=2)
+    )
     lax_loss = lambda w: loss(w, lambda f, c, xs: jax.lax.scan(f, c, xs))  # noqa: E731
     if inner == "while_loop":  # lax.while_loop has no reverse mode: unrolled reference
 
@@ -989,4 +994,4 @@ def test_a_memwise_loop_inside_a_binomial_scan_matches_lax(inner):
 
             return jax.lax.scan(body, jnp.ones(2), jnp.arange(3.0))[0].sum()
 
-    np.testing.assert_allclose(ours, jax.grad(lax_loss)(0.3), rtol=1e-5)
+    np.testing.assert_allclose(ours, jax.jit(jax.grad(lax_loss))(0.3), rtol=1e-5)
