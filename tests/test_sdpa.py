@@ -423,6 +423,9 @@ def _jax_nn_as_attention(query, key, value, bias, mask):
     return jnp.where(jnp.any(mask, -1).swapaxes(1, 2)[..., None], out, 0.0)
 
 
+# A function x dtype x size grid (12 cases, two compilations each): a stratified half
+# runs, every function, dtype and size among them (MEMWISE_TEST_GRID=full runs all).
+@pytest.mark.grid(fraction=0.5)
 @pytest.mark.parametrize("size", [4, 10, 100])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("fn", ["dot_product_attention", "attention"])
