@@ -22,6 +22,7 @@ address (which differs between worker processes).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -96,3 +97,22 @@ def sample(cases: Sequence[frozenset], fraction: float, key: str) -> list[int]:
     rest = [i for i in order if i not in taken]
     chosen += rest[: max(0, target - len(chosen))]
     return sorted(chosen)
+
+
+def sample_product(
+    key: str, fraction: float = DEFAULT_FRACTION, *, where=None, **options: Sequence
+) -> list:
+    """An in-test loop over a product of options, sampled as a ``grid`` test's cases:
+    every combination under ``MEMWISE_TEST_GRID=full``; otherwise a stratified sample
+    (every value of every option at least once, then up to ``fraction`` of the product)
+    chosen by the run's seed and ``key``. ``where(case)``, when given, keeps only the
+    combinations that exist. Returns the chosen combinations as dicts, in the product's
+    order. A value is told apart as in :func:`strata` (a string, number, bool or None by
+    itself)."""
+    names = list(options)
+    product = [dict(zip(names, values)) for values in itertools.product(*options.values())]
+    product = [case for case in product if where is None or where(case)]
+    if mode() == "full":
+        return product
+    cases = [strata(case, {n: list(options[n]).index(case[n]) for n in names}) for case in product]
+    return [product[i] for i in sample(cases, fraction, key)]

@@ -50,3 +50,29 @@ def run_on_devices(code: str, *, n_devices: int = N_DEVICES, timeout: float = 30
             f"subprocess with {n_devices} devices failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
         )
     return proc.stdout
+
+
+def run_sections_on_devices(
+    sections: dict[str, str], *, n_devices: int = N_DEVICES, timeout: float = 900
+) -> dict[str, str]:
+    """Run several test bodies in one subprocess (one JAX start-up for all of them), in
+    order, each in its own function scope; return each body's stdout by its name. A body
+    that changes global configuration (``jax_enable_x64``) goes last."""
+    code = []
+    for name, body in sections.items():
+        code.append(f"print({'@@ ' + name!r}, flush=True)")
+        code.append(
+            "def _section():\n" + textwrap.indent(textwrap.dedent(body), "    ") + "\n_section()\n"
+        )
+    out = run_on_devices("\n".join(code), n_devices=n_devices, timeout=timeout)
+    parts: dict[str, str] = {}
+    name = None
+    for line in out.splitlines():
+        if line.startswith("@@ "):
+            name = line[3:]
+            parts[name] = ""
+        elif name is not None:
+            parts[name] += line + "\n"
+    missing = set(sections) - set(parts)
+    assert not missing, (missing, out)
+    return parts

@@ -1,6 +1,7 @@
 """Tests for memwise.attention: values and gradients against dense softmax attention and
 jax.nn.dot_product_attention; compiled gradient memory at two sequence lengths."""
 
+import _grid
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,10 +73,10 @@ def test_matches_jax_dot_product_attention():
     q, k, v = (jax.random.normal(kk, (2, 4, 37, 8), jnp.float32) for kk in keys)
     # jax.nn.dot_product_attention takes (batch, length, heads, dim)
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
-    ref = t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=True))
-    np.testing.assert_allclose(
-        mw.attention(q, k, v, causal=True, chunk_size=(8, 16)), ref, rtol=2e-5, atol=2e-5
-    )
+    # both compiled (eager, each operation of the tile loops was compiled alone)
+    ref = jax.jit(lambda q, k, v: t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=True)))
+    ours = jax.jit(lambda q, k, v: mw.attention(q, k, v, causal=True, chunk_size=(8, 16)))
+    np.testing.assert_allclose(ours(q, k, v), ref(q, k, v), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.slow
@@ -124,8 +125,8 @@ def test_causal_skips_tiles_above_the_diagonal():
         ** 2
     )
     g = lambda q, k, v: jnp.sum(dense_attention(q, k, v, causal=True) ** 2)  # noqa: E731
-    vg = jax.jit(jax.value_and_grad(f, (0, 1, 2)))
-    (val, grads), (val_d, grads_d) = vg(q, k, v), jax.value_and_grad(g, (0, 1, 2))(q, k, v)
+    vg = lambda f: jax.jit(jax.value_and_grad(f, (0, 1, 2)))  # noqa: E731  (the reference too)
+    (val, grads), (val_d, grads_d) = vg(f)(q, k, v), vg(g)(q, k, v)
     np.testing.assert_allclose(val, val_d, rtol=1e-10)
     for a, b in zip(grads, grads_d):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
@@ -177,10 +178,11 @@ def test_sharded_matches_single_device_on_4_devices():
                 sharded = lambda *a: loss(*a, causal, mesh=mesh, axis_name="d",
                                           shard_dim=shard_dim)
                 ref_value, ref_grads = refs[causal]
-                np.testing.assert_allclose(jax.jit(sharded)(q, k, v, bias), ref_value,
-                                           rtol=1e-5)
-                for a, b in zip(jax.jit(jax.grad(sharded, (0, 1, 2, 3)))(q, k, v, bias),
-                                ref_grads):
+                # value and gradients in one compiled program
+                value, grads = jax.jit(jax.value_and_grad(sharded, (0, 1, 2, 3)))(
+                    q, k, v, bias)
+                np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+                for a, b in zip(grads, ref_grads):
                     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
         # detected from a concrete q with a NamedSharding over its heads
         qs = jax.device_put(q, NamedSharding(mesh, P(None, "d")))
@@ -212,8 +214,26 @@ def test_ring_carries_masks_and_biases_on_4_devices():
     # mask and bias split like the queries, read at the columns of the block each ring
     # step holds; the bias's gradient written there. Ragged tiles inside a block (3 keys
     # per device, tiles of 2), masks and biases broadcast over rows, heads and batch.
+    # The grid: every (mask, bias) pair once, causal alternating (each pair of the three
+    # options meets, masks x biases, masks x causal, biases x causal, in 12 of the 24
+    # compilations of the full product); a stratified half of it runs, every mask, bias
+    # and causal setting among it (tests/_grid.py; MEMWISE_TEST_GRID=full runs all 12).
+    masks, biases = ["full", "keys", "shared", None], ["full", "keys", None]
+    cases = _grid.sample_product(
+        "test_attention::ring_masks_and_biases",
+        0.5,
+        where=lambda c: (
+            c["causal"] == ((masks.index(c["mask"]) + biases.index(c["bias"])) % 2 == 1)
+        ),
+        mask=masks,
+        bias=biases,
+        causal=[False, True],
+    )
     out = run_on_devices(
+        f"""
+        CASES = {cases!r}
         """
+        + """
         import jax, jax.numpy as jnp, numpy as np
         import memwise as mw
         mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -233,44 +253,45 @@ def test_ring_carries_masks_and_biases_on_4_devices():
             "keys": jax.random.normal(ks[6], (1, H, 1, L)),
             None: None,
         }
-        # every (mask, bias) pair once, causal alternating: each pair of the three
-        # options meets (masks x biases, masks x causal, biases x causal) in 12 of the
-        # 24 compilations of the full product
-        for i, (mname, mask) in enumerate(masks.items()):
-            for j, (bname, bias) in enumerate(biases.items()):
-                causal = (i + j) % 2 == 1
-                def loss(q, k, v, bias, **kw):
-                    out = mw.attention(q, k, v, mask=mask, bias=bias, causal=causal,
-                                       chunk_size=(2, 2), **kw)
-                    return jnp.sum(jnp.sin(out))
-                ringed = lambda *a: loss(*a, mesh=mesh, axis_name="d", ring=True)
-                where = (mname, bname, causal)
-                args = (q, k, v, bias)
-                n = 4 if bias is not None else 3
-                # compiled once: run and read (an eager reference compiled per op)
-                step = jax.jit(jax.value_and_grad(ringed, tuple(range(n))))
-                step = step.lower(*args).compile()
-                value, grads = step(*args)
-                ref = jax.jit(jax.value_and_grad(loss, tuple(range(n))))
-                ref_value, ref_grads = ref(*args)
-                np.testing.assert_allclose(value, ref_value, rtol=1e-5, err_msg=str(where))
-                for a, b in zip(grads, ref_grads):
-                    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
-                                               err_msg=str(where))
-                hlo = step.as_text()
-                assert "collective-permute(" in hlo, where
-                gathers = [l for l in hlo.splitlines() if "all-gather(" in l]
-                assert not gathers, (where, gathers[:2])
+        for case in CASES:
+            mname, bname, causal = case["mask"], case["bias"], case["causal"]
+            mask, bias = masks[mname], biases[bname]
+            def loss(q, k, v, bias, **kw):
+                out = mw.attention(q, k, v, mask=mask, bias=bias, causal=causal,
+                                   chunk_size=(2, 2), **kw)
+                return jnp.sum(jnp.sin(out))
+            ringed = lambda *a: loss(*a, mesh=mesh, axis_name="d", ring=True)
+            where = (mname, bname, causal)
+            args = (q, k, v, bias)
+            n = 4 if bias is not None else 3
+            # compiled once: run and read (an eager reference compiled per op)
+            step = jax.jit(jax.value_and_grad(ringed, tuple(range(n))))
+            step = step.lower(*args).compile()
+            value, grads = step(*args)
+            ref = jax.jit(jax.value_and_grad(loss, tuple(range(n))))
+            ref_value, ref_grads = ref(*args)
+            np.testing.assert_allclose(value, ref_value, rtol=1e-5, err_msg=str(where))
+            for a, b in zip(grads, ref_grads):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
+                                           err_msg=str(where))
+            hlo = step.as_text()
+            assert "collective-permute(" in hlo, where
+            gathers = [l for l in hlo.splitlines() if "all-gather(" in l]
+            assert not gathers, (where, gathers[:2])
         # forward-over-reverse: a ring block a row does not see (causal, masked) gave
-        # NaN through the blocks' merge
+        # NaN through the blocks' merge (both Hessians compiled: eager, each operation
+        # of the ring's loops compiled alone)
         s = jnp.asarray(0.5)
         for kw in (dict(causal=True), dict(mask=masks["full"], causal=True)):
             f = lambda s, **extra: jnp.sum(jnp.sin(
                 mw.attention(q, k, v, scale=s, chunk_size=(2, 2), **kw, **extra)))
-            ring_h = jax.hessian(lambda s: f(s, mesh=mesh, axis_name="d", ring=True))(s)
-            np.testing.assert_allclose(ring_h, jax.hessian(f)(s), rtol=1e-4, err_msg=str(kw))
+            ring_h = jax.jit(jax.hessian(lambda s: f(s, mesh=mesh, axis_name="d",
+                                                     ring=True)))(s)
+            np.testing.assert_allclose(ring_h, jax.jit(jax.hessian(f))(s), rtol=1e-4,
+                                       err_msg=str(kw))
         print("OK")
-        """
+        """,
+        timeout=30 * len(cases) + 300,  # the full grid is 12 cases
     )
     assert "OK" in out
 
@@ -310,8 +331,9 @@ def test_striped_order_gives_the_unstriped_result(stripes, causal):
         out = mw.unstripe(out, stripes)
         return jnp.sum(jnp.sin(out) * jnp.arange(out.shape[-2])[:, None])
 
-    value, grads = jax.value_and_grad(striped, (0, 1, 2, 3))(q, k, v, bias)
-    ref_value, ref_grads = jax.value_and_grad(plain, (0, 1, 2, 3))(q, k, v, bias)
+    # compiled (eager, each operation of the tile loops was compiled alone)
+    value, grads = jax.jit(jax.value_and_grad(striped, (0, 1, 2, 3)))(q, k, v, bias)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(plain, (0, 1, 2, 3)))(q, k, v, bias)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for a, b in zip(grads, ref_grads):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -534,16 +556,23 @@ def test_low_precision_error_no_worse_than_jax_nn(dtype, causal):
     }
     ct64 = ct.astype(jnp.float64)
 
-    def value_and_grads(f, *args):
-        out, vjp = jax.vjp(f, *args)
-        return out, vjp(ct64.astype(out.dtype))
+    def value_and_grads(f, *args, compiled=True):
+        def run(*args):
+            out, vjp = jax.vjp(f, *args)
+            return out, vjp(ct64.astype(out.dtype))
+
+        # one program (eager, each operation was compiled alone); jax.nn's stays eager:
+        # its float16 einsum (an F16_F16_F32 dot) does not compile on XLA:CPU inside a
+        # larger program
+        return (jax.jit(run) if compiled else run)(*args)
 
     ref, ref_grads = value_and_grads(
         lambda q, k, v: dense_attention(q, k, v, causal=causal),
         *(a.astype(jnp.float64) for a in (q, k, v)),
     )
     errors = {
-        name: _errors(*value_and_grads(f, q, k, v), ref, ref_grads) for name, f in fns.items()
+        name: _errors(*value_and_grads(f, q, k, v, compiled=name == "memwise"), ref, ref_grads)
+        for name, f in fns.items()
     }
     # output, dq, dk, dv: before, memwise's were 2.5x (output) to 6x (gradients) jax.nn's
     for ours, theirs in zip(errors["memwise"], errors["jax.nn"]):
@@ -590,13 +619,12 @@ def test_traced_scale_gets_a_gradient():
         return jnp.sum(jnp.sin(jax.nn.softmax(s, -1) @ v))
 
     temperature = jnp.asarray(0.7)
-    np.testing.assert_allclose(
-        jax.jit(ours)(q, k, v, temperature), dense(q, k, v, temperature), rtol=1e-10
+    # each compiled once, values and gradients together
+    (value, grads), (ref, ref_grads) = (
+        jax.jit(jax.value_and_grad(f, (0, 1, 2, 3)))(q, k, v, temperature) for f in (ours, dense)
     )
-    for a, b in zip(
-        jax.jit(jax.grad(ours, (0, 1, 2, 3)))(q, k, v, temperature),
-        jax.grad(dense, (0, 1, 2, 3))(q, k, v, temperature),
-    ):
+    np.testing.assert_allclose(value, ref, rtol=1e-10)
+    for a, b in zip(grads, ref_grads):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
     with pytest.raises(TypeError, match="scale must be a real scalar"):
         mw.attention(q, k, v, scale=jnp.ones(2))
@@ -612,7 +640,9 @@ def test_under_checkpoint():
     def loss(q, k, v):
         return jnp.sum(mw.attention(q, k, v, causal=True, chunk_size=4) ** 2)
 
+    # (compiled: eager, each operation of the tile loops was compiled alone)
     for a, b in zip(
-        jax.grad(jax.checkpoint(loss), (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v)
+        jax.jit(jax.grad(jax.checkpoint(loss), (0, 1, 2)))(q, k, v),
+        jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v),
     ):
         np.testing.assert_allclose(a, b, rtol=1e-12)

@@ -62,21 +62,26 @@ def _dense(steps):
 def test_equals_equinox_and_lax_scan(steps, checkpoints):
     args = (_W, jnp.array([0.3, -0.2, 0.5]), jnp.linspace(-1.0, 1.0, 3 * 32).reshape(32, 3))
     buffers = lambda s: (s[2], s[3])  # noqa: E731
-    ours = jax.value_and_grad(
-        _saving_loop(mw.while_loop, steps, checkpoints=checkpoints, buffers=buffers), (0, 1, 2)
+    # each compiled once (eager, each operation of the loops was compiled alone)
+    ours = jax.jit(
+        jax.value_and_grad(
+            _saving_loop(mw.while_loop, steps, checkpoints=checkpoints, buffers=buffers), (0, 1, 2)
+        )
     )(*args)
-    equinox = jax.value_and_grad(
-        _saving_loop(
-            eqxi.while_loop,
-            steps,
-            kind="checkpointed",
-            max_steps=64,
-            checkpoints=checkpoints,
-            buffers=buffers,
-        ),
-        (0, 1, 2),
+    equinox = jax.jit(
+        jax.value_and_grad(
+            _saving_loop(
+                eqxi.while_loop,
+                steps,
+                kind="checkpointed",
+                max_steps=64,
+                checkpoints=checkpoints,
+                buffers=buffers,
+            ),
+            (0, 1, 2),
+        )
     )(*args)
-    dense = jax.value_and_grad(_dense(steps), (0, 1, 2))(*args)
+    dense = jax.jit(jax.value_and_grad(_dense(steps), (0, 1, 2)))(*args)
     assert_close(ours[0], dense[0], 1e-6, "value")
     for a, c in zip(ours[1], dense[1]):
         assert_close(a, c, 1e-5, "gradient against lax.scan")
@@ -106,7 +111,7 @@ def test_write_once_gradients_equal_equinox():
             )
             return jnp.sum(hs**3)
 
-        return jax.grad(f, (0, 1))
+        return jax.jit(jax.grad(f, (0, 1)))  # compiled: one program
 
     args = (_W, jnp.array([0.3, -0.2, 0.5]))
     ours = loss(mw.while_loop, checkpoints=3)(*args)
@@ -136,9 +141,13 @@ def test_predicated_writes_and_the_initial_buffer():
 
     b0 = jnp.linspace(1.0, 2.0, 8)
     weights = jnp.arange(1.0, 9.0)
-    g = jax.grad(lambda w, b: jnp.sum(f(w, b) * weights), (0, 1))(0.7, b0)
-    e = jax.grad(lambda w, b: jnp.sum(dense(w, b) * weights), (0, 1))(0.7, b0)
-    assert_close(f(0.7, b0), dense(0.7, b0), 1e-6, "value")
+
+    def run(fn):  # value and gradients, one compiled program
+        grad = jax.grad(lambda w, b: jnp.sum(fn(w, b) * weights), (0, 1))
+        return jax.jit(lambda w, b: (fn(w, b), grad(w, b)))(0.7, b0)
+
+    (value, g), (expected, e) = run(f), run(dense)
+    assert_close(value, expected, 1e-6, "value")
     # the initial buffer's gradient survives where nothing was written (i = 1, 4, 6, 7)
     assert_close(g[1], e[1], 0.0, "gradient of the initial buffer")
     assert_close(g[0], e[0], 1e-6, "gradient of w")
@@ -174,13 +183,14 @@ def test_nested_loop_writes_the_enclosing_buffer():
         return out
 
     weights = jnp.linspace(-1.0, 1.0, 12)
-    assert_close(f(0.9), dense(0.9), 1e-6, "value")
-    assert_close(
-        jax.grad(lambda w: jnp.sum(f(w) * weights))(0.9),
-        jax.grad(lambda w: jnp.sum(dense(w) * weights))(0.9),
-        1e-6,
-        "gradient",
-    )
+
+    def run(fn):  # value and gradient, one compiled program
+        grad = jax.grad(lambda w: jnp.sum(fn(w) * weights))
+        return jax.jit(lambda w: (fn(w), grad(w)))(0.9)
+
+    (value, grad), (expected, expected_grad) = run(f), run(dense)
+    assert_close(value, expected, 1e-6, "value")
+    assert_close(grad, expected_grad, 1e-6, "gradient")
 
 
 def test_integer_buffer_and_batched_condition():
@@ -204,9 +214,11 @@ def test_integer_buffer_and_batched_condition():
         return jnp.sum(hs**2), seen
 
     ws, limits = jnp.array([0.5, 1.2]), jnp.array([3, 7])
-    (values, seen), grads = jax.vmap(jax.value_and_grad(f, has_aux=True))(ws, limits)
+    # compiled (eager, each operation of the loops was compiled alone)
+    (values, seen), grads = jax.jit(jax.vmap(jax.value_and_grad(f, has_aux=True)))(ws, limits)
+    reference = jax.jit(jax.value_and_grad(dense, has_aux=True), static_argnums=1)
     for k in range(2):
-        (value, seen_k), grad = jax.value_and_grad(dense, has_aux=True)(ws[k], int(limits[k]))
+        (value, seen_k), grad = reference(ws[k], int(limits[k]))
         assert_close(values[k], value, 1e-6, "value")
         assert_close(grads[k], grad, 1e-6, "gradient")
         assert (seen[k] == seen_k).all()

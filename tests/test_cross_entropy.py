@@ -105,9 +105,12 @@ def test_matches_optax_values_and_gradients(opts):
             fn(*a) * (jnp.linspace(0.5, 1.5, T) if reduction == "none" else 1)
         )
 
-    got, got_g = jax.jit(jax.value_and_grad(scalar(ours), (0, 1, 2)))(x, w, b)
-    want, want_g = jax.jit(jax.value_and_grad(scalar(dense), (0, 1, 2)))(x, w, b)
-    assert_close(jax.jit(ours)(x, w, b), jax.jit(dense)(x, w, b), 1e-6, "loss")
+    def everything(fn):  # the loss, its value and gradients: one compiled program
+        return jax.jit(lambda *a: (fn(*a), jax.value_and_grad(scalar(fn), (0, 1, 2))(*a)))
+
+    loss, (got, got_g) = everything(ours)(x, w, b)
+    want_loss, (want, want_g) = everything(dense)(x, w, b)
+    assert_close(loss, want_loss, 1e-6, "loss")
     assert_close(got, want, 1e-6, "value")
     names = ("x", "w", "bias") if use_bias else ("x", "w")
     for name, g, e in zip(names, got_g, want_g):
@@ -132,22 +135,21 @@ def test_half_precision_no_worse_than_dense(dtype):
         # Per-token weights exact in every dtype: the cotangents are the same for all.
         return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * (0.5 + 0.25 * (jnp.arange(T) % 4)))
 
+    def everything(fn):  # values and gradients, one compiled program (eager, each
+        # operation of the tile loops was compiled alone)
+        return jax.jit(lambda *a: (fn(*a), jax.grad(loss(fn), (0, 1, 2))(*a)))
+
     with jax.enable_x64(True):
         ref_args = [a.astype(jnp.float64) for a in (x, w, b)]
-        ref = dense(*ref_args)
-        ref_g = jax.grad(loss(dense), (0, 1, 2))(*ref_args)
+        ref, ref_g = everything(dense)(*ref_args)
 
         def err(a, e):
             return float(jnp.max(jnp.abs(a.astype(jnp.float64) - e)) / jnp.max(jnp.abs(e)))
 
-        got, want = ours(x, w, b), dense(x, w, b)
+        (got, got_g), (want, want_g) = everything(ours)(x, w, b), everything(dense)(x, w, b)
         assert got.dtype == dtype
         assert err(got, ref) <= max(err(want, ref), 2**-8)
-        for g, h, e in zip(
-            jax.grad(loss(ours), (0, 1, 2))(x, w, b),
-            jax.grad(loss(dense), (0, 1, 2))(x, w, b),
-            ref_g,
-        ):
+        for g, h, e in zip(got_g, want_g, ref_g):
             assert g.dtype == dtype
             assert err(g, e) <= max(err(h, e), 2**-8)
 
@@ -492,10 +494,10 @@ def test_vocabulary_parallel_matches_one_device():
             loss, lse, arg = mw.linear_cross_entropy(x, w, y, bias=b, **opts, **kw)
             return loss, (lse, arg)
 
-        def grads(fn):
-            return jax.jit(jax.grad(lambda *a: fn(*a)[0], (0, 1, 2)))
+        def both(fn):  # the loss, its extras and gradients: one compiled program
+            return jax.jit(jax.value_and_grad(fn, (0, 1, 2), has_aux=True))
 
-        ref, ref_g = jax.jit(f)(x, w, b), grads(f)(x, w, b)
+        ref, ref_g = both(f)(x, w, b)
 
         def check(out, g, fn, *args):
             assert "shard_map" in str(jax.make_jaxpr(fn)(*args)), "not split"
@@ -516,11 +518,11 @@ def test_vocabulary_parallel_matches_one_device():
             # Under jit, Explicit types declare both splits; on Auto axes the tokens are
             # split over all of them.
             with jax.set_mesh(mesh):
-                check(jax.jit(f)(xs, ws, bs), grads(f)(xs, ws, bs), jax.jit(f), xs, ws, bs)
+                check(*both(f)(xs, ws, bs), jax.jit(f), xs, ws, bs)
         mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
         for kw in (dict(token_axis="data", vocab_axis="model"), dict(vocab_axis=("data", "model"))):
             fn = lambda x, w, b, kw=kw: f(x, w, b, mesh=mesh, **kw)
-            check(jax.jit(fn)(x, w, b), grads(fn)(x, w, b), fn, x, w, b)
+            check(*both(fn)(x, w, b), fn, x, w, b)
         # The tied layout, tokens with leading (batch, length) dims.
         tied = lambda x, w: mw.linear_cross_entropy(
             x.reshape(4, 4, 8), w.T, y.reshape(4, 4), layout="vd", ignore_index=-100,

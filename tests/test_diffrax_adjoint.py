@@ -262,7 +262,10 @@ def test_sde_against(diffusion_fn):
 # test_saveat_solution.py: test_subsaveat
 
 
+# Diffrax's parametrized product (multi_subs x with_fn): a ported grid, sampled (each
+# value of each parameter runs; MEMWISE_TEST_GRID=full runs all four).
 @pytest.mark.slow
+@pytest.mark.grid
 @pytest.mark.parametrize("multi_subs", [True, False])
 @pytest.mark.parametrize("with_fn", [True, False])
 def test_subsaveat(multi_subs, with_fn):
@@ -381,8 +384,11 @@ def _event_loss(y0, args, adjoint):
 )
 def test_same_gradients_as_recursive_checkpoint_adjoint(loss):
     y0, args = _y0_args()
-    value, grads = jax.value_and_grad(loss, (0, 1))(y0, args, MEMWISE(checkpoints=3))
-    ref_value, ref_grads = jax.value_and_grad(loss, (0, 1))(
+    # each compiled as one program (eager, the solve's gradient and the operations
+    # around it were compiled apart)
+    value_and_grad = eqx.filter_jit(jax.value_and_grad(loss, (0, 1)))
+    value, grads = value_and_grad(y0, args, MEMWISE(checkpoints=3))
+    ref_value, ref_grads = value_and_grad(
         y0, args, diffrax.RecursiveCheckpointAdjoint(checkpoints=3)
     )
     assert tree_allclose(value, ref_value)

@@ -180,17 +180,21 @@ def test_splash_attention_in_interpret_mode_bfloat16_and_heads_first():
             ** 2
         )
     )
-    want = jax.value_and_grad(loss("xla"), (0, 1, 2))(q, key, v)
-    got = jax.value_and_grad(loss("pallas"), (0, 1, 2))(q, key, v)
+    # compiled (eager, each operation of the loops and of the interpreted kernel was
+    # compiled alone)
+    want = jax.jit(jax.value_and_grad(loss("xla"), (0, 1, 2)))(q, key, v)
+    got = jax.jit(jax.value_and_grad(loss("pallas"), (0, 1, 2)))(q, key, v)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.dtype == b.dtype
         assert_allclose(
             np.float32(a), np.float32(b), rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(b)))
         )
     x = _normal((2, 3, 256, 32))  # memwise.attention: (..., L, d), heads as batch dims
-    want = jax.grad(lambda x: jnp.sum(jnp.sin(mw.attention(x, x, x, causal=True))))(x)
-    got = jax.grad(
-        lambda x: jnp.sum(jnp.sin(mw.attention(x, x, x, causal=True, implementation="pallas")))
+    want = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(mw.attention(x, x, x, causal=True)))))(x)
+    got = jax.jit(
+        jax.grad(
+            lambda x: jnp.sum(jnp.sin(mw.attention(x, x, x, causal=True, implementation="pallas")))
+        )
     )(x)
     assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
     # outside differentiation the kernel's forward skips its log-sum-exp output
@@ -293,7 +297,7 @@ def test_bfloat16_with_sinks_and_unseen_rows_runs_the_kernel():
             out = mw.dot_product_attention(q, kv, kv, implementation=impl, **kwargs)
             return jnp.sum(jnp.sin(out.astype(jnp.float32)))
 
-        return jax.value_and_grad(loss, (0, 1))(q, kv)
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(q, kv)  # compiled: one program
 
     got, want = value_and_grad("pallas"), value_and_grad("xla")
     assert [a.dtype for a in got[1]] == [b, b]
@@ -316,7 +320,7 @@ def test_a_traced_scale_in_bfloat16_gets_the_loops_gradient():
             )
             return jnp.sum(out.astype(jnp.float32) ** 2)
 
-        return jax.grad(loss)(jnp.float32(0.25))
+        return jax.jit(jax.grad(loss))(jnp.float32(0.25))  # compiled: one program
 
     assert_allclose(grad("pallas"), grad("xla"), rtol=1e-2)
 
@@ -331,6 +335,6 @@ def test_grouped_query_heads_through_the_kernel_under_enable_x64():
             loss = lambda q, kv: jnp.sum(  # noqa: E731
                 jnp.sin(mw.dot_product_attention(q, kv, kv, is_causal=True, implementation=impl))
             )
-            return jax.value_and_grad(loss, (0, 1))(q, kv)
+            return jax.jit(jax.value_and_grad(loss, (0, 1)))(q, kv)  # compiled: one program
 
         _close_to_the_loops(value_and_grad("pallas"), value_and_grad("xla"), 2e-5)

@@ -99,7 +99,9 @@ def test_revnet_values_and_gradients_match_lax_scan(dtype, checkpoints, reverse)
     ours = revnet_loss(mw.scan, checkpoints=checkpoints, reverse=reverse)
     reference = revnet_loss(jax.lax.scan, reverse=reverse)
     value, grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(params, init, xs)
-    expected, expected_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(params, init, xs)
+    expected, expected_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(
+        params, init, xs
+    )
     assert relative_error(value, expected) < TOLERANCE[dtype]
     assert relative_error(grads, expected_grads) < TOLERANCE[dtype]
     assert all(g.dtype == jnp.dtype(dtype) for g in jax.tree.leaves(grads))
@@ -162,9 +164,9 @@ def test_reversible_heun_sde_matches_lax_scan(dtype):
     log = mw.DriftLog()
     ours = jax.jit(jax.value_and_grad(heun_loss(mw.scan, 200, drift=log), argnums=(0, 1)))
     value, grads = ours(theta, y0, key)
-    expected, expected_grads = jax.value_and_grad(heun_loss(jax.lax.scan, 200), argnums=(0, 1))(
-        theta, y0, key
-    )
+    expected, expected_grads = jax.jit(
+        jax.value_and_grad(heun_loss(jax.lax.scan, 200), argnums=(0, 1))
+    )(theta, y0, key)
     assert relative_error(value, expected) < TOLERANCE[dtype]
     assert relative_error(grads, expected_grads) < TOLERANCE[dtype]
     # The reversible Heun method is algebraically reversible: the 200 rebuilt steps end
@@ -178,7 +180,8 @@ def test_reversible_heun_sde_matches_lax_scan(dtype):
 def test_drift_log_measures_each_kept_carry_and_check_raises_above_tolerance():
     params, init, xs = revnet_inputs(40, jnp.float32)
     log = mw.DriftLog()
-    jax.grad(revnet_loss(mw.scan, checkpoints=4, drift=log))(params, init, xs)
+    # (each gradient compiled: eager, each operation of the loops was compiled alone)
+    jax.jit(jax.grad(revnet_loss(mw.scan, checkpoints=4, drift=log)))(params, init, xs)
     records = log.records
     assert [(d.step, d.steps_rebuilt) for d in records] == [(0, 10), (10, 10), (20, 10), (30, 10)]
     # float32 rounding: a drift that is measurable, and small
@@ -192,9 +195,11 @@ def test_drift_log_measures_each_kept_carry_and_check_raises_above_tolerance():
     step, inverse = revnet(params)
     sloppy = lambda c, x: jax.tree.map(lambda a: a * (1 + 1e-3), inverse(c, x))  # noqa: E731
     bad = mw.DriftLog()
-    jax.grad(lambda i: mw.scan(step, i, xs, inverse=sloppy, checkpoints=2, drift=bad)[0][0].sum())(
-        init
-    )
+    jax.jit(
+        jax.grad(
+            lambda i: mw.scan(step, i, xs, inverse=sloppy, checkpoints=2, drift=bad)[0][0].sum()
+        )
+    )(init)
     assert len(bad.records) == 2 and min(d.relative for d in bad.records) > 1e-3
     bad.clear()
     assert bad.records == [] and bad.max_relative == 0.0
@@ -202,7 +207,7 @@ def test_drift_log_measures_each_kept_carry_and_check_raises_above_tolerance():
     # In float64 the same loop drifts by rounding only.
     params, init, xs = revnet_inputs(40, jnp.float64)
     exact = mw.DriftLog()
-    jax.grad(revnet_loss(mw.scan, checkpoints=4, drift=exact))(params, init, xs)
+    jax.jit(jax.grad(revnet_loss(mw.scan, checkpoints=4, drift=exact)))(params, init, xs)
     assert exact.max_relative < 1e-13
 
 
@@ -215,9 +220,9 @@ def test_drift_log_under_vmap_records_each_batch_element():
     grads = jax.jit(jax.vmap(jax.grad(loss, argnums=2), in_axes=(None, None, 0)))(
         params, init, batch
     )
-    expected = jax.vmap(jax.grad(revnet_loss(jax.lax.scan), argnums=2), in_axes=(None, None, 0))(
-        params, init, batch
-    )
+    expected = jax.jit(
+        jax.vmap(jax.grad(revnet_loss(jax.lax.scan), argnums=2), in_axes=(None, None, 0))
+    )(params, init, batch)
     assert relative_error(grads, expected) < 1e-5
     assert len(log.records) == 2 * 3
 

@@ -72,7 +72,7 @@ def test_values_and_gradients_match_lax_scan(schedule_name, checkpoints, reverse
     np.testing.assert_allclose(jax.jit(ours)(*args), ref(*args), rtol=1e-6)
     assert_tree_close(
         jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(*args),
-        jax.grad(ref, argnums=(0, 1, 2))(*args),
+        jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(*args),
     )
 
 
@@ -90,9 +90,10 @@ def test_gradients_random_lengths(n, checkpoints, reverse, dtype):
         ref = loss_with(lax.scan, n, reverse)
         ours = loss_with(mw.scan, n, reverse, checkpoints=checkpoints)
         tol = 1e-5 if dtype == "float32" else 1e-12
+        # both compiled (eager, each operation of the loops was compiled alone)
         assert_tree_close(
-            jax.grad(ours, argnums=(0, 1, 2))(w, xa, h0),
-            jax.grad(ref, argnums=(0, 1, 2))(w, xa, h0),
+            jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(w, xa, h0),
+            jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(w, xa, h0),
             rtol=tol,
             atol=tol,
         )
@@ -107,14 +108,9 @@ def test_xs_none_with_length_and_y_none():
         assert ys is None
         return jnp.sum(h)
 
-    assert_tree_close(
-        jax.grad(lambda w: loss(mw.scan, w, checkpoints=2))(w),
-        jax.grad(lambda w: loss(lax.scan, w))(w),
-    )
-    assert_tree_close(
-        jax.grad(lambda w: loss(mw.scan, w, schedule="nested"))(w),
-        jax.grad(lambda w: loss(lax.scan, w))(w),
-    )
+    ref = jax.jit(jax.grad(lambda w: loss(lax.scan, w)))(w)  # compiled once
+    assert_tree_close(jax.jit(jax.grad(lambda w: loss(mw.scan, w, checkpoints=2)))(w), ref)
+    assert_tree_close(jax.jit(jax.grad(lambda w: loss(mw.scan, w, schedule="nested")))(w), ref)
 
 
 def test_weak_typed_init_takes_body_dtype():
@@ -137,7 +133,8 @@ def test_length_zero_returns_init_and_empty_ys_like_lax_scan(schedule_name):
     ref = functools.partial(loss, lax.scan)
     np.testing.assert_allclose(ours(w, h0), ref(w, h0))
     assert_tree_close(
-        jax.jit(jax.grad(ours, argnums=(0, 1)))(w, h0), jax.grad(ref, argnums=(0, 1))(w, h0)
+        jax.jit(jax.grad(ours, argnums=(0, 1)))(w, h0),
+        jax.jit(jax.grad(ref, argnums=(0, 1)))(w, h0),
     )
     carry, ys = mw.scan(lambda c, _: (c + 1.0, c), 0.0, None, length=0, schedule=schedule_name)
     assert float(carry) == 0.0 and ys.shape == (0,)
@@ -165,7 +162,8 @@ def test_carry_leaf_no_input_perturbs_is_not_differentiated(argnums):
     ours = functools.partial(_loop_with_side_counter, functools.partial(mw.scan, checkpoints=3))
     ref = functools.partial(_loop_with_side_counter, lax.scan)
     assert_tree_close(
-        jax.jit(jax.grad(ours, argnums=argnums))(*args), jax.grad(ref, argnums=argnums)(*args)
+        jax.jit(jax.grad(ours, argnums=argnums))(*args),
+        jax.jit(jax.grad(ref, argnums=argnums))(*args),
     )
 
 
@@ -286,7 +284,7 @@ def test_gradient_with_respect_to_some_inputs_only(argnums):
     ours = loss_with(mw.scan, n, reverse=True, checkpoints=3)
     assert_tree_close(
         jax.jit(jax.grad(ours, argnums=argnums))(*args),
-        jax.grad(ref, argnums=argnums)(*args),
+        jax.jit(jax.grad(ref, argnums=argnums))(*args),
     )
 
 
@@ -305,7 +303,7 @@ def test_gradient_when_only_the_final_carry_or_only_ys_is_used(used):
 
     assert_tree_close(
         jax.jit(jax.grad(loss(mw.scan, checkpoints=4), argnums=(0, 1, 2)))(w, xa, h0),
-        jax.grad(loss(lax.scan), argnums=(0, 1, 2))(w, xa, h0),
+        jax.jit(jax.grad(loss(lax.scan), argnums=(0, 1, 2)))(w, xa, h0),
     )
 
 
@@ -318,12 +316,13 @@ def test_vmap_of_grad_and_grad_of_vmap():
     ours = loss_with(mw.scan, n, checkpoints=3)
     batched = jax.vmap(jax.grad(ours, argnums=(0, 1)), in_axes=(None, 0, None))
     expected = jax.vmap(jax.grad(ref, argnums=(0, 1)), in_axes=(None, 0, None))
-    assert_tree_close(jax.jit(batched)(w, xab, h0), expected(w, xab, h0))
+    # (references and gradients compiled: eager, each operation of the loops compiled alone)
+    assert_tree_close(jax.jit(batched)(w, xab, h0), jax.jit(expected)(w, xab, h0))
 
     def summed(fn):
         return lambda w: jnp.sum(jax.vmap(fn, in_axes=(None, 0, None))(w, xab, h0))
 
-    assert_tree_close(jax.grad(summed(ours))(w), jax.grad(summed(ref))(w))
+    assert_tree_close(jax.jit(jax.grad(summed(ours)))(w), jax.jit(jax.grad(summed(ref)))(w))
 
 
 FORWARD_MODE = {
@@ -388,13 +387,14 @@ def test_nested_under_jvp_and_grad_of_grad():
     ref = loss_with(lax.scan, n)
     ours = loss_with(mw.scan, n, schedule="nested", checkpoints=12)
     tangent = jnp.ones_like(w)
+    # (each compiled: eager, each operation of the loops compiled alone)
     assert_tree_close(
-        jax.jvp(lambda w: ours(w, xa, h0), (w,), (tangent,)),
-        jax.jvp(lambda w: ref(w, xa, h0), (w,), (tangent,)),
+        jax.jit(lambda w: jax.jvp(lambda w: ours(w, xa, h0), (w,), (tangent,)))(w),
+        jax.jit(lambda w: jax.jvp(lambda w: ref(w, xa, h0), (w,), (tangent,)))(w),
     )
 
     def hvp(fn):
-        return jax.grad(lambda w: jnp.vdot(jax.grad(fn)(w, xa, h0), tangent))(w)
+        return jax.jit(jax.grad(lambda w: jnp.vdot(jax.grad(fn)(w, xa, h0), tangent)))(w)
 
     assert_tree_close(hvp(ours), hvp(ref), rtol=1e-4, atol=1e-5)
 
@@ -408,8 +408,9 @@ def test_equinox_module_params_get_gradients():
         h, _ = fn(lambda h, x: (cell(x, h), None), jnp.zeros(5), xs, **kw)
         return jnp.sum(h**2)
 
-    ours = eqx.filter_grad(lambda c: loss(c, mw.scan, checkpoints=4))(cell)
-    ref = eqx.filter_grad(lambda c: loss(c, lax.scan))(cell)
+    # (compiled: eager, each operation of the loops compiled alone)
+    ours = eqx.filter_jit(eqx.filter_grad(lambda c: loss(c, mw.scan, checkpoints=4)))(cell)
+    ref = eqx.filter_jit(eqx.filter_grad(lambda c: loss(c, lax.scan)))(cell)
     leaves = jax.tree_util.tree_leaves(eqx.filter(ours, eqx.is_array))
     assert leaves and all(float(jnp.abs(a).max()) > 0 for a in leaves)
     assert_tree_close(eqx.filter(ours, eqx.is_array), eqx.filter(ref, eqx.is_array))
@@ -500,7 +501,7 @@ def test_while_loop_matches_lax(max_steps, checkpoints, steps):
     np.testing.assert_allclose(jax.jit(ours)(3.0), lax_value, rtol=1e-6)
     np.testing.assert_allclose(
         jax.jit(jax.grad(ours))(3.0),
-        jax.grad(lambda a: reference_newton(a, steps))(3.0),
+        jax.jit(jax.grad(lambda a: reference_newton(a, steps)))(3.0),
         rtol=1e-5,
     )
 
@@ -549,7 +550,8 @@ def test_while_loop_gradient_with_respect_to_one_input(argnums):
         return jnp.sum(lax.fori_loop(0, 11, lambda i, h: jnp.tanh(w @ h), h0) ** 2)
 
     assert_tree_close(
-        jax.jit(jax.grad(run, argnums=argnums))(w, h0), jax.grad(ref, argnums=argnums)(w, h0)
+        jax.jit(jax.grad(run, argnums=argnums))(w, h0),
+        jax.jit(jax.grad(ref, argnums=argnums))(w, h0),
     )
 
 
@@ -978,7 +980,9 @@ def test_a_memwise_loop_inside_a_binomial_scan_matches_lax(inner):
 
         return outer(body, jnp.ones(2), jnp.arange(3.0))[0].sum()
 
-    ours = jax.grad(loss)(0.3, lambda f, c, xs: mw.scan(f, c, xs, checkpoints=2))
+    ours = jax.jit(jax.grad(loss), static_argnums=1)(
+        0.3, lambda f, c, xs: mw.scan(f, c, xs, checkpoints=2)
+    )
     lax_loss = lambda w: loss(w, lambda f, c, xs: jax.lax.scan(f, c, xs))  # noqa: E731
     if inner == "while_loop":  # lax.while_loop has no reverse mode: unrolled reference
 
@@ -990,4 +994,4 @@ def test_a_memwise_loop_inside_a_binomial_scan_matches_lax(inner):
 
             return jax.lax.scan(body, jnp.ones(2), jnp.arange(3.0))[0].sum()
 
-    np.testing.assert_allclose(ours, jax.grad(lax_loss)(0.3), rtol=1e-5)
+    np.testing.assert_allclose(ours, jax.jit(jax.grad(lax_loss))(0.3), rtol=1e-5)

@@ -20,6 +20,19 @@ from jax import random
 import memwise as mw
 
 
+def _value_and_vjp(fn, primals, ct, compiled=True):
+    """``out, vjp = jax.vjp(fn, *primals)`` and ``vjp(ct)`` as one compiled program (eager,
+    each operation of the tile loops and of the reference was compiled alone). jax.nn's
+    float16 reference stays eager (``compiled=False``): its F16_F16_F32 dot does not
+    compile on XLA:CPU inside a larger program."""
+
+    def run(primals, ct):
+        out, vjp = jax.vjp(fn, *primals)
+        return out, vjp(ct)
+
+    return (jax.jit(run) if compiled else run)(primals, ct)
+
+
 def _assert_all_close(actual, expected, *, atol=1e-6, rtol=1e-6):
     # jtu.assertAllClose on bfloat16/float16 arrays: compared in float32.
     assert_allclose(
@@ -55,19 +68,23 @@ def test_dot_product_attention(dtype, group_num, use_vmap):
     # For testing purposes, the reference is the non-GQA version without vmap.
     K_ref = jnp.repeat(K, G, axis=2)
     V_ref = jnp.repeat(V, G, axis=2)
-    out_ref, sdpa_vjp_ref = jax.vjp(sdpa_ref, Q, K_ref, V_ref, bias, mask)
-    out_ans, sdpa_vjp_ans = jax.vjp(sdpa_ans, Q, K, V, bias, mask)
+    ref_compiled = dtype != jnp.float16
+    out_ref, d_ref = _value_and_vjp(sdpa_ref, (Q, K_ref, V_ref, bias, mask), grad, ref_compiled)
+    out_ans, d_ans = _value_and_vjp(sdpa_ans, (Q, K, V, bias, mask), grad)
 
-    out_ref_lse, sdpa_vjp_ref_lse = jax.vjp(sdpa_ref_lse, Q, K_ref, V_ref, bias, mask)
-    out_ans_lse, sdpa_vjp_ans_lse = jax.vjp(sdpa_ans_lse, Q, K, V, bias, mask)
+    lse_ct = (grad, lse_grad)
+    out_ref_lse, d_ref_lse = _value_and_vjp(
+        sdpa_ref_lse, (Q, K_ref, V_ref, bias, mask), lse_ct, ref_compiled
+    )
+    out_ans_lse, d_ans_lse = _value_and_vjp(sdpa_ans_lse, (Q, K, V, bias, mask), lse_ct)
 
-    dQ_ref, dK_ref, dV_ref = sdpa_vjp_ref(grad)[:3]
-    dQ_ans, dK_ans, dV_ans = sdpa_vjp_ans(grad)[:3]
+    dQ_ref, dK_ref, dV_ref = d_ref[:3]
+    dQ_ans, dK_ans, dV_ans = d_ans[:3]
     dK_ref = dK_ref.reshape(B, S, N // G, G, H).sum(axis=3)
     dV_ref = dV_ref.reshape(B, S, N // G, G, H).sum(axis=3)
 
-    dQ_ref_lse, dK_ref_lse, dV_ref_lse = sdpa_vjp_ref_lse((grad, lse_grad))[:3]
-    dQ_ans_lse, dK_ans_lse, dV_ans_lse = sdpa_vjp_ans_lse((grad, lse_grad))[:3]
+    dQ_ref_lse, dK_ref_lse, dV_ref_lse = d_ref_lse[:3]
+    dQ_ans_lse, dK_ans_lse, dV_ans_lse = d_ans_lse[:3]
     dK_ref_lse = dK_ref_lse.reshape(B, S, N // G, G, H).sum(axis=3)
     dV_ref_lse = dV_ref_lse.reshape(B, S, N // G, G, H).sum(axis=3)
 
@@ -154,10 +171,10 @@ def test_dot_product_attention_mask(mask_mode):
             local_window_size=window_size,
         )
 
-    out_ref, sdpa_vjp_ref = jax.vjp(fn_ref, *args, q_seqlen, kv_seqlen)
-    out_ans, sdpa_vjp_ans = jax.vjp(fn_ans, *args, q_seqlen, kv_seqlen)
-    dQ_ref, dK_ref, dV_ref, dbias_ref = sdpa_vjp_ref(grad)[:4]
-    dQ_ans, dK_ans, dV_ans, dbias_ans = sdpa_vjp_ans(grad)[:4]
+    out_ref, d_ref = _value_and_vjp(fn_ref, (*args, q_seqlen, kv_seqlen), grad)
+    out_ans, d_ans = _value_and_vjp(fn_ans, (*args, q_seqlen, kv_seqlen), grad)
+    dQ_ref, dK_ref, dV_ref, dbias_ref = d_ref[:4]
+    dQ_ans, dK_ans, dV_ans, dbias_ans = d_ans[:4]
 
     _assert_all_close(out_ref, out_ans, atol=0.01, rtol=0.01)
     _assert_all_close(dQ_ref, dQ_ans, rtol=0.02, atol=0.02)
@@ -233,16 +250,21 @@ def test_dot_product_attention_local_window_size_without_mask():
     K = random.normal(keys[1], (B, S, N, H), dtype)
     V = random.normal(keys[2], (B, S, N, H), dtype)
 
-    output_large_window = mw.dot_product_attention(Q, K, V, mask=None, local_window_size=(32, 32))
-    output_small_window = mw.dot_product_attention(Q, K, V, mask=None, local_window_size=(1, 1))
+    # each window's output computed once, compiled (eager, each operation of the tile
+    # loops was compiled alone), and held to jax.nn's
+    ours, theirs = (
+        {
+            window: jax.jit(lambda q, k, v, w=window: fn(q, k, v, mask=None, local_window_size=w))(
+                Q, K, V
+            )
+            for window in ((32, 32), (1, 1))
+        }
+        for fn in (mw.dot_product_attention, jax.nn.dot_product_attention)
+    )
+    output_large_window, output_small_window = ours[32, 32], ours[1, 1]
     assert not jnp.allclose(output_large_window, output_small_window), (
         "Attention output should differ with different local_window_size, even without a mask."
     )
     # And each is jax.nn's (float32: 1e-5).
     for window in ((32, 32), (1, 1)):
-        _assert_all_close(
-            mw.dot_product_attention(Q, K, V, local_window_size=window),
-            jax.nn.dot_product_attention(Q, K, V, local_window_size=window),
-            atol=1e-5,
-            rtol=1e-5,
-        )
+        _assert_all_close(ours[window], theirs[window], atol=1e-5, rtol=1e-5)
