@@ -13,6 +13,7 @@ memwise.nt raises NotImplementedError), ``ODEState``, kernels with pixel axes
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -27,7 +28,9 @@ from memwise.nt import predict, stax
 
 # neural-tangents' own tests, a conformance suite: `make test` runs it; the fast lane
 # keeps memwise's tests of the same layers (test_ntk_*, test_nt_compat).
-pytestmark = [pytest.mark.slow, pytest.mark.grid]
+# A tenth of each grid's cases (tests/_grid.py; stratified, so every value of every
+# parameter still runs in each sample; MEMWISE_TEST_GRID=full runs them all).
+pytestmark = [pytest.mark.slow, pytest.mark.grid(fraction=0.1)]
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "neural_tangents_ported.npz")
 TRAIN_SIZES = [4, 8]
@@ -292,6 +295,9 @@ def test_gp_inference(analytic):
         empirical = nt.empirical_kernel_fn(apply_fn)
         _, params = init_fn(key, x_train.shape)
 
+        # compiled once per input shapes and get (eager, each of its operations compiled
+        # on its own, 378 calls)
+        @functools.partial(jax.jit, static_argnums=2)
         def kernel_fn(x1, x2, get):
             return empirical(x1, x2, get, params)
 

@@ -26,7 +26,9 @@ from memwise.nt import stax
 
 # neural-tangents' own tests, a conformance suite: `make test` runs it; the fast lane
 # keeps memwise's tests of the same layers (test_ntk_*, test_nt_compat).
-pytestmark = [pytest.mark.slow, pytest.mark.grid]
+# A tenth of each grid's cases (tests/_grid.py; stratified, so every value of every
+# parameter still runs in each sample; MEMWISE_TEST_GRID=full runs them all).
+pytestmark = [pytest.mark.slow, pytest.mark.grid(fraction=0.1)]
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "neural_tangents_ported.npz")
 

@@ -219,12 +219,16 @@ def test_default_epsilon_is_floored_when_every_cost_is_equal(n, m, shift):
     point = jnp.array([0.3, -1.2])
     x, y = jnp.tile(point, (n, 1)), jnp.tile(point + shift, (m, 1))
     cost = float(jnp.sum((point - (point + shift)) ** 2))
-    out = ot.sinkhorn(x, y)
+
+    @jax.jit  # the three in one program (eager, each operation compiled on its own)
+    def solve(x, y):
+        divergence, grad = jax.value_and_grad(lambda x: ot.sinkhorn_divergence(x, y))(x)
+        return ot.sinkhorn(x, y), divergence, grad
+
+    out, divergence, grad = solve(x, y)
     assert float(out.epsilon) > 0 and bool(out.converged)
     np.testing.assert_allclose(out.reg_ot_cost, cost, atol=1e-5)  # any plan costs C
-    divergence = ot.sinkhorn_divergence(x, y)
     np.testing.assert_allclose(divergence, cost, atol=1e-5)
-    grad = jax.grad(lambda x: ot.sinkhorn_divergence(x, y))(x)
     np.testing.assert_allclose(grad.sum(0), 2 * (point - (point + shift)), atol=1e-4)
 
 
@@ -300,7 +304,7 @@ def test_a_cost_closing_over_a_wider_dtype_is_solved_in_the_points_dtype():
             cost = lambda u, v: (u - v) @ metric @ (u - v)  # noqa: E731
             return ot.sinkhorn(x, y, a, b, epsilon=0.3, cost=cost, chunk_size=16).reg_ot_cost
 
-        value, grad = jax.value_and_grad(loss)(metric, x)
+        value, grad = jax.jit(jax.value_and_grad(loss))(metric, x)
         assert value.dtype == jnp.float32 and grad.dtype == jnp.float64
         wide = jax.tree.map(lambda v: v.astype(jnp.float64), (x, y, a, b))
         cost64 = lambda u, v: (u - v) @ metric @ (u - v)  # noqa: E731
@@ -313,12 +317,14 @@ def test_a_cost_closing_over_a_wider_dtype_is_solved_in_the_points_dtype():
 @pytest.mark.slow
 def test_convergence_flags_and_iteration_cap():
     x, y, a, b = clouds(7)
-    out = ot.sinkhorn(x, y, epsilon=0.01, max_iterations=4, chunk_size=64)
+    out = jax.jit(lambda x, y: ot.sinkhorn(x, y, epsilon=0.01, max_iterations=4, chunk_size=64))(
+        x, y
+    )
     assert not bool(out.converged)
     assert int(out.n_iterations) == 4
     errors = np.asarray(out.errors)
     assert errors.shape == (4,) and np.all(errors > 1e-3)
-    done = ot.sinkhorn(x, y, epsilon=1.0, chunk_size=64)
+    done = jax.jit(lambda x, y: ot.sinkhorn(x, y, epsilon=1.0, chunk_size=64))(x, y)
     assert bool(done.converged)
     n_it = int(done.n_iterations)
     assert done.errors[n_it - 1] < 1e-3 and np.all(np.asarray(done.errors[n_it:]) == -1)
@@ -440,7 +446,8 @@ def test_reverse_mode_composes_with_vmap_and_jit():
     single_grad = jax.jit(jax.grad(loss))
     single = jnp.stack([single_grad(xi) for xi in xs])
     np.testing.assert_allclose(jax.jit(jax.vmap(jax.grad(loss)))(xs), single, atol=1e-5)
-    np.testing.assert_allclose(jax.grad(lambda xs: jax.vmap(loss)(xs).sum())(xs), single, atol=1e-5)
+    grad_of_vmap = jax.jit(jax.grad(lambda xs: jax.vmap(loss)(xs).sum()))  # compiled
+    np.testing.assert_allclose(grad_of_vmap(xs), single, atol=1e-5)
     np.testing.assert_allclose(jax.jacrev(jax.jit(loss))(x), single[0], atol=1e-5)
 
 
@@ -449,7 +456,7 @@ def test_vmap_over_problems():
     x, y, _, _ = clouds(11, n=24, m=20)
     xs = jnp.stack([x, x + 0.5])
     fn = lambda x: ot.sinkhorn(x, y, epsilon=0.2, chunk_size=8).reg_ot_cost  # noqa: E731
-    batched = jax.vmap(fn)(xs)
+    batched = jax.jit(jax.vmap(fn))(xs)
     single_fn = jax.jit(fn)  # the reference, compiled once for both problems
     single = [single_fn(xi) for xi in xs]
     np.testing.assert_allclose(batched, jnp.stack(single), rtol=1e-5)

@@ -45,8 +45,10 @@ def test_a_held_transform_is_the_logsumexp_whatever_the_shift(axis, dtype, m):
         )
         # The answer itself, near it, far below it (sums overflow) and 0 (they underflow):
         # the last two take the max pass.
+        # compiled once for the four shifts (eager, each operation compiled on its own)
+        transform = jax.jit(held_softmin, static_argnames="axis")
         for previous in (expected, expected + 0.01, expected - 1e3, jnp.zeros_like(expected)):
-            got = held_softmin(costs, weights, eps, previous, axis=axis)
+            got = transform(costs, weights, eps, previous, axis=axis)
             assert got.dtype == dtype
             np.testing.assert_allclose(got, expected, rtol=TOL[dtype], atol=TOL[dtype])
 
@@ -71,19 +73,22 @@ def test_holding_the_cost_matrix_gives_the_chunked_solve(case, dtype):
         x, y, a, b = clouds(1, dtype=dtype)
         fixed = dict(epsilon=0.05, max_iterations=60, min_iterations=60, **CASES[case])
 
-        def solve(chunk_size, x, y, a):
-            return ot.sinkhorn(x, y, a, b, chunk_size=chunk_size, **fixed)
+        def solve(chunk_size):
+            # the solve and its gradient in one compiled program (eager, every operation
+            # and each loop of the solve and its backward compiled on its own)
+            def cost(x, y, a):
+                out = ot.sinkhorn(x, y, a, b, chunk_size=chunk_size, **fixed)
+                return out.reg_ot_cost, out
 
-        held, chunked = solve(None, x, y, a), solve(16, x, y, a)
+            return jax.jit(jax.value_and_grad(cost, (0, 1, 2), has_aux=True))(x, y, a)
+
+        (_, held), held_grads = solve(None)
+        (_, chunked), chunked_grads = solve(16)
         assert held.f.dtype == dtype and int(held.n_iterations) == 60
         for u, v in ((held.f, chunked.f), (held.g, chunked.g)):
             np.testing.assert_allclose(u, v, rtol=TOL[dtype], atol=TOL[dtype])
         np.testing.assert_allclose(held.errors, chunked.errors, rtol=1e-3, atol=TOL[dtype])
-        grads = [
-            jax.grad(lambda *p, c=c: solve(c, *p).reg_ot_cost, (0, 1, 2))(x, y, a)
-            for c in (None, 16)
-        ]
-        for u, v in zip(*grads):
+        for u, v in zip(held_grads, chunked_grads):
             np.testing.assert_allclose(u, v, rtol=10 * TOL[dtype], atol=10 * TOL[dtype])
 
 
@@ -93,7 +98,10 @@ def test_a_held_solve_with_more_columns_than_a_block_gives_the_chunked_solve(cas
     """m = 1,100: the transform over rows runs in blocks of 512 columns and a rest."""
     x, y, a, b = clouds(4, n=50, m=1_100)
     fixed = dict(epsilon=0.05, max_iterations=40, min_iterations=40, **CASES[case])
-    held, chunked = (ot.sinkhorn(x, y, a, b, chunk_size=c, **fixed) for c in (None, 128))
+    held, chunked = (
+        jax.jit(lambda x, y, a, b, c=c: ot.sinkhorn(x, y, a, b, chunk_size=c, **fixed))(x, y, a, b)
+        for c in (None, 128)
+    )
     for u, v in ((held.f, chunked.f), (held.g, chunked.g)):
         np.testing.assert_allclose(u, v, rtol=TOL[jnp.float32], atol=TOL[jnp.float32])
 
@@ -113,14 +121,19 @@ def test_holding_the_cost_matrix_gives_the_chunked_divergence_under_jit_and_vmap
     chunked = jax.jit(jax.vmap(jax.value_and_grad(loss(16))))(xs)
     for u, v in zip(held, chunked):
         np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-6)
+
     # A warm start from the last potentials converges to the chunked one's potentials (at
     # a 1e-6 threshold float32 rounding moves the stopping iteration: 4 held, 8 chunked).
-    starts = []
-    for chunk_size in (None, 16):
+    def cold_then_warm(x, chunk_size):
         out = ot.sinkhorn(x, y, epsilon=0.1, chunk_size=chunk_size, threshold=1e-6)
-        again = ot.sinkhorn(
+        return ot.sinkhorn(
             x, y, epsilon=0.1, chunk_size=chunk_size, threshold=1e-6, init=(out.f, out.g)
         )
+
+    starts = []
+    for chunk_size in (None, 16):
+        # both solves in one compiled program (eager, each compiled op by op)
+        again = jax.jit(cold_then_warm, static_argnums=1)(x, chunk_size)
         assert bool(again.converged)
         starts.append(again)
     np.testing.assert_allclose(starts[0].f, starts[1].f, atol=1e-5)

@@ -21,8 +21,12 @@ from memwise.measure import compiled_memory
 
 EPS = 0.5
 TIGHT = dict(threshold=1e-6, max_iterations=5000)
+# sinkhorn's options that decide the program, static under jit
+_OPTIONS = ("tau_a", "tau_b", "reach", "cost", "chunk_size")
 
 
+# compiled: eager, each random draw and operation compiled on its own, for every size
+@functools.partial(jax.jit, static_argnames=("n", "m", "d", "mass_a"))
 def clouds(seed, n=500, m=500, d=2, mass_a=1.3):
     k = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(k[0], (n, d))
@@ -98,7 +102,7 @@ def test_unbalanced_gradient_is_the_derivative_in_float64(tau_a, tau_b):
                 max_iterations=20_000,
             ).reg_ot_cost  # fmt: skip
 
-        grads = jax.grad(fn, (0, 1, 2))(x, a, b)
+        grads = jax.jit(jax.grad(fn, (0, 1, 2)))(x, a, b)
         value = jax.jit(fn)  # the finite differences' six evaluations, compiled once
         h = 1e-5
         for i, (arg, grad) in enumerate(zip((x, a, b), grads)):
@@ -140,41 +144,72 @@ def test_reach_is_geomloss_spelling_of_tau():
     x, y, a, b = clouds(3, n=60, m=50)
     reach = 0.8
     tau = reach**2 / (reach**2 + EPS)
-    by_reach = ot.sinkhorn(x, y, a, b, epsilon=EPS, reach=reach, **TIGHT)
-    by_tau = ot.sinkhorn(x, y, a, b, epsilon=EPS, tau_a=tau, tau_b=tau, **TIGHT)
+    # compiled (eager, every operation and loop of a solve compiled on its own)
+    solve = jax.jit(functools.partial(ot.sinkhorn, epsilon=EPS, **TIGHT), static_argnames=_OPTIONS)
+    by_reach = solve(x, y, a, b, reach=reach)
+    by_tau = solve(x, y, a, b, tau_a=tau, tau_b=tau)
     np.testing.assert_allclose(by_reach.reg_ot_cost, by_tau.reg_ot_cost, rtol=1e-6)
     np.testing.assert_allclose(by_reach.f, by_tau.f, rtol=1e-5, atol=1e-6)
     # euclidean: rho = reach**1
-    out = ot.sinkhorn(x, y, a, b, epsilon=EPS, cost="euclidean", reach=reach, **TIGHT)
+    out = solve(x, y, a, b, cost="euclidean", reach=reach)
     ref = ott_solve(x, y, a, b, reach / (reach + EPS), reach / (reach + EPS), ott_costs.Euclidean())
     np.testing.assert_allclose(out.reg_ot_cost, ref.reg_ot_cost, rtol=1e-5)
+
+
+def _plan_operations(out, v):
+    """A plan's products, marginals and cost: ours (methods) or OTT-JAX's (attributes)."""
+    ops = {}
+    for axis in (0, 1):
+        ops[f"apply {axis}"] = out.apply(v, axis=axis)
+        ops[f"apply one {axis}"] = out.apply(v[0], axis=axis)
+        ops[f"marginal {axis}"] = out.marginal(axis)
+    return ops
 
 
 @pytest.mark.slow
 def test_plan_operator_and_entropic_map_match_ott_dense():
     x, y, a, b = clouds(4)
-    ours = ot.sinkhorn(x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.7, chunk_size=128, **TIGHT)
-    ref = ott_solve(x, y, a, b, 0.8, 0.7)
     v = jax.random.normal(jax.random.key(5), (3, 500))
-    for axis in (0, 1):
-        assert rel(ours.apply(v, axis=axis), ref.apply(v, axis=axis)) < 1e-5
-        assert rel(ours.apply(v[0], axis=axis), ref.apply(v[0], axis=axis)) < 1e-5
-        assert rel(ours.marginal(axis), ref.marginal(axis)) < 1e-5
-    np.testing.assert_allclose(ours.transport_cost(), ref.primal_cost, rtol=1e-5)
-    assert rel(ours.matrix(), ref.matrix) < 1e-5
+    z = jax.random.normal(jax.random.key(6), (40, 2))
+    uniform_weights = jnp.full(500, 1 / 500)
+
+    # Each side's operations in one compiled program (eager, each operation of each
+    # chunked pass compiled on its own: 277 compilations in this test).
+    @jax.jit
+    def ours(x, y, a, b):
+        out = ot.sinkhorn(x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.7, chunk_size=128, **TIGHT)
+        uniform = ot.sinkhorn(x, y, epsilon=EPS, **TIGHT)
+        return _plan_operations(out, v) | {
+            "cost": out.transport_cost(),
+            "matrix": out.matrix(),
+            "transport": out.transport(),
+            "uniform transport": uniform.transport(z),
+        }
+
+    @jax.jit
+    def theirs(x, y, a, b):
+        ref = ott_solve(x, y, a, b, 0.8, 0.7)
+        ref_uniform = ott_solve(x, y, uniform_weights, uniform_weights, 1.0, 1.0)
+        return _plan_operations(ref, v) | {
+            "cost": ref.primal_cost,
+            "matrix": ref.matrix,
+            "uniform transport": ref_uniform.to_dual_potentials().transport(z),
+        }
+
+    got, want = ours(x, y, a, b), theirs(x, y, a, b)
+    for name in [k for k in want if k.startswith(("apply", "marginal"))]:
+        assert rel(got[name], want[name]) < 1e-5, name
+    np.testing.assert_allclose(got["cost"], want["cost"], rtol=1e-5)
+    assert rel(got["matrix"], want["matrix"]) < 1e-5
     # The barycentric map of new points is P's row-normalised average of y; OTT's
     # to_dual_potentials weighs by b twice (its g holds eps log b, then b again), so
     # it agrees with it only for uniform b: compare with OTT's dense plan instead.
-    z = jax.random.normal(jax.random.key(6), (40, 2))
-    dense = ot.sinkhorn(
-        jnp.concatenate([x, z]), y, jnp.concatenate([a, jnp.zeros(40)]), b, epsilon=EPS,
-        tau_a=0.8, tau_b=0.7, **TIGHT,
-    )  # fmt: skip
-    plan = ref.matrix
-    assert rel(ours.transport(), plan @ y / plan.sum(1, keepdims=True)) < 1e-5
-    uniform = ot.sinkhorn(x, y, epsilon=EPS, **TIGHT)
-    ref_uniform = ott_solve(x, y, jnp.full(500, 1 / 500), jnp.full(500, 1 / 500), 1.0, 1.0)
-    assert rel(uniform.transport(z), ref_uniform.to_dual_potentials().transport(z)) < 1e-5
+    plan = want["matrix"]
+    assert rel(got["transport"], plan @ y / plan.sum(1, keepdims=True)) < 1e-5
+    assert rel(got["uniform transport"], want["uniform transport"]) < 1e-5
+    dense = jax.jit(
+        lambda x, a: ot.sinkhorn(x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.7, **TIGHT)
+    )(jnp.concatenate([x, z]), jnp.concatenate([a, jnp.zeros(40)]))
     assert dense.plan.shape == (540, 500)
 
 
@@ -207,7 +242,7 @@ def test_plan_operations_are_differentiable_like_dense_jax():
             + jnp.sum(plan.sum(0) ** 2)
         )
 
-    grads = jax.grad(ours, (0, 1))(x, z)
+    grads = jax.jit(jax.grad(ours, (0, 1)))(x, z)
     ref = jax.jit(jax.grad(dense, (0, 1)))(x, z)
     for g, r in zip(grads, ref):
         assert rel(g, r) < 1e-4
@@ -273,31 +308,39 @@ def test_matrix_warns_above_its_size_threshold(monkeypatch):
 @pytest.mark.slow
 def test_pnorm_and_point_function_costs_match_ott():
     x, y, a, b = clouds(13, n=60, m=50)
-    out = ot.sinkhorn(x, y, a / 1.3, b, epsilon=EPS, cost=ot.PNormP(1.5), **TIGHT)
+
+    # each cost's value and gradient in one compiled program (eager, op by op)
+    def solve(cost):
+        def both(x, a):
+            value = ot.sinkhorn(x, y, a, b, epsilon=EPS, cost=cost, **TIGHT).reg_ot_cost
+            grad = jax.grad(lambda x: ot.sinkhorn(x, y, epsilon=EPS, cost=cost).reg_ot_cost)(x)
+            return value, grad
+
+        return jax.jit(both)(x, a / 1.3)
+
+    out, g_pnorm = solve(ot.PNormP(1.5))
     ref = ott_solve(x, y, a / 1.3, b, 1.0, 1.0, ott_costs.PNormP(1.5))
-    np.testing.assert_allclose(out.reg_ot_cost, ref.reg_ot_cost, rtol=1e-5)
+    np.testing.assert_allclose(out, ref.reg_ot_cost, rtol=1e-5)
     # A user cost, a function of two points, traced once for the tile.
     user = lambda u, v: jnp.sum(jnp.abs(u - v) ** 1.5) / 1.5  # noqa: E731
-    mine = ot.sinkhorn(x, y, a / 1.3, b, epsilon=EPS, cost=user, **TIGHT)
-    np.testing.assert_allclose(mine.reg_ot_cost, out.reg_ot_cost, rtol=1e-6)
-    g_user = jax.grad(lambda x: ot.sinkhorn(x, y, epsilon=EPS, cost=user).reg_ot_cost)(x)
-    g_pnorm = jax.grad(lambda x: ot.sinkhorn(x, y, epsilon=EPS, cost=ot.PNormP(1.5)).reg_ot_cost)(x)
+    mine, g_user = solve(user)
+    np.testing.assert_allclose(mine, out, rtol=1e-6)
     assert rel(g_user, g_pnorm) < 1e-5
 
 
 @pytest.mark.slow
 def test_min_iterations_and_warm_start():
     x, y, a, b = clouds(14, n=60, m=50)
-    cold = ot.sinkhorn(x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.8, threshold=1e-5)
+    solve = jax.jit(
+        functools.partial(ot.sinkhorn, epsilon=EPS, tau_a=0.8, tau_b=0.8, threshold=1e-5),
+        static_argnames="min_iterations",
+    )  # compiled (eager, each operation compiled on its own)
+    cold = solve(x, y, a, b)
     assert int(cold.n_iterations) > 3
-    forced = ot.sinkhorn(
-        x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.8, threshold=1e-5, min_iterations=60
-    )
+    forced = solve(x, y, a, b, min_iterations=60)
     assert int(forced.n_iterations) == 60 and bool(forced.converged)
     assert np.all(np.asarray(forced.errors[:60]) >= 0)
-    warm = ot.sinkhorn(
-        x, y, a, b, epsilon=EPS, tau_a=0.8, tau_b=0.8, threshold=1e-5, init=(cold.f, cold.g)
-    )
+    warm = solve(x, y, a, b, init=(cold.f, cold.g))
     assert int(warm.n_iterations) <= 2 and bool(warm.converged)
     np.testing.assert_allclose(warm.reg_ot_cost, cold.reg_ot_cost, rtol=1e-5)
 
@@ -330,8 +373,11 @@ def test_unbalanced_gradient_memory():
 def test_envelope_gradient_is_otts_danskin_gradient():
     x, y, a, b = clouds(15, n=200, m=150)
     kw = dict(epsilon=EPS, tau_a=0.8, tau_b=0.7, **TIGHT)
-    grads = jax.grad(
-        lambda x, a: ot.sinkhorn(x, y, a, b, cost_gradient="envelope", **kw).reg_ot_cost, (0, 1)
+    grads = jax.jit(
+        jax.grad(
+            lambda x, a: ot.sinkhorn(x, y, a, b, cost_gradient="envelope", **kw).reg_ot_cost,
+            (0, 1),
+        )
     )(x, a)
 
     def theirs(x, a):
