@@ -50,6 +50,7 @@ def _memwise(x, y, a, b, fx=None, fy=None, *, epsilon, penalty=1.0, **loop):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 def test_values_plans_and_gradients_equal_ott_at_500_points(fused):
     # The outer loop at OTT's defaults (its stopping rule, its iteration count), the
@@ -78,6 +79,7 @@ def test_values_plans_and_gradients_equal_ott_at_500_points(fused):
     assert bool(out.converged) == bool(ref.converged)
 
 
+@pytest.mark.slow
 def test_memory_grows_with_the_points_not_their_pairs():
     # Compiled temporaries of the gradient at two sizes: what is added with the points
     # is a sliver of what their pairs would add, never an n x m array.
@@ -133,6 +135,7 @@ def test_bad_input_is_one_line():
         mw.ot.gromov_wasserstein("abc", y)
 
 
+@pytest.mark.slow
 def test_half_precision_is_solved_in_float32_and_vmap_is_the_loop():
     c = _clouds(40, 30)
     x, y = c["x"], c["y"]
@@ -146,6 +149,13 @@ def test_half_precision_is_solved_in_float32_and_vmap_is_the_loop():
         np.testing.assert_allclose(batched[i], cost(scale * x, y), rtol=1e-10)
 
 
+@pytest.mark.xfail(
+    bool(getattr(jax.config, "jax_custom_vjp3", False)),
+    reason="under jax_custom_vjp3, OTT-JAX 0.6's Sinkhorn fails its own epsilon gradient "
+    "(a pytree structure assertion in its custom_vjp), so there is no reference",
+    raises=AssertionError,
+    strict=True,
+)
 def test_the_epsilon_gradient_is_otts():
     # Off the optimum of the last linearisation the potentials OTT holds fixed (ours
     # plus eps log(weight)) show in d/d eps: equal to OTT's, not only the value.
