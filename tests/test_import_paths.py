@@ -19,11 +19,13 @@ PATHS = {
         "tiled_reduce",
     ],
     "memwise.ot": [
+        "GromovWassersteinResult",
         "PNormP",
         "SinkhornResult",
         "TransportPlan",
         "sinkhorn",
         "sinkhorn_divergence",
+        "gromov_wasserstein",
         "DEFAULT_EPSILON_SCALE",
         "CostFn",
         "ChunkSize",
