@@ -150,6 +150,26 @@ def _time(fn, args, repeats):
     return statistics.median(times)
 
 
+def _measure(f, args, work, repeats) -> dict:
+    """Compiled temporaries, median time and TFLOP/s of ``f(*args)`` doing ``work``
+    flops, or the error of a variant that does not fit."""
+    try:
+        compiled = jax.jit(f).lower(*args).compile()
+        temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        seconds = _time(compiled, args, repeats)
+    except Exception as error:  # noqa: BLE001 - a variant that does not fit
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+    return {"temp_mib": temp_mib, "ms": 1e3 * seconds, "tflops": work / seconds / 1e12}
+
+
+def _cells(row: dict, key: str, r: dict, ratio: float | None, digits: int) -> None:
+    """One measured row's cells of a table column group (``fwd`` or ``vjp``)."""
+    row[key] = f"{r['ms']:.{digits}f}"
+    row[key + "_x"] = "-" if ratio is None else f"{ratio:.2f}x"
+    row[key + "_tf"] = f"{r['tflops']:.0f}"
+    row[key + "_temp"] = f"{r['temp_mib']:.1f} MiB"
+
+
 def run_case(t, heads, kv_heads, hd, causal, *, interpret, repeats, full, only=()):
     key = jax.random.key(0)
     kq, kk, kv = jax.random.split(key, 3)
@@ -167,16 +187,8 @@ def run_case(t, heads, kv_heads, hd, causal, *, interpret, repeats, full, only=(
         args = tuple(a.swapaxes(1, 2) for a in (q, k, v)) if heads_first else (q, k, v)
         loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
         for mode, f in (("forward", fn), ("value_and_grad", jax.value_and_grad(loss, (0, 1, 2)))):
-            row = {"variant": name, "mode": mode}
-            try:
-                compiled = jax.jit(f).lower(*args).compile()
-                row["temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
-                seconds = _time(compiled, args, repeats)
-                row["ms"] = 1e3 * seconds
-                work = flops * (3.5 if mode == "value_and_grad" else 1.0)
-                row["tflops"] = work / seconds / 1e12
-            except Exception as error:  # noqa: BLE001 - a variant that does not fit
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            work = flops * (3.5 if mode == "value_and_grad" else 1.0)
+            row = {"variant": name, "mode": mode, **_measure(f, args, work, repeats)}
             rows.append(row)
             print(
                 json.dumps(
@@ -219,16 +231,8 @@ def run_cross_entropy(n, d, vocab, *, interpret, repeats, only=()):
         if only and not name.startswith(tuple(only)):
             continue
         for mode, f in (("forward", fn), ("value_and_grad", jax.value_and_grad(fn, (0, 1)))):
-            row = {"variant": name, "mode": mode}
-            try:
-                compiled = jax.jit(f).lower(x, w).compile()
-                row["temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
-                seconds = _time(compiled, (x, w), repeats)
-                row["ms"] = 1e3 * seconds
-                work = 2 * n * d * vocab * (3 if mode == "value_and_grad" else 1)
-                row["tflops"] = work / seconds / 1e12
-            except Exception as error:  # noqa: BLE001 - a variant that does not fit
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            work = 2 * n * d * vocab * (3 if mode == "value_and_grad" else 1)
+            row = {"variant": name, "mode": mode, **_measure(f, (x, w), work, repeats)}
             rows.append(row)
             print(json.dumps({"n": n, "d": d, "V": vocab, **row}), flush=True)
     return rows
@@ -268,10 +272,7 @@ def cross_entropy_tables(cases: dict) -> list[dict]:
                 row[key] = r.get("error", "failed")[:60]
                 continue
             base = dense.get(r["mode"])
-            row[key] = f"{r['ms']:.1f}"
-            row[key + "_x"] = f"{r['ms'] / base['ms']:.2f}x" if base else "-"
-            row[key + "_tf"] = f"{r['tflops']:.0f}"
-            row[key + "_temp"] = f"{r['temp_mib']:.1f} MiB"
+            _cells(row, key, r, r["ms"] / base["ms"] if base else None, 1)
         out.append(
             {
                 "title": f"vocabulary cross-entropy on one TPU v5e, {case}",
@@ -337,10 +338,7 @@ def tables(cases: dict) -> list[dict]:
                 row[key] = r.get("error", "failed")[:60]
                 continue
             ratio = r["ms"] / best[r["mode"]]["ms"] if best[r["mode"]] else None
-            row[key] = f"{r['ms']:.2f}"
-            row[key + "_x"] = "-" if ratio is None else f"{ratio:.2f}x"
-            row[key + "_tf"] = f"{r['tflops']:.0f}"
-            row[key + "_temp"] = f"{r['temp_mib']:.1f} MiB"
+            _cells(row, key, r, ratio, 2)
         out.append(
             {
                 "title": f"attention on one TPU v5e, {case}",
