@@ -281,9 +281,9 @@ def gromov_wasserstein(
 
     template = first.plan  # the cost and tiling every solve shares
 
-    def plan_of(px, qy, f, g):
+    def plan_of(px, qy, f, g, eps=first.epsilon):
         return TransportPlan(
-            px, qy, a, b, f, g, first.epsilon, template.consts,
+            px, qy, a, b, f, g, eps, template.consts,
             cost=template.cost, chunk=template.chunk, dtype=template.dtype,
         )  # fmt: skip
 
@@ -312,10 +312,7 @@ def gromov_wasserstein(
     plan = plan_of(points[0], points[1], f, g)
     px, qy = linearise(plan, x, y, fx, fy)
     eps = jnp.asarray(epsilon, work)
-    at = TransportPlan(
-        px, qy, a, b, f, g, eps, template.consts,
-        cost=template.cost, chunk=template.chunk, dtype=template.dtype,
-    )  # fmt: skip
+    at = plan_of(px, qy, f, g, eps)
     mass = jax.lax.stop_gradient(jnp.sum(at.marginal(1)))
     taus = (jnp.asarray(1.0, work), jnp.asarray(1.0, work))
     reg = reg_ot_cost(
