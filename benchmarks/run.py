@@ -63,6 +63,14 @@ def markdown() -> str:
             parts += ["", result["notes"].strip()]
         for table in result["tables"]:
             parts += ["", harness.markdown_table(table)]
+        # a suite of the same script measured on its own day (tpu.py --suite cross_entropy)
+        for key, suite in result.items():
+            if isinstance(suite, dict) and "tables" in suite:
+                parts += ["", f"### {name}: {key.replace('_', ' ')}", "", f"{suite['date']}."]
+                if suite.get("notes"):
+                    parts += ["", suite["notes"].strip()]
+                for table in suite["tables"]:
+                    parts += ["", harness.markdown_table(table)]
     return "\n".join(parts) + "\n"
 
 

@@ -248,6 +248,16 @@ CROSS_ENTROPY_NOTES = (
 )
 
 
+def _short_error(error: str) -> str:
+    """``out of memory (24.71G of 15.75G)`` for XLA's RESOURCE_EXHAUSTED, else its start."""
+    import re
+
+    found = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", error)
+    if found:
+        return f"out of memory ({found[1]} of {found[2]})"
+    return error[:60]
+
+
 def cross_entropy_tables(cases: dict) -> list[dict]:
     """One table per case: each variant's forward and value_and_grad against dense."""
     columns = [
@@ -269,7 +279,7 @@ def cross_entropy_tables(cases: dict) -> list[dict]:
             row = merged.setdefault(r["variant"], {"variant": r["variant"]})
             key = "fwd" if r["mode"] == "forward" else "vjp"
             if "ms" not in r:
-                row[key] = r.get("error", "failed")[:60]
+                row[key] = _short_error(r.get("error", "failed"))
                 continue
             base = dense.get(r["mode"])
             _cells(row, key, r, r["ms"] / base["ms"] if base else None, 1)
@@ -335,7 +345,7 @@ def tables(cases: dict) -> list[dict]:
                 {"variant": name},
             )
             if "ms" not in r:
-                row[key] = r.get("error", "failed")[:60]
+                row[key] = _short_error(r.get("error", "failed"))
                 continue
             ratio = r["ms"] / best[r["mode"]]["ms"] if best[r["mode"]] else None
             _cells(row, key, r, ratio, 2)

@@ -193,18 +193,33 @@ def test_vmap_of_grad_through_the_kernel():
     with jax.default_matmul_precision("highest"):
         got = jax.vmap(lambda x: grad(x, "pallas"))(xs)
         want = jax.vmap(lambda x: grad(x, "xla"))(xs)
-    assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        # both operands batched, and the weights' gradient
+        ws = jnp.stack([w, -w])
+        both = lambda x, w, impl: jax.grad(  # noqa: E731
+            lambda x, w: mw.linear_cross_entropy(x, w, labels, layout="vd", implementation=impl),
+            (0, 1),
+        )(x, w)
+        got = jax.vmap(lambda x, w: both(x, w, "pallas"))(xs, ws)
+        want = jax.vmap(lambda x, w: both(x, w, "xla"))(xs, ws)
+    for a, b in zip(got, want):
+        assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_the_default_never_chooses_the_kernel_until_it_is_measured(monkeypatch):
-    # Registered with default=False: implementation=None runs the tiles even where a TPU
-    # is present (the dispatch would otherwise choose at lowering, platform_index).
-    assert all(not k.default for k in tpu_cross_entropy.KERNELS)
+def test_the_default_chooses_the_kernel_where_a_tpu_is_present(monkeypatch):
+    # As on a TPU host: implementation=None holds both the kernel and the tiles, and
+    # lowering keeps the platform's branch (platform_index); a CPU-only host traces no
+    # kernel (test_kernels), and what the kernel declines (float16) runs the tiles.
+    assert all(k.default for k in tpu_cross_entropy.KERNELS)
     monkeypatch.setattr(kernels, "_platform_present", lambda platform: True)
     x, w, _, labels, _ = _inputs(32, 8, 256, "dv", ignore=False)
-    loss = lambda x: mw.linear_cross_entropy(x, w, labels)  # noqa: E731
-    text = str(jax.make_jaxpr(jax.value_and_grad(loss))(x))
-    assert "platform_index" not in text
+    loss = lambda x, w: mw.linear_cross_entropy(x, w, labels)  # noqa: E731
+    text = str(jax.make_jaxpr(jax.value_and_grad(loss))(x, w))
+    assert "platform_index" in text
+    half = str(
+        jax.make_jaxpr(jax.value_and_grad(loss))(x.astype(jnp.float16), w.astype(jnp.float16))
+    )
+    assert "platform_index" not in half
 
 
 @pytest.mark.skipif(not ON_CPU, reason="exports for the TPU from a machine without one")
@@ -239,3 +254,13 @@ def test_every_kernel_lowers_for_the_tpu_at_real_sizes():
         mw.dot_product_attention(q, q, q, is_causal=True, implementation="pallas")
     )
     assert lowered(jax.value_and_grad(attention), q) >= 2
+    # vmap of the gradient: the backward's HBM accumulator cannot take the batch as a
+    # grid axis in Mosaic (a batched Pallas call fails to lower); it loops instead.
+    xs = jax.ShapeDtypeStruct((2, 1024, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((1024,), jnp.int32)
+    loss = lambda x, w, labels: mw.linear_cross_entropy(  # noqa: E731
+        x, w, labels, implementation="pallas"
+    )
+    per_example = jax.vmap(jax.grad(loss, (0, 1)), (0, None, None))
+    assert lowered(per_example, xs, w, labels) == 2

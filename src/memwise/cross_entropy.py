@@ -159,11 +159,11 @@ def linear_cross_entropy(
         on a mesh with Auto axes, the tokens over all of them.
       token_axis: the mesh axis (or axes) splitting the tokens, with ``mesh``.
       vocab_axis: the mesh axis (or axes) splitting the vocabulary, with ``mesh``.
-      implementation: ``None`` (the default) or ``"xla"``: the XLA tiles;
-        ``"pallas"``: a fused Pallas kernel (:mod:`memwise.engine.tpu_cross_entropy`),
-        compiled on a TPU, in Pallas's interpret mode elsewhere, with a ``ValueError``
-        naming what it cannot serve (float16, ``x`` and ``w`` of different dtypes). The
-        default will choose the kernel on a TPU once its speed there is measured.
+      implementation: ``None`` (the default): the fused Pallas kernel
+        (:mod:`memwise.engine.tpu_cross_entropy`) on a TPU where it serves the call, the
+        XLA tiles elsewhere; ``"xla"``: the tiles; ``"pallas"``: the kernel, compiled on
+        a TPU, in Pallas's interpret mode elsewhere, with a ``ValueError`` naming what
+        it cannot serve (float16, ``x`` and ``w`` of different dtypes).
 
     Returns:
       The loss (a scalar, or ``labels.shape`` for ``"none"``) in the inputs' dtype;

@@ -224,6 +224,33 @@ def trace_config(dtype: Any) -> Iterator[None]:
         yield
 
 
+def one_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose ``vmap`` is a loop over the batch (``lax.map``), not a batched Pallas
+    call: for a kernel whose TPU lowering cannot take the batch as one more grid axis (a
+    buffer it addresses by hand in HBM, ``memory_space=ANY``), and that fills the chip
+    alone at each batch element."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    @call.def_vmap
+    def _vmap(axis_size: int, in_batched: Any, *args: Any) -> tuple[Any, Any]:
+        del axis_size
+        leaves, tree = jax.tree.flatten(args)
+        flags = jax.tree.leaves(in_batched)
+
+        def one(batched: list[Any]) -> Any:
+            it = iter(batched)
+            own = [next(it) if flag else leaf for leaf, flag in zip(leaves, flags)]
+            return call(*jax.tree.unflatten(tree, own))
+
+        out = jax.lax.map(one, [leaf for leaf, flag in zip(leaves, flags) if flag])
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def first_order(message: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, whose derivative raises ``TypeError(message)`` when traced: a
