@@ -140,33 +140,38 @@ def _shifted_softmin(costs, log_weights, eps, shift, axis):
     return shift - eps * jnp.log(sums), sums
 
 
-# Columns a block when a held matrix is reduced over its rows (see _by_columns).
+# Columns a block when a held matrix is reduced over its rows (see _by_columns): at most
+# _COLUMNS, and at most 1/_BLOCKS of them (each block is read out of the matrix once more).
 _COLUMNS = 512
+_BLOCKS = 16
 
 
 def _by_columns(reduce: Callable, costs: Array, *vectors: Array, axis: int) -> Array:
     """``reduce(costs, *vectors)``, the reduction over ``axis`` of a held ``[n, m]``
-    matrix with ``vectors`` indexing its kept axis. Over rows (``axis=0``) it runs block by block
-    of ``_COLUMNS`` columns: XLA:CPU reduces a row-major matrix over its rows a column at
-    a time, which read 20,000 x 20,000 float32 costs 11x slower than over columns; a
-    block's rows are read whole."""
+    matrix with ``vectors`` indexing its kept axis. Over rows (``axis=0``) it runs block
+    by block of columns: XLA:CPU reduces a row-major matrix over its rows a column at a
+    time, which read 20,000 x 20,000 float32 costs 11x slower than over columns; a
+    block's rows are read whole. XLA copies the block being read, so a block is at most
+    ``1 / _BLOCKS`` of the columns (and at most ``_COLUMNS``), and every block has one
+    width: the last ends at column ``m``, overlapping the one before (whose columns it
+    repeats are dropped), instead of a ragged remainder copied out of the matrix."""
     m = costs.shape[1]
-    blocks = m // _COLUMNS
-    if axis == 1 or blocks < 2:
+    if axis == 1 or m < 2 * _COLUMNS:
         return reduce(costs, *vectors)
+    width = min(_COLUMNS, -(-m // _BLOCKS))
+    blocks = -(-m // width)
 
     def block(k):
-        start = k * _COLUMNS
+        start = jnp.minimum(k * width, m - width)
         return reduce(
-            jax.lax.dynamic_slice_in_dim(costs, start, _COLUMNS, axis=1),
-            *(jax.lax.dynamic_slice_in_dim(v, start, _COLUMNS) for v in vectors),
+            jax.lax.dynamic_slice_in_dim(costs, start, width, axis=1),
+            *(jax.lax.dynamic_slice_in_dim(v, start, width) for v in vectors),
         )
 
-    head = jax.lax.map(block, jnp.arange(blocks)).reshape(-1)
-    rest = blocks * _COLUMNS
-    if rest == m:
-        return head
-    return jnp.concatenate([head, reduce(costs[:, rest:], *(v[rest:] for v in vectors))])
+    sums = jax.lax.map(block, jnp.arange(blocks))
+    head = sums[:-1].reshape(-1)
+    tail = sums[-1, blocks * width - m :]
+    return jnp.concatenate([head, tail])
 
 
 def held_softmin(
