@@ -375,6 +375,77 @@ def _plan_operator(n, chunk, dtype):
     return f, dense, (x, y, z, v)
 
 
+def _dense_gromov(x, y, fx=None, fy=None, penalty=1.0, epsilon=2.0, outer=60, inner=400):
+    """Dense entropic (fused) Gromov-Wasserstein with uniform weights, OTT's conventions:
+    linearise at the plan (first at ``a b^T``), solve that linear problem (log-domain
+    Sinkhorn), repeat; the value is the last linear problem's ``<f, a> + <g, b>`` and
+    its gradient OTT's, ``<dC, P>`` with the plan held fixed (not the derivative of the
+    value: the plan's own dependence on the points is dropped)."""
+    n, m = x.shape[0], y.shape[0]
+    log_a, log_b = jnp.full(n, -jnp.log(n)), jnp.full(m, -jnp.log(m))
+
+    def sq(u, v):
+        return jnp.sum((u[:, None] - v[None]) ** 2, axis=-1)
+
+    def linearised(x, y, fx, fy, plan):
+        cx, cy = sq(x, x), sq(y, y)
+        p, q = plan.sum(1), plan.sum(0)
+        cost = (cx**2 @ p)[:, None] + (cy**2 @ q)[None] - 2 * cx @ plan @ cy
+        return cost if fx is None else cost + penalty * sq(fx, fy)
+
+    def solve(cost):
+        def step(fg, _):
+            f, g = fg
+            f = -epsilon * jax.nn.logsumexp(log_b[None] + (g[None] - cost) / epsilon, axis=1)
+            g = -epsilon * jax.nn.logsumexp(log_a[:, None] + (f[:, None] - cost) / epsilon, axis=0)
+            return (f, g), None
+
+        (f, g), _ = jax.lax.scan(step, (jnp.zeros(n), jnp.zeros(m)), None, length=inner)
+        plan = jnp.exp(log_a[:, None] + log_b[None] + (f[:, None] + g[None] - cost) / epsilon)
+        return f, g, plan
+
+    held = jax.lax.stop_gradient((x, y, fx, fy))
+    plan = jnp.exp(log_a[:, None] + log_b[None])
+    plan, _ = jax.lax.scan(lambda plan, _: (solve(linearised(*held, plan))[2], None), plan,
+                           None, length=outer)  # fmt: skip
+    cost = linearised(x, y, fx, fy, plan)
+    f, g, final = jax.lax.stop_gradient(solve(cost))
+    value = jnp.sum(jnp.exp(log_a) * f) + jnp.sum(jnp.exp(log_b) * g)
+    moved = jnp.sum(cost * final)
+    return value + moved - jax.lax.stop_gradient(moved)
+
+
+def _gromov(fused):
+    """Entropic Gromov-Wasserstein (fused: with features) of clouds of ``n + 2`` and
+    ``n + 3`` points, against the dense solver in float64."""
+
+    def build(n, chunk, dtype):
+        x, y, fx, fy = _inputs(dtype, (n + 2, 2), (n + 3, 3), (n + 2, 2), (n + 3, 2), seed=2)
+        options = dict(
+            epsilon=2.0, threshold=1e-9, min_iterations=20, max_iterations=200,
+            sinkhorn_options=dict(threshold=1e-9, max_iterations=5000), chunk_size=chunk + 1,
+        )  # fmt: skip
+
+        if fused:
+
+            def f(x, y, fx, fy):
+                return mw.ot.gromov_wasserstein(
+                    x, y, x_features=fx, y_features=fy, fused_penalty=0.5, **options
+                ).reg_gw_cost
+
+            def dense(x, y, fx, fy):
+                return _dense_gromov(x, y, fx, fy, penalty=0.5)
+
+            return f, dense, (x, y, fx, fy)
+
+        def f(x, y):
+            return mw.ot.gromov_wasserstein(x, y, **options).reg_gw_cost
+
+        return f, lambda x, y: _dense_gromov(x, y), (x, y)
+
+    return build
+
+
 def _linearize(n, chunk, dtype):
     w, v, x = _inputs(dtype, (3, 4), (4, 2), (n, 3))
 
@@ -490,6 +561,8 @@ CASES = {
         functools.partial(_divergence, held=True), min_tolerance=1e-5
     ),
     "ot_plan_operator": Case(_plan_operator, min_tolerance=1e-5),
+    "gromov_wasserstein": Case(_gromov(fused=False), min_tolerance=1e-5),
+    "gromov_wasserstein_fused": Case(_gromov(fused=True), min_tolerance=1e-5),
     "linearize": Case(_linearize),
     "cross_entropy": Case(_cross_entropy("per_token")),
     "cross_entropy_capped_tied": Case(_cross_entropy("capped_tied")),

@@ -122,7 +122,20 @@ def test_bad_input_is_one_line():
             dict(x_features=c["fx"], y_features=c["fy"], fused_penalty=-1.0),
             "fused_penalty must be >= 0",
         ),
+        # NumPy and concrete JAX scalars are checked as Python numbers are
+        (
+            dict(x_features=c["fx"], y_features=c["fy"], fused_penalty=np.float32(-50.0)),
+            "fused_penalty must be >= 0 and finite, got -50.0",
+        ),
+        (
+            dict(x_features=c["fx"], y_features=c["fy"], fused_penalty=jnp.asarray(-1.0)),
+            "fused_penalty must be >= 0",
+        ),
         (dict(epsilon=-0.1), "epsilon must be a positive finite number"),
+        (dict(epsilon=np.float32(-1.0)), "epsilon must be a positive finite number, got -1.0"),
+        (dict(epsilon=jnp.inf), "epsilon must be a positive finite number"),
+        (dict(min_iterations=10, max_iterations=3), "min_iterations .10. must be at most"),
+        (dict(threshold=-1.0), "threshold must be a positive finite float"),
         (dict(sinkhorn_options=dict(thresh=1e-3)), "mw.ot.sinkhorn does not take"),
         (dict(max_iterations=0), "max_iterations must be a positive int"),
         (dict(sinkhorn_options=dict(cost="euclidean")), "may not set .cost."),

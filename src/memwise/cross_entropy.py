@@ -64,7 +64,7 @@ _LAYOUTS = ("dv", "vd")
 
 _FORWARD_MODE = (
     "memwise.linear_cross_entropy supports reverse mode (grad, vjp, jacrev; also "
-    "jax.hessian and jacfwd of grad) and vmap, but not forward mode through it (jvp, "
+    "jax.hessian and jacfwd of grad with implementation='xla' on a TPU host) and vmap, but not forward mode through it (jvp, "
     "jacfwd, jax.linearize); for forward mode compute the logits and use "
     "optax.softmax_cross_entropy_with_integer_labels, or differentiate in reverse mode"
 )
@@ -163,7 +163,12 @@ def linear_cross_entropy(
         (:mod:`memwise.engine.tpu_cross_entropy`) on a TPU where it serves the call, the
         XLA tiles elsewhere; ``"xla"``: the tiles; ``"pallas"``: the kernel, compiled on
         a TPU, in Pallas's interpret mode elsewhere, with a ``ValueError`` naming what
-        it cannot serve (float16, ``x`` and ``w`` of different dtypes).
+        it cannot serve (float16, ``x`` and ``w`` of different dtypes). The kernel has
+        first derivatives only: for second derivatives (``jax.hessian``, ``jacfwd`` of
+        ``grad``) pass ``implementation="xla"``. On a host with a TPU the default holds
+        the kernel's branch in every program it traces (the platform is chosen at
+        lowering), so there they raise a ``TypeError`` naming this fix, whatever the
+        program is compiled for.
 
     Returns:
       The loss (a scalar, or ``labels.shape`` for ``"none"``) in the inputs' dtype;

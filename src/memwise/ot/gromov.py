@@ -28,7 +28,15 @@ absolute ``epsilon`` (default 1), the outer loop run at least ``min_iterations``
 and stopped once two successive linear costs agree to ``threshold`` (relative), and the
 reported ``reg_gw_cost`` the regularised cost of the linearisation at the final plan,
 taken at the last solve's potentials. Its gradient is OTT's: the envelope theorem at
-that linearisation, the plan held fixed (OTT stops the gradient through it).
+that linearisation, the plan held fixed (OTT stops the gradient through it). That is not
+the derivative of ``reg_gw_cost`` itself: the fixed point of these iterations is
+stationary for ``quadratic + 2 epsilon KL``, not for the reported cost, so the plan's
+own dependence on the points is dropped (finite differences of ``reg_gw_cost`` differ).
+Each linear solve stops by :func:`memwise.ot.sinkhorn`'s rule (the marginal error
+checked every iteration; OTT's checks it every tenth), so with both libraries' default
+inner thresholds (1e-3) the two agree to about that threshold (at 500 points: 1.5e-5
+relative in the value, 4e-3 in the gradients), and to 1e-6 with tight inner thresholds
+(``sinkhorn_options=dict(threshold=1e-9)``).
 """
 
 from __future__ import annotations
@@ -210,8 +218,10 @@ def gromov_wasserstein(
 
     Raises:
       TypeError/ValueError: bad points or weights, features given for one side only or
-        of different widths, a negative ``fused_penalty`` or ``epsilon``, iteration
-        counts that are not positive ints.
+        of different widths, a negative ``fused_penalty`` or ``epsilon`` (Python, NumPy
+        or concrete JAX numbers; a traced one is not checked), iteration counts that are
+        not positive ints or ``min_iterations > max_iterations``, a threshold that is
+        not a positive finite float.
 
     Example::
 
@@ -246,12 +256,18 @@ def gromov_wasserstein(
                 f"x_features and y_features must be [n, k] = [{n}, k] and [m, k] = [{m}, k] "
                 f"with the same k, got {fx.shape} and {fy.shape}"
             )
-    if epsilon is None or (isinstance(epsilon, (int, float)) and not 0 < epsilon < math.inf):
-        raise ValueError(f"epsilon must be a positive finite number, got {epsilon!r}")
-    if isinstance(fused_penalty, (int, float)) and not 0 <= fused_penalty < math.inf:
-        raise ValueError(f"fused_penalty must be >= 0 and finite, got {fused_penalty!r}")
+    if epsilon is None or not _concrete_in(epsilon, 0.0, False):
+        raise ValueError(f"epsilon must be a positive finite number, got {_shown(epsilon)}")
+    if not _concrete_in(fused_penalty, 0.0, True):
+        raise ValueError(f"fused_penalty must be >= 0 and finite, got {_shown(fused_penalty)}")
     max_iterations = positive_int(max_iterations, "max_iterations")
     min_iterations = positive_int(min_iterations, "min_iterations")
+    if min_iterations > max_iterations:
+        raise ValueError(
+            f"min_iterations ({min_iterations}) must be at most max_iterations ({max_iterations})"
+        )
+    if not _concrete_in(threshold, 0.0, False):
+        raise ValueError(f"threshold must be a positive finite float, got {_shown(threshold)}")
     options = dict(sinkhorn_options or {})
     for key in options:
         if key in _SET_HERE:
@@ -331,6 +347,27 @@ def gromov_wasserstein(
         reg = reg + (eps - jax.lax.stop_gradient(eps)) * jax.lax.stop_gradient(slope)
     converged = (n_iter < max_iterations) & all_converged
     return GromovWassersteinResult(reg.astype(dtype), plan, costs, n_iter, converged, eps)
+
+
+def _concrete_in(value: Any, low: float, closed: bool) -> bool:
+    """Whether a scalar known now (a Python, NumPy or concrete JAX number) is finite and
+    above ``low`` (or equal to it, ``closed``); a traced value passes (checked nowhere:
+    its value is not known while tracing)."""
+    if isinstance(value, jax.core.Tracer):
+        return True
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(number) and (number >= low if closed else number > low)
+
+
+def _shown(value: Any) -> str:
+    """A scalar as the user would write it in an error message."""
+    try:
+        return repr(float(value))
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 class _Product:
