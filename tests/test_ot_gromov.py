@@ -146,6 +146,11 @@ def test_bad_input_is_one_line():
         assert "\n" not in str(info.value)
     with pytest.raises((TypeError, ValueError), match="x"):
         mw.ot.gromov_wasserstein("abc", y)
+    # second derivatives: memwise.ot's message (it named pairwise_reduce, which has them)
+    cost = lambda x: mw.ot.gromov_wasserstein(x, y, min_iterations=1, max_iterations=3).reg_gw_cost  # noqa: E731
+    for transform in (jax.hessian, jax.jacfwd):
+        with pytest.raises(TypeError, match="memwise.ot supports first-order reverse mode"):
+            transform(cost)(x)
 
 
 @pytest.mark.slow

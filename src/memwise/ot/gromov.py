@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from memwise._arguments import positive_int
 from memwise._dtypes import accumulation_dtype
 from memwise.ot.api import sinkhorn
-from memwise.ot.gradients import reg_ot_cost
+from memwise.ot.gradients import reg_ot_cost, reverse_mode_only
 from memwise.ot.plan import TransportPlan
 from memwise.ot.problem import _check_points, _check_weights
 from memwise.pairwise import pairwise_reduce
@@ -268,6 +268,9 @@ def gromov_wasserstein(
         )
     if not _concrete_in(threshold, 0.0, False):
         raise ValueError(f"threshold must be a positive finite float, got {_shown(threshold)}")
+    # Forward mode, also over a reverse pass (jax.hessian), raises memwise.ot's message
+    # at the inputs, not the message of whichever pass it reaches first.
+    x, y, a, b, fx, fy = reverse_mode_only((x, y, a, b, fx, fy))
     options = dict(sinkhorn_options or {})
     for key in options:
         if key in _SET_HERE:
