@@ -64,8 +64,9 @@ _LAYOUTS = ("dv", "vd")
 
 _FORWARD_MODE = (
     "memwise.linear_cross_entropy supports reverse mode (grad, vjp, jacrev; also "
-    "jax.hessian and jacfwd of grad with implementation='xla' on a TPU host) and vmap, but not forward mode through it (jvp, "
-    "jacfwd, jax.linearize); for forward mode compute the logits and use "
+    "jax.hessian and jacfwd of grad with implementation='xla' on a TPU host) and vmap, "
+    "but not forward mode through it (jvp, jacfwd, jax.linearize); for forward mode "
+    "compute the logits and use "
     "optax.softmax_cross_entropy_with_integer_labels, or differentiate in reverse mode"
 )
 

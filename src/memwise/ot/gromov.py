@@ -53,7 +53,7 @@ from memwise._dtypes import accumulation_dtype
 from memwise.ot.api import sinkhorn
 from memwise.ot.gradients import reg_ot_cost, reverse_mode_only
 from memwise.ot.plan import TransportPlan
-from memwise.ot.problem import _check_points, _check_weights
+from memwise.ot.problem import _check_points, _check_weights, _is_concrete
 from memwise.pairwise import pairwise_reduce
 
 __all__ = ["GromovWassersteinResult", "gromov_wasserstein"]
@@ -356,7 +356,7 @@ def _concrete_in(value: Any, low: float, closed: bool) -> bool:
     """Whether a scalar known now (a Python, NumPy or concrete JAX number) is finite and
     above ``low`` (or equal to it, ``closed``); a traced value passes (checked nowhere:
     its value is not known while tracing)."""
-    if isinstance(value, jax.core.Tracer):
+    if not _is_concrete(value):
         return True
     try:
         number = float(value)
