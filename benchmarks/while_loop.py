@@ -11,8 +11,9 @@ whose evaluations are counted with ``jax.debug.callback`` at c = 8, 16, 64, next
 offline optimum ``memwise.schedule.evaluations(t, c)``; and the online schedule's worst
 ratio to that optimum over every trip count up to 10,000 (pure Python, the same decisions
 the executor takes; the tests check that they agree step by step and count by count).
-Last, whether ``scan`` and ``while_loop`` could share one revolve backward: the same body
-through both executors at t = 10,000, their forward and backward rules timed apart.
+Last, the one revolve backward both loops run, fed by each one's forward pass (``scan``
+stores revolve's optimal positions, ``while_loop`` places its carries online): the same
+body through both at t = 10,000, their forward and backward rules timed apart.
 """
 
 from __future__ import annotations
@@ -227,9 +228,9 @@ def _synthetic_table(c, lengths, quick):
 
 
 def _executor_table(c, t, quick):
-    """The two revolve backwards on one body: scan's, table-driven, and while_loop's,
-    stack-driven (what one merged backward would run), forward and backward rules timed
-    apart (``jax.vjp`` jitted, then its pullback)."""
+    """The one revolve backward on one body, from scan's stored positions and from
+    while_loop's, forward and backward rules timed apart (``jax.vjp`` jitted, then its
+    pullback)."""
     hidden = 32
     w = jnp.asarray(np.random.default_rng(0).normal(size=(hidden, hidden)) / hidden**0.5)
     h0 = jnp.ones(hidden)
@@ -258,8 +259,8 @@ def _executor_table(c, t, quick):
 
     variants = []
     for name, make in (
-        ("scan (table-driven)", scan_loss),
-        ("while_loop (stack-driven)", while_loss),
+        ("scan (revolve's positions)", scan_loss),
+        ("while_loop (online positions)", while_loss),
     ):
         evaluations = _count(lambda k, make=make: jax.grad(make(k)), (w,))
         forward = lambda w, make=make: jax.vjp(make(), w)  # noqa: E731
@@ -271,7 +272,7 @@ def _executor_table(c, t, quick):
             harness.Variant(f"{name}: backward rule", backward, (pullback,), extra=extra)
         )
     return harness.run_table(
-        f"one revolve backward for scan and while_loop? the same body (tanh(W h), hidden "
+        f"the revolve backward from scan's and while_loop's stored carries: the same body (tanh(W h), hidden "
         f"{hidden}), t={t:,}, c={c}",
         variants,
         baseline=variants[1].name,

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memwise import _online, schedule
+from memwise import _online, _revolve, schedule
 
 
 def test_revolve_split_matches_the_schedule_for_every_small_length_and_slot_count():
     lengths, slots = np.meshgrid(np.arange(2, 260), np.arange(2, 12), indexing="ij")
-    got = jax.jit(jax.vmap(_online.revolve_split))(lengths.ravel(), slots.ravel())
+    got = jax.jit(jax.vmap(_revolve.revolve_split))(lengths.ravel(), slots.ravel())
     want = [schedule._revolve_split(int(n), int(s)) for n, s in zip(lengths.ravel(), slots.ravel())]
     np.testing.assert_array_equal(np.asarray(got), want)
 

@@ -221,6 +221,36 @@ def test_body_evaluations_equal_schedule_optimum(n, checkpoints):
     assert len(calls) == schedule.evaluations(n, checkpoints)
 
 
+def test_gradient_holds_the_schedule_in_constants_that_do_not_grow_with_n():
+    # The backward computes revolve's splits on the device from the stored positions:
+    # at n = 100,000 the schedule as int32 tables was 1.8 MB of constants.
+    def loss(w, n):
+        h, _ = mw.scan(lambda h, _: (jnp.tanh(w * h), None), jnp.ones(4), length=n, checkpoints=16)
+        return jnp.sum(h)
+
+    def constants(n):
+        timeline = mw.memory_report(lambda w: loss(w, n), jnp.float32(0.5), grad=True).timeline()
+        return sum(b.nbytes for b in timeline.buffers if b.kind == "constant")
+
+    small, large = constants(1_000), constants(100_000)
+    assert large == small
+    assert large < 64 * 1024
+
+
+def test_gradient_keeps_no_ys_that_the_loss_does_not_read():
+    # A loop whose every step returns a (64,) y, and a loss of the final carry alone: the
+    # compiled gradient must not hold the (n, 64) ys (a forward of nested loops did).
+    n = 2_000
+    w = jnp.eye(64) * 0.5
+
+    def loss(w):
+        h, ys = mw.scan(lambda h, _: (jnp.tanh(w @ h), h * 2.0), jnp.ones(64), length=n)
+        return jnp.sum(h)
+
+    compiled = jax.jit(jax.grad(loss)).lower(w).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < n * 64 * 4 / 4
+
+
 def test_nested_evaluations_match_plan():
     n = 101
     loss, calls = counted_loss(n, schedule="nested")

@@ -12,42 +12,44 @@ if asked. It runs through one ``jax.custom_vjp``, declared once below with the
 ``forbid_forward_mode``, so that forward mode raises the loop's own error, naming the fix,
 not JAX's generic one):
 
-* the forward rule records: one ``lax.scan`` over the steps that also writes the carries
-  the schedule keeps into stacked ``(n_slots, ...)`` buffers, one dynamic slot write per
-  step;
-* the backward rule replays and reverses: one ``fori_loop`` over the reversed steps
-  whose body restores a slot, advances in an inner ``while_loop`` (storing as the
-  schedule says) and differentiates one step. The schedule enters as integer arrays, so
-  the compiled program and its compile time do not depend on n. Only the carry leaves
-  the inputs perturb are differentiated (the fixed point ``lax.scan`` computes), so a
-  leaf the gradient does not depend on may go through operations without a reverse rule.
+* the forward rule records: one ``lax.scan`` over the steps that carries the next
+  forward position (revolve's optimal ones, O(c) integers) as a scalar; a step at that
+  position enters a branch that writes the carry into its slot of the stacked
+  ``(n_slots, ...)`` buffers and reads the next position, c times in all;
+* the backward rule is :func:`memwise._revolve.reverse` from that stack, the one revolve
+  backward ``while_loop`` runs too: revolve's splits computed on the device, so the
+  compiled program, its constants and its compile time do not depend on n. Only the
+  carry leaves the inputs perturb are differentiated (the fixed point ``lax.scan``
+  computes), so a leaf the gradient does not depend on may go through operations
+  without a reverse rule.
 
-Loops of unknown length (``while_loop``) run on :mod:`memwise._online`; both reverse a
-step with :mod:`memwise._taped` (the taped step, the perturbed-carry fixed point, slot
-reads and writes).
+Loops of unknown length (``while_loop``) place their carries with :mod:`memwise._online`;
+both reverse a step with :mod:`memwise._taped` (the taped step, the perturbed-carry fixed
+point, slot reads and writes).
 
-Why two backward rules, not :mod:`memwise._online`'s stack-driven one fed this forward's
-stored positions: on one body (``tanh(W h)``, hidden 32, t = 10,000; benchmark
-``while_loop``, its "one revolve backward" tables), with evaluations equal within 0.2%,
-the stack-driven backward rule took 1.24x (c = 8), 1.31x (c = 16) and 1.57x (c = 64)
-this module's time: it searches revolve's split on the device once per push, where this
-one reads it from a table. The merge was gated on 1.05x. What the tables cost instead:
-O(n) int32 in the backward's arguments, about 16 bytes a step (its peak 167-209 KiB
-against 12-28 KiB at t = 10,000, where the carry is 128 bytes).
+Why a branch and not a select in every step (as this forward did before): on a TPU a
+scalar read from the positions' table that the next step's slot index depends on costs
+every step. Measured on one TPU v5e (an LSTM, batch 10, hidden 128, 10,000 steps,
+against ``lax.scan(jax.checkpoint(step))``'s 31.0 ms), with the forward as one loop per
+segment: 56.7 ms at c = 16 and 40.2 ms at c = 100, where the table-driven executor this
+replaces took 261 and 148 ms. That forward kept the ``ys`` nobody reads (XLA does not
+drop a value a nested loop writes: 51 MB more at 10,000 steps of a hidden state of 128
+x 10). The scan with a branch has neither cost, but its time on the chip was not
+measured again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from memwise import _revolve as revolve
 from memwise import schedule as schedule_lib
 from memwise._jax_private import varying_axes
 from memwise._taped import (
@@ -56,7 +58,6 @@ from memwise._taped import (
     entry_zeros,
     perturbed_carry,
     replayed_cotangents,
-    store,
     take,
 )
 from memwise._vjp import (
@@ -149,7 +150,6 @@ def _run_bwd(loop, residuals, output_cotangents):
     consts, xs, buffers, perturbed = residuals
     consts_perturbed, carry_perturbed, carry_mask, xs_perturbed = perturbed.value
     ct_carry, ct_ys = output_cotangents
-    n = loop.n_steps
     taped = TapedStep(
         loop, entry(buffers), entry(xs), consts, carry_mask, xs_perturbed, consts_perturbed
     )
@@ -160,29 +160,34 @@ def _run_bwd(loop, residuals, output_cotangents):
     ct_ys = [None if is_zero(ct) else ct for ct in ct_ys]
     ct_consts = typed_zeros(select(consts, taped.const_mask))
     ct_xs = typed_zeros(select(xs, taped.x_mask))
-    arrays = _schedule_arrays(loop.schedule)
 
-    def advance(i, carry):
+    def advance(i, carry, _):
         return loop.step(carry, take(xs, loop.time_index(i)), consts)[0]
 
-    def reverse_step(k, state):
-        ct_carry, ct_consts, ct_xs, buffers = state
-        r = n - 1 - k
-        carry, buffers = _replay(arrays, k, r, buffers, advance)
+    def differentiate(r, carry, accumulated):
+        ct_carry, ct_consts, ct_xs = accumulated
         t = loop.time_index(r)
+        ct_y = [None if ct is None else take([ct], t)[0] for ct in ct_ys]
+        ct_c, ct_x, ct_k = taped(carry, take(xs, t), consts, ct_carry, ct_y)
+        ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
+        ct_xs = [lax.dynamic_update_index_in_dim(a, b, t, 0) for a, b in zip(ct_xs, ct_x)]
+        return ct_c, ct_consts, ct_xs
 
-        def differentiate(accumulated):
-            ct_carry, ct_consts, ct_xs = accumulated
-            ct_y = [None if ct is None else take([ct], t)[0] for ct in ct_ys]
-            ct_c, ct_x, ct_k = taped(carry, take(xs, t), consts, ct_carry, ct_y)
-            ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
-            ct_xs = [lax.dynamic_update_index_in_dim(a, b, t, 0) for a, b in zip(ct_xs, ct_x)]
-            return ct_c, ct_consts, ct_xs
-
-        return (*differentiate((ct_carry, ct_consts, ct_xs)), buffers)
-
-    ct_carry, ct_consts, ct_xs, _ = lax.fori_loop(
-        0, n, reverse_step, (ct_carry, ct_consts, ct_xs, buffers)
+    sched = loop.schedule
+    c = sched.n_slots
+    forward = list(sched.forward_positions)
+    positions = np.zeros(c, np.int32)
+    positions[: len(forward)] = forward
+    ct_carry, ct_consts, ct_xs = revolve.reverse(
+        last=jnp.int32(loop.n_steps - 1),
+        c=c,
+        buffers=buffers,
+        positions=jnp.asarray(positions),
+        order=None,
+        top=jnp.int32(len(forward)),
+        advance=advance,
+        differentiate=differentiate,
+        state=(ct_carry, ct_consts, ct_xs),
     )
 
     out = functools.partial(replayed_cotangents, error=loop.second_order_error)
@@ -206,87 +211,42 @@ def _sweep(
 ) -> tuple[list, Any, list | None]:
     """Runs the loop from the start: ``(carry, ys, buffers)``.
 
-    With ``buffers`` the carries at the schedule's forward positions are written into
-    them (slot j holds the j-th); without, nothing is stored.
+    One ``lax.scan`` over the steps (so XLA drops ``ys`` nobody reads, as it does
+    ``lax.scan``'s). With ``buffers`` the carries at the schedule's forward positions are
+    written into them (slot j holds the j-th): the scan carries the next position as a
+    scalar, and only a step at that position enters the branch that stores and reads
+    the position after it, c times in all.
     """
     record = buffers is not None
     if record:
-        forward = jnp.asarray(np.asarray(loop.schedule.forward_positions, dtype=np.int32))
-        n_forward = len(loop.schedule.forward_positions)
+        bounds = jnp.asarray(
+            np.asarray(list(loop.schedule.forward_positions) + [loop.n_steps], dtype=np.int32)
+        )
 
-    def advance(i, carry, stored, x):
-        if record:
-            buffers, count = stored
-            slot = jnp.minimum(count, n_forward - 1)
-            do = (count < n_forward) & (forward[slot] == i)
-            stored = store(buffers, carry, slot, do), count + do.astype(jnp.int32)
-        carry, y = loop.step(carry, x, consts)
-        return carry, stored, y
+    def keep(i, carry, stored):
+        def write(stored):
+            buffers, count, _ = stored
+            buffers = [
+                lax.dynamic_update_index_in_dim(b, v, count, 0) for b, v in zip(buffers, carry)
+            ]
+            return buffers, count + 1, bounds[count + 1]
 
-    stored: tuple = (buffers, jnp.int32(0)) if record else ()
+        return lax.cond(i == stored[2], write, lambda stored: stored, stored)
 
-    def scan_body(state, x):
+    def scan_body(state, _):
         i, carry, stored = state
-        carry, stored, y = advance(i, carry, stored, x)
+        if record:
+            stored = keep(i, carry, stored)
+        carry, y = loop.step(carry, take(xs, loop.time_index(i)), consts)
         return (i + 1, carry, stored), y
 
+    stored: tuple = (buffers, jnp.int32(0), jnp.int32(0)) if record else ()
     (_, carry, stored), ys = lax.scan(
         scan_body,
         (jnp.int32(0), carry, stored),
-        xs,
+        None,
         length=loop.n_steps,
         reverse=loop.reverse,
         unroll=loop.unroll,
     )
     return carry, ys, (stored[0] if record else None)
-
-
-# --------------------------------------------------------------------------------------
-# backward: replay from a slot, differentiate one step
-
-
-def _replay(arrays, k, r, buffers, advance):
-    """Restore the carry of reversed step k and advance it to step r, storing on the way."""
-    position = arrays["restore_position"][k]
-    carry = take(buffers, arrays["restore_slot"][k])
-    first = arrays["store_offsets"][k]
-    end = arrays["store_offsets"][k + 1]
-    store_position = arrays["store_position"]
-    store_slot = arrays["store_slot"]
-    last = arrays["n_stores"] - 1
-
-    def cond(state):
-        return state[0] < r
-
-    def body(state):
-        i, carry, buffers, pointer = state
-        carry = advance(i, carry)
-        slot_index = jnp.minimum(pointer, last)
-        do = (pointer < end) & (store_position[slot_index] == i + 1)
-        buffers = store(buffers, carry, store_slot[slot_index], do)
-        return i + 1, carry, buffers, pointer + do.astype(jnp.int32)
-
-    _, carry, buffers, _ = lax.while_loop(cond, body, (position, carry, buffers, first))
-    return carry, buffers
-
-
-# --------------------------------------------------------------------------------------
-# slots and schedule arrays
-
-
-def _int_array(values: Sequence[int]) -> jax.Array:
-    arr = np.asarray(values, dtype=np.int64)
-    if arr.size == 0:
-        arr = np.full((1,), -1, dtype=np.int64)
-    return jnp.asarray(arr.astype(np.int32))
-
-
-def _schedule_arrays(sched: schedule_lib.Schedule) -> dict:
-    return {
-        "restore_slot": _int_array(sched.restore_slot),
-        "restore_position": _int_array(sched.restore_position),
-        "store_offsets": _int_array(sched.store_offsets),
-        "store_position": _int_array(sched.store_position),
-        "store_slot": _int_array(sched.store_slot),
-        "n_stores": max(len(sched.store_position), 1),
-    }

@@ -15,23 +15,20 @@ JAX, from O(c) integer state, so nothing depends on ``max_steps`` (which may be 
   cheapest eviction. Each step stores the carry in hand or not, as the placement rule
   says, before running the body; only a store that evicts (or fills the last slot)
   ranks the evictions anew, in a ``lax.cond``;
-* the backward rule is one ``lax.while_loop`` over the steps that ran, last first. For
-  step r it restores the newest stored carry (its step is <= r, the positions form a
-  stack), advances to r pushing a carry at each revolve split, then differentiates step
-  r and pops the carry of step r if it was stored. The advance is one loop with one
-  iteration per push: the steps up to revolve's next split run in a loop of the body
-  alone, and once there is a slot for every step left (revolve's sweep: every split is
-  1) the split is not searched.
+* the backward rule is :func:`memwise._revolve.reverse` from the stack the forward
+  left (the one revolve backward ``scan`` runs too): for each step to reverse it
+  restores the newest stored carry, advances pushing a carry at each revolve split,
+  and differentiates the run of steps whose carries are stored next.
 
 For a small body these loops cost per iteration and per kernel more than per flop
 (measured on CPU: an iteration of an XLA loop, or a kernel in its body, costs more than
 a 32x32 matrix-vector step), so the bookkeeping runs where it is needed only: revolve's
-split is searched once per push, not once per step, and the evictions are ranked only
+split is searched once per push, not once per step (:mod:`memwise._revolve`), and the evictions are ranked only
 when a store evicts, in one scalar loop. Memory goes the other way: XLA:CPU gives the
 state of every while loop in the program a table of its own for the whole program (8
 bytes an array, 64-byte aligned), and a copy of the body brings its own loops' tables,
 so the body appears three times (the forward loop, the advance, the taped step) and the
-costs are summed for three segments at a time, not held as (3c,) vectors.
+eviction costs are summed for three segments at a time, not held as (3c,) vectors.
 
 The loop's write-only buffers (:mod:`memwise._buffers`) are loop state of both rules
 but never enter a slot: the body takes them as its ``x`` and returns them as its ``y``,
@@ -57,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from memwise import _revolve as revolve
 from memwise._jax_private import varying_axes
 from memwise._taped import (
     TapedStep,
@@ -65,7 +63,6 @@ from memwise._taped import (
     perturbed_carry,
     replayed_cotangents,
     store,
-    take,
 )
 from memwise._vjp import (
     Static,
@@ -79,7 +76,7 @@ from memwise._vjp import (
 )
 from memwise.sharding import typed_zeros, vary
 
-__all__ = ["OnlineLoop", "run", "segment_advances", "revolve_split"]
+__all__ = ["OnlineLoop", "run", "segment_advances"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -185,40 +182,6 @@ def _advances_two_slots(length):
 def _advances_one_slot(length):
     length = jnp.asarray(length, jnp.float32)
     return jnp.where(length <= 1, 0.0, length * (length - 1) / 2)
-
-
-def revolve_split(length, slots):
-    """Revolve's optimal first advance for ``length`` >= 2 steps and ``slots`` >= 2.
-
-    ``schedule._revolve_split`` in closed form: take the length - 2 smallest increments
-    of two sequences (values v with multiplicities beta(s-1, v-1), v >= 2, and
-    beta(s-2, v), v >= 1; ties to the first), whose running counts are
-    beta(s, v-1) - 1 and beta(s-1, v) - 1. Clamped to [1, length - 1], so a rounded
-    count (only past float32's exact range) still gives a valid split.
-    """
-    k = jnp.asarray(length, jnp.float32) - 2
-    s = jnp.asarray(slots, jnp.float32)
-
-    # state at v: A(v) = beta(s, v-1) - 1 (0 at v = 0), B(v) = beta(s-1, v) - 1, the
-    # binomials beta(s, v) and beta(s-1, v) that give the next counts, A(v-1), B(v-1)
-    def cond(state):
-        return state[1] + state[2] < k
-
-    def body(state):
-        v, a_count, b_count, a_beta, b_beta, _, _ = state
-        v1 = v + 1
-        b_next = b_beta * (s - 1 + v1) / v1
-        return v1, a_beta - 1, b_next - 1, a_beta * (s + v1) / v1, b_next, a_count, b_count
-
-    zero, one = jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
-    v, a_count, _, _, _, a_prev, b_prev = lax.while_loop(
-        cond, body, (zero, zero, zero, one, one, zero, zero)
-    )
-    # count_a(v) = beta(s-1, v-1) = A(v) - A(v-1) for v >= 2, none below
-    count_a = jnp.where(v >= 2, a_count - a_prev, 0.0)
-    taken = a_prev + jnp.minimum(count_a, k - a_prev - b_prev)
-    split = (1 + taken).astype(jnp.int32)
-    return jnp.clip(split, 1, jnp.maximum(jnp.asarray(length, jnp.int32) - 1, 1))
 
 
 # --------------------------------------------------------------------------------------
@@ -433,64 +396,29 @@ def _run_bwd(loop, residuals, output_cotangents):
     ]
     ct_consts = typed_zeros(select(consts, taped.const_mask))
 
-    def split_at(held, r, top):
-        """Where to push next while advancing from x_held to x_r (r + 1: nowhere).
+    def advance(i, carry, accumulated):
+        ct_written = accumulated[1]
+        return loop.step(carry, stand_ins(fixed_ct if read_only else ct_written), consts)[0]
 
-        Once a slot is left for every step left (length <= slots + 1), every split is 1
-        (revolve's sweep), and the search is skipped: in a ``lax.cond`` of scalars, since
-        even a loop that runs no iteration costs a small body more than its step.
-        """
-        slots = c - top + 1
-        length = r + 1 - held
-        can = (slots >= 2) & (length >= 2) & (top < c)
-        split = lax.cond(
-            length <= slots + 1,
-            lambda: jnp.int32(1),
-            lambda: revolve_split(jnp.maximum(length, 2), jnp.maximum(slots, 2)),
-        )
-        return jnp.where(can, held + split, r + 1)
-
-    def push(carry, buffers, positions, top, at, do):
-        slot = jnp.minimum(top, c - 1)
-        buffers = store(buffers, carry, order[slot], do)
-        positions = jnp.where(do, positions.at[slot].set(at), positions)
-        return buffers, positions, top + do.astype(jnp.int32)
-
-    def reverse_step(state):
-        r, ct_carry, ct_written, ct_consts, buffers, positions, top = state
+    def differentiate(r, carry, accumulated):
+        ct_carry, ct_written, ct_consts = accumulated
         ct_buffers = fixed_ct if read_only else ct_written
-        written_in = stand_ins(ct_buffers)
-        held = positions[top - 1]
-        carry = take(buffers, order[top - 1])
-
-        def advance(inner):
-            i, carry, target = inner
-            return i + 1, loop.step(carry, written_in, consts)[0], target
-
-        def to_split(inner):
-            # Advance to revolve's next split (or to r) and push the carry there.
-            held, carry, buffers, positions, top = inner
-            push_at = split_at(held, r, top)
-            target = jnp.minimum(push_at, r)
-            _, carry, _ = lax.while_loop(lambda s: s[0] < s[2], advance, (held, carry, target))
-            return (target, carry, *push(carry, buffers, positions, top, target, push_at <= r))
-
-        # One body for the advance, as in the forward loop and the taped step: every copy
-        # of the body in the program is one more set of its loops' state in memory.
-        _, carry, buffers, positions, top = lax.while_loop(
-            lambda inner: inner[0] < r, to_split, (held, carry, buffers, positions, top)
-        )
         ct_y = fill([None] * len(written), written_mask, ct_buffers)
-        ct_carry, ct_new, ct_k = taped(carry, written_in, consts, ct_carry, ct_y)
+        ct_carry, ct_new, ct_k = taped(carry, stand_ins(ct_buffers), consts, ct_carry, ct_y)
         ct_written = ct_written if read_only else ct_new
         ct_consts = [a + b for a, b in zip(ct_consts, ct_k)]
-        top = top - (positions[top - 1] == r).astype(jnp.int32)
-        return r - 1, ct_carry, ct_written, ct_consts, buffers, positions, top
+        return ct_carry, ct_written, ct_consts
 
-    _, ct_carry, ct_written, ct_consts, _, _, _ = lax.while_loop(
-        lambda state: state[0] >= 0,
-        reverse_step,
-        (trips - 1, ct_carry, ct_written, ct_consts, buffers, positions, count),
+    ct_carry, ct_written, ct_consts = revolve.reverse(
+        last=trips - 1,
+        c=c,
+        buffers=buffers,
+        positions=positions,
+        order=order,
+        top=count,
+        advance=advance,
+        differentiate=differentiate,
+        state=(ct_carry, ct_written, ct_consts),
     )
 
     if read_only:

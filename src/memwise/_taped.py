@@ -2,8 +2,8 @@
 
 :mod:`memwise._binomial` (``scan``), :mod:`memwise._online` (``while_loop``) and
 :mod:`memwise._reversible` (``scan(..., inverse=)``) differ in how a backward pass gets
-the carry of the step it reverses (restored from a revolve slot, or rebuilt by the
-inverse step); once it has it, each reverses the step with the same pieces, held here:
+the carry of the step it reverses (restored from a revolve slot by
+:mod:`memwise._revolve`, or rebuilt by the inverse step); once it has it, each reverses the step with the same pieces, held here:
 
 * :class:`TapedStep`: the vjp of one step with respect to the leaves that need a
   cotangent (the perturbed carry; xs and closed-over arrays that are inexact and

@@ -6,10 +6,11 @@
 optimal way to do it for a loop of known length is the binomial ("revolve") schedule of
 Griewank & Walther (2000), decided in :mod:`memwise.schedule` and executed by
 :mod:`memwise._binomial`: the forward pass writes the scheduled carries into a stacked
-``(n_slots, ...)`` buffer, the backward pass (one ``custom_vjp``, shared by ``scan`` and
-``while_loop``) is one ``fori_loop`` over the reversed steps that restores a slot,
-replays up to the step and differentiates it. The schedule enters as integer arrays, so
-the compiled program and its compile time do not depend on n.
+``(n_slots, ...)`` buffer, the backward pass (:mod:`memwise._revolve`, the one
+``while_loop`` runs too) restores the newest stored carry, replays to the step to
+reverse storing at revolve's splits, computed on the device, and differentiates it. The
+schedule enters as O(c) integers, so the compiled program, its constants and its
+compile time do not depend on n.
 
 This module is the public face: it checks the inputs, resolves ``checkpoints``, makes
 the arrays the body closes over explicit (:func:`memwise._vjp.closure_convert`) so that they
@@ -32,8 +33,6 @@ Trade-offs, honestly:
   ``shard_map`` the carry and xs are cast to vary like the loop's inputs, and a
   replicated closed-over array's cotangent is all-reduced once, after the backward loop
   (its casts inside nested jaxprs of the body, e.g. a ``jit`` call, stay per step).
-* The schedule is baked into the program as int32 arrays of about 5n entries (2 MB at
-  n = 100,000): constants, not temporaries.
 
 ``while_loop`` (:mod:`memwise._while`) and the reversible scan (:mod:`memwise._reversible`)
 share the carry checks, ``checkpoints`` resolution and closure conversion with this module;
