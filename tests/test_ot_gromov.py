@@ -151,6 +151,16 @@ def test_bad_input_is_one_line():
     for transform in (jax.hessian, jax.jacfwd):
         with pytest.raises(TypeError, match="memwise.ot supports first-order reverse mode"):
             transform(cost)(x)
+    # a gradient in the weights: the loop is not differentiated; memwise's message names
+    # the fix (it was JAX's, about while_loop), and a gradient in x still runs beside it
+    a = jnp.ones(x.shape[0]) / x.shape[0]
+
+    def weighted(a, x):
+        return mw.ot.gromov_wasserstein(x, y, a, min_iterations=1, max_iterations=3).reg_gw_cost
+
+    with pytest.raises(TypeError, match="not the weights a and b"):
+        jax.grad(weighted)(a, x)
+    assert np.all(np.isfinite(jax.grad(weighted, argnums=1)(a, x)))
 
 
 @pytest.mark.slow

@@ -50,11 +50,19 @@ import jax.numpy as jnp
 
 from memwise._arguments import positive_int
 from memwise._dtypes import accumulation_dtype
+from memwise._jax_private import forbid_reverse_mode
 from memwise.ot.api import sinkhorn
 from memwise.ot.gradients import reg_ot_cost, reverse_mode_only
 from memwise.ot.plan import TransportPlan
 from memwise.ot.problem import _check_points, _check_weights, _is_concrete
 from memwise.pairwise import pairwise_reduce
+
+_WEIGHTS_GRADIENT = (
+    "memwise.ot.gromov_wasserstein differentiates its cost with respect to x, y, the "
+    "features and epsilon, not the weights a and b (its outer loop is not "
+    "differentiated); pass a and b through jax.lax.stop_gradient, or differentiate "
+    "mw.ot.sinkhorn on a cost you hold fixed"
+)
 
 __all__ = ["GromovWassersteinResult", "gromov_wasserstein"]
 
@@ -221,7 +229,8 @@ def gromov_wasserstein(
         of different widths, a negative ``fused_penalty`` or ``epsilon`` (Python, NumPy
         or concrete JAX numbers; a traced one is not checked), iteration counts that are
         not positive ints or ``min_iterations > max_iterations``, a threshold that is
-        not a positive finite float.
+        not a positive finite float; ``TypeError`` for a gradient with respect to the
+        weights ``a`` or ``b`` (the outer loop is not differentiated), naming the fix.
 
     Example::
 
@@ -271,6 +280,11 @@ def gromov_wasserstein(
     # Forward mode, also over a reverse pass (jax.hessian), raises memwise.ot's message
     # at the inputs, not the message of whichever pass it reaches first.
     x, y, a, b, fx, fy = reverse_mode_only((x, y, a, b, fx, fy))
+    # The outer loop (a lax.while_loop, which has no reverse rule) sees the weights held
+    # constant; the final cost sees them behind a guard, so that a gradient in them
+    # raises this message, not JAX's about while_loop.
+    guarded = tuple(forbid_reverse_mode(w, _WEIGHTS_GRADIENT) for w in (a, b))
+    a, b = jax.lax.stop_gradient((a, b))
     options = dict(sinkhorn_options or {})
     for key in options:
         if key in _SET_HERE:
@@ -300,9 +314,9 @@ def gromov_wasserstein(
 
     template = first.plan  # the cost and tiling every solve shares
 
-    def plan_of(px, qy, f, g, eps=first.epsilon):
+    def plan_of(px, qy, f, g, eps=first.epsilon, weights=(a, b)):
         return TransportPlan(
-            px, qy, a, b, f, g, eps, template.consts,
+            px, qy, weights[0], weights[1], f, g, eps, template.consts,
             cost=template.cost, chunk=template.chunk, dtype=template.dtype,
         )  # fmt: skip
 
@@ -328,10 +342,11 @@ def gromov_wasserstein(
     # OTT's output: the linearisation at the final plan (held fixed), its regularised
     # cost at the last potentials, differentiated by the envelope theorem.
     f, g = jax.lax.stop_gradient((f, g))
-    plan = plan_of(points[0], points[1], f, g)
+    a, b = guarded
+    plan = plan_of(points[0], points[1], f, g, weights=guarded)
     px, qy = linearise(plan, x, y, fx, fy)
     eps = jnp.asarray(epsilon, work)
-    at = plan_of(px, qy, f, g, eps)
+    at = plan_of(px, qy, f, g, eps, weights=guarded)
     mass = jax.lax.stop_gradient(jnp.sum(at.marginal(1)))
     taus = (jnp.asarray(1.0, work), jnp.asarray(1.0, work))
     reg = reg_ot_cost(
