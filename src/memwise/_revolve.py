@@ -18,8 +18,14 @@ over the reversals that advance, each followed by a run of pops: an inner loop t
 differentiates the step in hand and reads the next one's carry from its slot, a step's
 bookkeeping being that of ``lax.scan``'s own backward (one slot read, one taped step).
 An advance is one loop of the body alone up to revolve's next split, with one slot write
-a step; once a slot is left for every step left (revolve's sweep: every split is 1) it
-runs to the step to reverse storing as it goes, without searching a split.
+a step (a select that keeps the slot except where revolve stores); once a slot is left
+for every step left (revolve's sweep: every split is 1) it runs to the step to reverse
+storing as it goes, without searching a split.
+
+What this shape costs: the pops are a loop inside the reversal loop, and XLA:CPU copies
+a carry-sized loop value at that boundary: one carry more at the gradient's peak than
+the table-driven executor this replaced (a residual MLP of 1,024 x 256 carries: 15.3
+MiB of temporaries against 14.5).
 """
 
 from __future__ import annotations
