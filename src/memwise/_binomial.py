@@ -50,7 +50,6 @@ import numpy as np
 from jax import lax
 
 from memwise import _revolve as revolve
-from memwise import schedule as schedule_lib
 from memwise._jax_private import varying_axes
 from memwise._taped import (
     TapedStep,
@@ -80,7 +79,10 @@ class Loop:
     Attributes:
       body: ``(carry, x, *consts) -> (new_carry, y)`` on lists of leaves, the user's
         function with its closed-over arrays made arguments (:func:`memwise._vjp.closure_convert`).
-      schedule: the binomial schedule of ``schedule.n_steps`` steps.
+      n_steps: the loop's length.
+      forward: the steps whose carries the forward pass stores
+        (:func:`memwise.schedule.forward_positions`); the backward computes the rest
+        of the schedule on the device, with as many slots as there are positions.
       reverse, unroll: as in ``lax.scan`` (the forward pass only).
       forward_mode_error, second_order_error: the ``TypeError`` messages for forward
         mode (``jvp``, ``jacfwd``, ``jax.linearize``) and for reverse mode of the
@@ -88,15 +90,12 @@ class Loop:
     """
 
     body: Callable
-    schedule: schedule_lib.Schedule
+    n_steps: int
+    forward: tuple[int, ...]
     reverse: bool = False
     unroll: int | bool = 1
     forward_mode_error: str = "this loop does not support forward-mode differentiation"
     second_order_error: str = "this loop cannot be differentiated twice in reverse mode"
-
-    @property
-    def n_steps(self) -> int:
-        return self.schedule.n_steps
 
     def step(self, carry: list, x: list, consts: list) -> tuple[list, list]:
         return self.body(carry, x, *consts)
@@ -139,7 +138,7 @@ def _run_fwd(loop, consts, carry, xs):
         loop, consts, carry, entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
     )
     buffers = [
-        vary(jnp.zeros((loop.schedule.n_slots,) + a.shape, a.dtype), varying_axes(a)) for a in carry
+        vary(jnp.zeros((len(loop.forward),) + a.shape, a.dtype), varying_axes(a)) for a in carry
     ]
     carry, ys, stored = _sweep(loop, consts, carry, xs, buffers=buffers)
     perturbed = Static((consts_perturbed, carry_perturbed, carry_mask, xs_perturbed))
@@ -173,9 +172,8 @@ def _run_bwd(loop, residuals, output_cotangents):
         ct_xs = [lax.dynamic_update_index_in_dim(a, b, t, 0) for a, b in zip(ct_xs, ct_x)]
         return ct_c, ct_consts, ct_xs
 
-    sched = loop.schedule
-    c = sched.n_slots
-    forward = list(sched.forward_positions)
+    c = len(loop.forward)
+    forward = list(loop.forward)
     positions = np.zeros(c, np.int32)
     positions[: len(forward)] = forward
     ct_carry, ct_consts, ct_xs = revolve.reverse(
@@ -219,9 +217,7 @@ def _sweep(
     """
     record = buffers is not None
     if record:
-        bounds = jnp.asarray(
-            np.asarray(list(loop.schedule.forward_positions) + [loop.n_steps], dtype=np.int32)
-        )
+        bounds = jnp.asarray(np.asarray(list(loop.forward) + [loop.n_steps], dtype=np.int32))
 
     def keep(i, carry, stored):
         def write(stored):

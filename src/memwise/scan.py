@@ -304,7 +304,8 @@ def _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only):
     y_def = y_def_box[0]
     loop = _binomial.Loop(
         body=body,
-        schedule=schedule_lib.binomial(n, c),
+        n_steps=n,
+        forward=schedule_lib.forward_positions(n, c),
         reverse=reverse,
         unroll=unroll,
         forward_mode_error=_SCAN_FORWARD_MODE,

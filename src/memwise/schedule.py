@@ -52,6 +52,7 @@ __all__ = [
     "Schedule",
     "NestedSchedule",
     "binomial",
+    "forward_positions",
     "evaluations",
     "advances",
     "revolve_advances",
@@ -301,6 +302,29 @@ def _revolve(builder: _Builder, start: int, length: int, slot: int, top: int, c:
 
 
 @functools.lru_cache(maxsize=64)
+def forward_positions(n: int, checkpoints: int) -> tuple[int, ...]:
+    """The steps whose carries the forward sweep of :func:`binomial` stores (x_0 first):
+    revolve's optimal positions, O(c) Python. What an executor that computes the
+    backward's splits on the device needs of the schedule.
+
+    Example::
+
+        >>> forward_positions(5, 2)
+        (0, 3)
+    """
+    _check_counts(n, checkpoints)
+    slots_left = min(checkpoints, n)
+    positions = []
+    position = 0
+    while position < n:
+        positions.append(position)
+        remaining = n - position
+        position += remaining if slots_left == 1 else _forward_split(remaining, slots_left)
+        slots_left -= 1
+    return tuple(positions)
+
+
+@functools.lru_cache(maxsize=64)
 def binomial(n: int, checkpoints: int) -> Schedule:
     """The optimal offline (revolve) schedule for n steps with ``checkpoints`` slots.
 
@@ -317,15 +341,7 @@ def binomial(n: int, checkpoints: int) -> Schedule:
     """
     _check_counts(n, checkpoints)
     c = min(checkpoints, n)
-    forward = array("l")
-    position = 0
-    slots_left = c
-    while position < n:
-        forward.append(position)
-        remaining = n - position
-        j = remaining if slots_left == 1 else _forward_split(remaining, slots_left)
-        position += j
-        slots_left -= 1
+    forward = array("l", forward_positions(n, checkpoints))
     builder = _Builder()
     bounds = list(forward) + [n]
     for segment in range(len(forward) - 1, -1, -1):
