@@ -206,6 +206,31 @@ def test_vmap_of_grad_through_the_kernel():
         assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_vmap_over_an_empty_batch_through_the_kernel_returns_empty_results():
+    # Pallas batches a call by adding a grid axis; of length 0 its blocks were larger
+    # than the arrays (a TypeError from the slice of its interpreter), where the tiles
+    # return an empty loss and empty gradients.
+    _, w, _, labels, _ = _inputs(64, 8, 256, "vd", ignore=False)
+    xs, ws = jnp.zeros((0, 64, 8)), jnp.zeros((0, *w.shape))
+
+    def run(impl):
+        loss = lambda x, w: mw.linear_cross_entropy(  # noqa: E731
+            x, w, labels, layout="vd", implementation=impl
+        )
+        per_row = lambda x, w: mw.linear_cross_entropy(  # noqa: E731
+            x, w, labels, layout="vd", reduction="none", implementation=impl
+        )
+        return (
+            jax.vmap(loss, (0, None))(xs, w),
+            jax.vmap(per_row)(xs, ws),
+            *jax.vmap(jax.grad(loss, (0, 1)), (0, None))(xs, w),
+            jax.grad(lambda xs: jnp.sum(jax.vmap(loss, (0, None))(xs, w)))(xs),
+        )
+
+    for got, want in zip(run("pallas"), run("xla")):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
 def test_the_default_chooses_the_kernel_where_a_tpu_is_present(monkeypatch):
     # As on a TPU host: implementation=None holds both the kernel and the tiles, and
     # lowering keeps the platform's branch (platform_index); a CPU-only host traces no

@@ -280,6 +280,21 @@ def test_grad_of_vmap_through_the_kernel_when_its_lse_is_unused():
     _close_to_the_loops(grad("pallas"), grad("xla"), 2e-5)
 
 
+def test_vmap_over_an_empty_batch_through_the_kernel_returns_empty_results():
+    # Pallas batches a call by adding a grid axis; of length 0 its blocks were larger
+    # than the arrays (a TypeError from the slice of its interpreter). The loops return
+    # empty values and gradients; so does the kernel, under vmap of vmap too.
+    q = _normal((0, 2, 128, 2, 128))
+
+    def value_and_grad(impl):
+        one = lambda q: mw.dot_product_attention(q, q, q, is_causal=True, implementation=impl)  # noqa: E731
+        loss = lambda q: jnp.sum(jax.vmap(one)(q))  # noqa: E731
+        return jax.vmap(one)(q), jax.grad(loss)(q), jax.vmap(jax.vmap(one))(q[:, :0])
+
+    for got, want in zip(value_and_grad("pallas"), value_and_grad("xla")):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
 def test_bfloat16_with_sinks_and_unseen_rows_runs_the_kernel():
     # dot_product_attention upcasts bfloat16 values to float32 for its per-row
     # corrections (sinks, rows that see no key): the kernel declined the call as mixed

@@ -251,14 +251,50 @@ def one_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _empty_batches(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose ``vmap`` over an empty batch returns empty outputs without running
+    it: Pallas's batching rule makes the batch one more grid axis, and a grid axis of
+    length 0 gives block shapes larger than the arrays (a ``TypeError`` from the slice of
+    its interpreter, where XLA's loops return empty results). Any other batch is
+    ``fn``'s own ``vmap``. ``fn`` enters its own trace configuration: the rule may trace
+    it again after the caller's ``with`` block has closed."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    @call.def_vmap
+    def _vmap(axis_size: int, in_batched: Any, *args: Any) -> tuple[Any, Any]:
+        in_batched = tuple(in_batched)
+        if axis_size == 0:
+            shapes = jax.tree.map(
+                lambda a, b: jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype),
+                args,
+                in_batched,
+            )
+            out = jax.eval_shape(fn, *shapes)
+            empty = jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), out)
+            return empty, jax.tree.map(lambda _: True, out)
+        axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
+        out = jax.vmap(fn, in_axes=axes)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call
+
+
 def first_order(message: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, whose derivative raises ``TypeError(message)`` when traced: a
-    kernel's own backward has no derivative (JAX would raise a bare
-    ``NotImplementedError`` from inside the Pallas call)."""
+    """``fn(*args)`` for a kernel's launch: its derivative raises ``TypeError(message)``
+    when traced (a kernel's own backward has no derivative; JAX would raise a bare
+    ``NotImplementedError`` from inside the Pallas call), and its ``vmap`` over an empty
+    batch returns empty outputs (see :func:`_empty_batches`)."""
+    return _first_order(message, _empty_batches(fn), *args)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _first_order(message: str, fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-@first_order.defjvp
+@_first_order.defjvp
 def _first_order_jvp(message, fn, primals, tangents):
     raise TypeError(message)

@@ -255,9 +255,12 @@ def _forward(kernel, q, k, v, seg, save_residuals):
         attn_logits_soft_cap=kw["attn_logits_soft_cap"],
         interpret=kw["interpret"],
     )
-    with kernels.trace_config(q.dtype):
-        batched = jax.vmap(lambda q, k, v, seg: one(q, k, v, seg, None))
-        return _first_order(batched, q, k, v, seg)
+
+    def batched(q, k, v, seg):
+        with kernels.trace_config(q.dtype):
+            return jax.vmap(lambda q, k, v, seg: one(q, k, v, seg, None))(q, k, v, seg)
+
+    return _first_order(batched, q, k, v, seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -329,8 +332,11 @@ def _attend_bwd(kernel, lse_unused, residuals, cotangents):
             dq = one_dq(q, k, v, seg, None, lse, dout, di)
         return dq, dk, dv
 
-    with kernels.trace_config(q.dtype):
-        dq, dk, dv = _first_order(jax.vmap(backward), q, k, v, seg, lse, dout, di)
+    def batched(*args):
+        with kernels.trace_config(q.dtype):
+            return jax.vmap(backward)(*args)
+
+    dq, dk, dv = _first_order(batched, q, k, v, seg, lse, dout, di)
     return dq, dk, dv, None
 
 
