@@ -38,6 +38,11 @@ linearises the quadratic loss at the current plan into an inner-product cost of
 augmented points (the squared Euclidean distances within a cloud have rank ``d + 2``)
 and solves it with :func:`sinkhorn` (:mod:`memwise.ot.gromov`).
 
+Low-rank Sinkhorn (:func:`low_rank_sinkhorn`): the plan ``Q diag(1/g) R^T`` of rank
+``r`` by mirror descent on its factors (Scetbon, Cuturi and Peyré 2021; OTT-JAX's
+``LRSinkhorn``), the cost applied to them in thin products (squared Euclidean) or
+chunked passes (:mod:`memwise.ot.low_rank`).
+
 Only first-order reverse mode is supported (``jax.grad``, ``jax.vjp``, ``jax.jacrev``):
 forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) and second derivatives
 (``jax.hessian``, grad of grad) raise memwise's ``TypeError``, eagerly and under ``jit``
@@ -61,16 +66,19 @@ from memwise.ot.api import SinkhornResult, sinkhorn, sinkhorn_divergence
 from memwise.ot.costs import CostFn as CostFn
 from memwise.ot.costs import PNormP
 from memwise.ot.gromov import GromovWassersteinResult, gromov_wasserstein
+from memwise.ot.low_rank import LowRankSinkhornResult, low_rank_sinkhorn
 from memwise.ot.passes import DEFAULT_EPSILON_SCALE as DEFAULT_EPSILON_SCALE
 from memwise.ot.plan import TransportPlan
 from memwise.tiling import ChunkSize as ChunkSize
 
 __all__ = [
     "GromovWassersteinResult",
+    "LowRankSinkhornResult",
     "PNormP",
     "SinkhornResult",
     "TransportPlan",
     "gromov_wasserstein",
+    "low_rank_sinkhorn",
     "sinkhorn",
     "sinkhorn_divergence",
 ]
