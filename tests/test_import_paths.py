@@ -26,6 +26,8 @@ PATHS = {
         "sinkhorn",
         "sinkhorn_divergence",
         "gromov_wasserstein",
+        "LowRankSinkhornResult",
+        "low_rank_sinkhorn",
         "DEFAULT_EPSILON_SCALE",
         "CostFn",
         "ChunkSize",
