@@ -118,6 +118,26 @@ def test_a_callable_cost_and_its_parameters_get_the_chunked_gradient():
 
 
 @pytest.mark.slow
+def test_a_held_cost_matrix_gives_the_chunked_solve():
+    # chunk_size=None forms the Euclidean cost matrix once and multiplies by it: the
+    # same steps as the chunked passes, the same cost and gradient.
+    x, y, a, b = _clouds(70, 50, seed=8)
+
+    def run(chunk_size):
+        fn = lambda x, y: mw.ot.low_rank_sinkhorn(  # noqa: E731
+            x, y, a, b, rank=4, cost="euclidean", chunk_size=chunk_size
+        )
+        return jax.value_and_grad(lambda x, y: fn(x, y).reg_ot_cost, (0, 1))(x, y), fn(x, y)
+
+    (held, held_grads), held_out = run(None)
+    (chunked, chunked_grads), chunked_out = run(16)
+    assert int(held_out.n_iterations) == int(chunked_out.n_iterations)
+    np.testing.assert_allclose(held, chunked, rtol=1e-10)
+    for mine, want in zip(held_grads, chunked_grads):
+        np.testing.assert_allclose(mine, want, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.slow
 def test_an_explicit_init_is_where_the_steps_start():
     x, y, a, b = _clouds(50, 40, seed=5)
     geom = pointcloud.PointCloud(x, y)

