@@ -253,3 +253,20 @@ def test_buffer_is_not_checkpointed():
     }
     assert abs(temp[16, True] - temp[2, True]) < buffer_bytes // 4
     assert temp[16, False] - temp[2, False] > 10 * buffer_bytes
+
+
+def test_a_jax_option_or_method_on_a_buffer_write_names_what_it_takes():
+    # buffer.at[i].set(v, mode="drop"), as a jnp array takes it, raised Python's
+    # "unexpected keyword argument" naming a private class.
+    def run(write):
+        def body(s):
+            i, hs = s
+            return i + 1, write(hs, i)
+
+        init = (0, jnp.zeros((4, 2)))
+        return mw.while_loop(lambda s: s[0] < 3, body, init, checkpoints=2, buffers=lambda s: s[1])
+
+    with pytest.raises(TypeError, match=r"takes no \['mode'\].*pass pred=index < length"):
+        run(lambda hs, i: hs.at[i].set(jnp.ones(2), mode="drop"))
+    with pytest.raises(AttributeError, match=r"buffer.at\[...\].add does not exist"):
+        run(lambda hs, i: hs.at[i].add(jnp.ones(2)))

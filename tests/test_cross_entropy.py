@@ -388,6 +388,18 @@ BAD = {
         ValueError,
         "chunk_size",
     ),
+    # one bound in both messages (a negative cap said ">= 0", zero "> 0")
+    "negative soft cap": (
+        lambda x, w, y: mw.linear_cross_entropy(x, w, y, logit_soft_cap=-1.0),
+        ValueError,
+        "logit_soft_cap must be a finite float > 0",
+    ),
+    # a tile's rows named as such (was the whole argument's message with [0] pasted in)
+    "chunk_size rows": (
+        lambda x, w, y: mw.linear_cross_entropy(x, w, y, chunk_size=(0, 3)),
+        ValueError,
+        "chunk_size's rows (chunk_size=(rows, cols)) must be a positive int, got 0",
+    ),
 }
 
 

@@ -162,12 +162,24 @@ class _Write:
         self._buffer = buffer
         self._index = index
 
-    def set(self, value: Any, *, pred: Any = None) -> WriteOnlyBuffer:
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"buffer.at[...].{name} does not exist: a write-only buffer takes "
+            f".at[index].set(value, pred=...) only (it is never read in the loop)"
+        )
+
+    def set(self, value: Any, *, pred: Any = None, **options: Any) -> WriteOnlyBuffer:
         """``buffer.at[index].set(value)``; with ``pred``, only where ``pred`` is true.
 
         ``value`` is cast to the buffer's dtype if it promotes to it (a Python float
         into a float32 buffer) and broadcast to the shape of ``buffer[index]``.
         """
+        if options:
+            raise TypeError(
+                f"buffer.at[...].set(value, pred=...) takes no {sorted(options)}: a "
+                f"write-only buffer writes in-bounds indices only; to skip a write "
+                f"(mode='drop' for an index past the end), pass pred=index < length"
+            )
         buffer, index = self._buffer, self._index
         array = buffer._array
         _check_static_index(index, buffer.shape)

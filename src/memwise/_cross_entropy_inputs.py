@@ -121,10 +121,12 @@ def check_nonnegative(value: Any, name: str) -> float:
 def check_cap(value: Any) -> float | None:
     if value is None:
         return None
-    value = check_nonnegative(value, "logit_soft_cap")
-    if value == 0.0:
-        raise ValueError("logit_soft_cap must be > 0 (e.g. 30.0), or None for no cap")
-    return value
+    message = "logit_soft_cap must be a finite float > 0 (e.g. 30.0) or None for no cap, got"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{message} {value!r}")
+    if not (math.isfinite(float(value)) and float(value) > 0.0):
+        raise ValueError(f"{message} {float(value)}")
+    return float(value)
 
 
 def label_flags(

@@ -380,9 +380,15 @@ def _tile_pair(value: Any, arg: str) -> tuple[int, int]:
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise ValueError(f"{arg} as a tuple must be (rows, cols), got {value!r}")
-        return _check_positive_int(value[0], f"{arg}[0]"), _check_positive_int(
-            value[1], f"{arg}[1]"
+        rows, cols = (
+            positive_int(
+                part,
+                f"{arg}'s {side} ({arg}=(rows, cols))",
+                fix=f"; pass e.g. {arg}=(1024, 1024) or 'auto'",
+            )
+            for part, side in zip(value, ("rows", "cols"))
         )
+        return rows, cols
     size = _check_positive_int(value, arg)
     return size, size
 
