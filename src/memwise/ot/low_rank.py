@@ -110,12 +110,16 @@ class _Cost:
     squared Euclidean cost, a chunked pass otherwise, or the ``n x m`` matrix formed once
     and held (``chunk_size=None``)."""
 
-    def __init__(self, cost: Any, x: Array, y: Array, chunk_size: Any) -> None:
+    def __init__(self, cost: Any, x: Array, y: Array, chunk_size: Any, held: bool) -> None:
+        if held:  # the loop's cost: nothing in it is differentiated
+            x, y = jax.lax.stop_gradient((x, y))
         self.x, self.y, self.chunk_size = x, y, chunk_size
         self.squared = isinstance(cost, str) and cost == "sqeuclidean"
         self.matrix = None
         if not self.squared:
             fn, consts = resolve_cost(cost, x, y)
+            if held:  # a learned metric's arrays too
+                consts = jax.lax.stop_gradient(tuple(consts))
             self.fn = lambda xi, yj: fn(xi, yj, *consts)
             if chunk_size is None:
                 self.matrix = cost_matrix(fn, consts, x, y)
@@ -345,7 +349,7 @@ def low_rank_sinkhorn(
     a, b = jax.lax.stop_gradient((a, b))
     q, r, g = _initial(init, rng, a, b, rank, work)
 
-    held = _Cost(cost, *jax.lax.stop_gradient((x, y)), chunk_size)
+    held = _Cost(cost, x, y, chunk_size, held=True)
     eps = jax.lax.stop_gradient(jnp.asarray(epsilon, work))
     outer = -(-max_iterations // inner_iterations)
 
@@ -419,7 +423,7 @@ def low_rank_sinkhorn(
 
     # OTT's cost and gradient: the primal cost at the final factors, held fixed (Danskin).
     q, r, g = jax.lax.stop_gradient((q, r, g))
-    live = _Cost(cost, x, y, chunk_size)
+    live = _Cost(cost, x, y, chunk_size, held=False)
     value = _primal(live, q, r, g, jnp.asarray(epsilon, work))
     # The balanced cost does not read the weights: a gradient in them would be silently
     # zero, so they enter at zero weight behind the guard that names the fix.
