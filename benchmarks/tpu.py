@@ -35,7 +35,16 @@ value_and_grad in the parameters) at 10,000 and 100,000 steps: ``lax.scan``,
 ``lax.scan(jax.checkpoint(step))`` (the baseline), ``mw.scan`` at 16 and 100
 checkpoints and ``mw.while_loop`` at 16 on the same body.
 
-Usage: ``python benchmarks/tpu.py [--suite attention|cross_entropy|loops] [--cases 4k,16k,64k]
+``--suite pairwise``: the squared Euclidean soft c-transform (one pass of
+``mw.ot.sinkhorn``: ``-eps log sum_j exp(-|x_i - y_j|^2 / eps)``, float32) at 20,000 x
+20,000 and 10^6 x 10^6 points in 3 dimensions, forward and value_and_grad, and 100
+Sinkhorn iterations at 20,000 and 50,000 points in 64 dimensions (epsilon 0.1): dense
+JAX where the matrix fits (a ``fori_loop`` over the stored cost for Sinkhorn), memwise's
+XLA tiles, its held matrix (``chunk_size=None``) and its fused kernel; pairs per second
+and the chip's floors (the matrix unit's and the vector unit's); a sweep of the kernel's
+blocks and its error against float64 at each matmul precision.
+
+Usage: ``python benchmarks/tpu.py [--suite attention|cross_entropy|loops|pairwise] [--cases 4k,16k,64k]
 [--full] [--variants memwise] [--cpu]`` (``python -m benchmarks tpu`` on a TPU host;
 elsewhere it does nothing).
 """
@@ -368,7 +377,9 @@ def tables(cases: dict) -> list[dict]:
 def main(argv=None, quick: bool = False) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--suite", default="attention", choices=("attention", "cross_entropy", "loops")
+        "--suite",
+        default="attention",
+        choices=("attention", "cross_entropy", "loops", "pairwise"),
     )
     parser.add_argument("--cases", default="4k,16k,64k")
     parser.add_argument(
@@ -386,6 +397,8 @@ def main(argv=None, quick: bool = False) -> int:
         return _main_cross_entropy(args)
     if args.suite == "loops":
         return _main_loops(args)
+    if args.suite == "pairwise":
+        return _main_pairwise(args)
     if args.cpu:
         cases = [(256, 8, 1, 128, True)]
     else:
@@ -439,7 +452,17 @@ def _main_section(args, name: str, notes: str, cases: list, tables) -> int:
     section.setdefault("cases", {})
     only = [v for v in args.variants.split(",") if v]
     for case, run in cases:
-        section["cases"][case] = run(only)
+        # rows of variants this run did not measure (``--variants``) are kept
+        fresh = run(only)
+        if fresh is None:  # a case with none of the variants asked for
+            continue
+        measured = {(r["variant"], r.get("mode")) for r in fresh}
+        kept = [
+            r
+            for r in section["cases"].get(case, [])
+            if (r["variant"], r.get("mode")) not in measured
+        ]
+        section["cases"][case] = kept + fresh
         section["tables"] = tables(section["cases"])
         if not args.cpu:
             out.parent.mkdir(exist_ok=True)
@@ -533,9 +556,12 @@ LOOPS_NOTES = (
     "mw.scan at 10,000 steps, where memwise's memory timeline peaks at 102 MiB: the "
     "arguments, the outputs and XLA's bfloat16 copy of xs, 39 MiB, which lax.scan's "
     "gradient holds too). mw.while_loop runs the same body reading xs[i], with its online "
-    "checkpoint placement. Measured with mw.scan's forward pass as one loop per segment; "
-    "its forward pass is now one lax.scan with a branch at the checkpoints (so that unread "
-    "ys are dropped), not timed on the chip since."
+    "checkpoint placement. mw.scan's forward pass is one lax.scan with a branch "
+    "(lax.cond) at the checkpoints, so that unread ys are dropped; with a forward of one "
+    "loop per segment (measured on the same chip on the same day, before that change) "
+    "the 10,000-step rows were 56.7 ms (checkpoints=16) and 40.2 ms (checkpoints=100), "
+    "the 100,000-step rows 1593.6 and 877.4 ms: the branch costs about 3 microseconds a "
+    "step on the TPU."
 )
 
 
@@ -580,6 +606,290 @@ def _main_loops(args) -> int:
         for t in ([200] if args.cpu else [10_000, 100_000])
     ]
     return _main_section(args, "loops", LOOPS_NOTES, cases, loops_tables)
+
+
+# -- pairwise reductions and Sinkhorn --------------------------------------------------
+
+# The chip's floors per pair. Matrix unit: 2 d flops per pair and pass at the bfloat16
+# peak (197 TFLOP/s; float32 at "highest" takes six bfloat16 passes). Vector unit: the
+# kernel's forward does per pair one add (the column term), one max, one subtract, one
+# exponential and one add (the row sum); its backward one add, one subtract, one
+# exponential, one multiply, one add (the column sum) and the cast: about 5 and 6
+# operations; the v5e's vector unit retires 4 x 1,024 float32 operations a cycle at 1.5
+# GHz (about 6.1e12 a second) and its exponential unit 1,024 a cycle (1.5e12 a second).
+_MXU = 197e12
+_VPU = 4 * 1024 * 1.5e9
+_EUP = 1024 * 1.5e9
+
+
+def _floors(pairs: float, d: int, passes: float, ops: float, highest: bool) -> dict:
+    mxu = pairs * passes * 2 * d * (6 if highest else 1) / _MXU
+    vpu = pairs * passes * max(ops / _VPU, 1 / _EUP)
+    return {"mxu_floor_ms": 1e3 * mxu, "vpu_floor_ms": 1e3 * vpu}
+
+
+def _softmin(x, y, eps, implementation):
+    from memwise.ot import passes
+
+    cost, _ = mw.ot.costs.resolve_cost("sqeuclidean", x, y)
+    where = passes.Placed(
+        mw.tiling.tiling(x.shape[0], y.shape[0], "auto"), implementation=implementation
+    )
+    lw = jnp.zeros((y.shape[0],), x.dtype)
+    return passes.softmin(cost, (), x, y, lw, eps, where)
+
+
+def _dense_softmin(x, y, eps):
+    c = jnp.sum(x * x, 1)[:, None] + jnp.sum(y * y, 1)[None] - 2 * x @ y.T
+    return -eps * jax.nn.logsumexp(-c / eps, axis=1)
+
+
+def run_softmin(
+    n, d, *, repeats, only=(), dense=True, xla=True, modes=("forward", "value_and_grad")
+):
+    kx, ky = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (n, d), jnp.float32)
+    y = jax.random.normal(ky, (n, d), jnp.float32) + 0.5
+    eps = jnp.float32(1.0)
+    variants = {}
+    if dense:
+        variants["dense"] = lambda x, y: _dense_softmin(x, y, eps)
+    if xla:
+        variants["memwise xla"] = lambda x, y: _softmin(x, y, eps, "xla")
+    variants["memwise pallas"] = lambda x, y: _softmin(x, y, eps, "pallas")
+    rows = []
+    for name, fn in variants.items():
+        if only and not name.startswith(tuple(only)):
+            continue
+        loss = lambda x, y, fn=fn: jnp.sum(fn(x, y))
+        for mode in modes:
+            f = fn if mode == "forward" else jax.value_and_grad(loss, (0, 1))
+            r = _measure(f, (x, y), 0.0, repeats if n < 100_000 else 1)
+            r.pop("tflops", None)
+            vjp = mode != "forward"
+            row = {"variant": name, "mode": mode, **r}
+            if "ms" in r:
+                row["gpairs_s"] = n * n * (3 if vjp else 1) / (r["ms"] * 1e-3) / 1e9
+            row.update(_floors(n * n, d, 3 if vjp else 1, 6 if vjp else 5, False))
+            rows.append(row)
+            print(json.dumps({"n": n, "d": d, **row}), flush=True)
+    return rows
+
+
+def _dense_sinkhorn(x, y, eps, iterations):
+    c = jnp.sum(x * x, 1)[:, None] + jnp.sum(y * y, 1)[None] - 2 * x @ y.T
+    log_a = jnp.full(x.shape[0], -jnp.log(x.shape[0]), x.dtype)
+    log_b = jnp.full(y.shape[0], -jnp.log(y.shape[0]), y.dtype)
+
+    def step(_, fg):
+        f, g = fg
+        f = -eps * jax.nn.logsumexp(log_b[None] + (g[None] - c) / eps, axis=1)
+        g = -eps * jax.nn.logsumexp(log_a[:, None] + (f[:, None] - c) / eps, axis=0)
+        return f, g
+
+    f, g = jax.lax.fori_loop(0, iterations, step, (jnp.zeros_like(log_a), jnp.zeros_like(log_b)))
+    return jnp.sum(jnp.exp(log_a) * f) + jnp.sum(jnp.exp(log_b) * g)
+
+
+def _memwise_sinkhorn(x, y, eps, iterations, chunk_size, implementation):
+    out = mw.ot.sinkhorn(
+        x,
+        y,
+        epsilon=eps,
+        chunk_size=chunk_size,
+        max_iterations=iterations,
+        min_iterations=iterations,
+        implementation=implementation,
+    )
+    return out.reg_ot_cost
+
+
+def run_sinkhorn(n, d, *, repeats, only=(), iterations=100, dense=True, xla=True, sweep=()):
+    from memwise.engine import tpu_cross_entropy as tce
+
+    kx, ky = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (n, d), jnp.float32) / d**0.5
+    y = jax.random.normal(ky, (n, d), jnp.float32) / d**0.5 + 0.1
+    eps = 0.1
+    variants = {}
+    if dense:
+        variants["dense"] = lambda x, y: _dense_sinkhorn(x, y, eps, iterations)
+    if xla:
+        variants["memwise xla"] = lambda x, y: _memwise_sinkhorn(
+            x, y, eps, iterations, "auto", "xla"
+        )
+        if dense:
+            variants["memwise held"] = lambda x, y: _memwise_sinkhorn(
+                x, y, eps, iterations, None, "xla"
+            )
+    variants["memwise pallas"] = lambda x, y: _memwise_sinkhorn(
+        x, y, eps, iterations, "auto", "pallas"
+    )
+
+    def highest(x, y):
+        with jax.default_matmul_precision("highest"):
+            return _memwise_sinkhorn(x, y, eps, iterations, "auto", "pallas")
+
+    variants["memwise pallas, highest precision"] = highest
+    rows = []
+    original = tce.pair_block_sizes
+    configs = [(name, None) for name in variants] + [
+        (f"memwise pallas {r}x{c}", (r, c)) for r, c in sweep
+    ]
+    for name, blocks in configs:
+        if only and not name.startswith(tuple(only)):
+            continue
+        # a new function for each configuration: jit would reuse another's program
+        fn = functools.partial(variants.get(name, variants["memwise pallas"]))
+        if blocks is not None:
+            tce.pair_block_sizes = lambda *a, b=blocks: tce.Blocks(*b, *b)
+        try:
+            r = _measure(fn, (x, y), 0.0, repeats if name == "memwise pallas" else 1)
+        finally:
+            tce.pair_block_sizes = original
+        r.pop("tflops", None)
+        row = {"variant": name, "mode": "forward", **r}
+        if "ms" in r:
+            row["gpairs_s"] = 2 * iterations * n * n / (r["ms"] * 1e-3) / 1e9
+        row.update(_floors(n * n, d, 2 * iterations, 5, False))
+        rows.append(row)
+        print(json.dumps({"n": n, "d": d, "iterations": iterations, **row}), flush=True)
+    return rows
+
+
+def run_precision(n=4096, d=64):
+    """The soft c-transform's largest error against float64 (on the host), over epsilon,
+    for each implementation and matmul precision."""
+    import numpy as np
+
+    kx, ky = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (n, d), jnp.float32) / d**0.5
+    y = jax.random.normal(ky, (n, d), jnp.float32) / d**0.5 + 0.1
+    eps = 0.1
+    xd, yd = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    c = ((xd[:, None, :] - yd[None]) ** 2).sum(-1)
+    s = -c / eps
+    top = s.max(1, keepdims=True)
+    want = -eps * (top[:, 0] + np.log(np.exp(s - top).sum(1)))
+    rows = []
+    for impl in ("xla", "pallas"):
+        for precision in ("default", "highest"):
+            with jax.default_matmul_precision(precision):
+                got = jax.jit(lambda x, y, impl=impl: _softmin(x, y, jnp.float32(eps), impl))(x, y)
+            err = float(np.max(np.abs(np.asarray(got, np.float64) - want))) / eps
+            row = {"variant": f"memwise {impl}", "precision": precision, "error_over_eps": err}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+PAIRWISE_NOTES = (
+    "One TPU v5e chip, float32 points. softmin: one soft c-transform of the squared "
+    "Euclidean cost at epsilon 1 (what each Sinkhorn half-step computes), value_and_grad "
+    "in both point clouds; Sinkhorn: exactly 100 iterations (two passes each) of "
+    "mw.ot.sinkhorn at epsilon 0.1, reg_ot_cost, points N(0, 1/d). dense: the n x m cost "
+    "matrix and jax.nn.logsumexp (a fori_loop over the stored matrix for Sinkhorn); "
+    "memwise xla: the XLA tiles; memwise held: chunk_size=None; memwise pallas: the fused "
+    "kernel. Pairs per second count every pass (three with gradients). Floors: the "
+    "matrix unit's (2 d flops per pair at 197 TFLOP/s) and the vector unit's (about 5 "
+    "operations per pair forward, 6 backward, at 6.1e12 a second, or one exponential "
+    "per pair at 1.5e12 a second, whichever is slower). Default matmul precision unless "
+    "stated."
+)
+
+
+def pairwise_tables(cases: dict) -> list[dict]:
+    columns = [
+        ["variant", "variant"],
+        ["mode", "mode"],
+        ["ms", "ms"],
+        ["x", "/ dense"],
+        ["gp", "G pairs/s"],
+        ["floor", "floor ms (MXU / VPU)"],
+        ["temp", "temp"],
+    ]
+    out = []
+    for case, rows in cases.items():
+        if case.startswith("precision"):
+            out.append(
+                {
+                    "title": f"soft c-transform error on one TPU v5e, {case}",
+                    "columns": [
+                        ["variant", "variant"],
+                        ["precision", "matmul precision"],
+                        ["err", "max error / epsilon"],
+                    ],
+                    "rows": [{**r, "err": f"{r['error_over_eps']:.2e}"} for r in rows],
+                }
+            )
+            continue
+        dense = {r["mode"]: r for r in rows if r["variant"] == "dense" and "ms" in r}
+        table_rows = []
+        for r in rows:
+            row = {"variant": r["variant"], "mode": r["mode"]}
+            if "ms" not in r:
+                row["ms"] = _short_error(r.get("error", "failed"))
+                table_rows.append(row)
+                continue
+            base = dense.get(r["mode"])
+            row.update(
+                ms=f"{r['ms']:.1f}",
+                x="-" if base is None else f"{r['ms'] / base['ms']:.2f}x",
+                gp=f"{r.get('gpairs_s', 0):.0f}",
+                floor=f"{r['mxu_floor_ms']:.1f} / {r['vpu_floor_ms']:.1f}",
+                temp=f"{r['temp_mib']:.1f} MiB",
+            )
+            table_rows.append(row)
+        out.append({"title": f"{case} on one TPU v5e", "columns": columns, "rows": table_rows})
+    return out
+
+
+def _main_pairwise(args) -> int:
+    repeats = 1 if args.cpu else args.repeats
+    if args.cpu:
+        cases = [
+            ("softmin, 512 x 512, d = 3", lambda only: run_softmin(512, 3, repeats=1, only=only)),
+            (
+                "100 Sinkhorn iterations, 512 x 512, d = 64",
+                lambda only: run_sinkhorn(512, 64, repeats=1, only=only, iterations=3),
+            ),
+        ]
+    else:
+        cases = [
+            ("precision, 4,096 x 4,096, d = 64", lambda only: None if only else run_precision()),
+            (
+                "softmin, 20,000 x 20,000, d = 3",
+                lambda only: run_softmin(20_000, 3, repeats=repeats, only=only),
+            ),
+            (
+                "100 Sinkhorn iterations, 20,000 x 20,000, d = 64",
+                lambda only: run_sinkhorn(20_000, 64, repeats=repeats, only=only),
+            ),
+            (
+                "100 Sinkhorn iterations, 50,000 x 50,000, d = 64",
+                lambda only: run_sinkhorn(
+                    50_000,
+                    64,
+                    repeats=3,
+                    only=only,
+                    dense=False,
+                    sweep=((512, 2048), (1000, 1024), (1000, 4096), (2000, 2048)),
+                ),
+            ),
+            (
+                "softmin, 1,000,000 x 1,000,000, d = 3",
+                lambda only: run_softmin(
+                    1_000_000,
+                    3,
+                    repeats=1,
+                    only=only,
+                    dense=False,
+                    xla=False,
+                    modes=("forward",),
+                ),
+            ),
+        ]
+    return _main_section(args, "pairwise", PAIRWISE_NOTES, cases, pairwise_tables)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from memwise._arguments import check_arrays
 from memwise.engine import REDUCTIONS, Ring, tiled_reduce
+from memwise.engine.kernels import Pattern
 from memwise.sharding import (
     check_divisible,
     convert,
@@ -152,6 +153,39 @@ def pairwise_reduce(
         ...                    chunk_size=(2, 3)).shape
         (5,)
     """
+    return reduce_pairs(
+        fn,
+        x,
+        y,
+        reduce=reduce,
+        weights=weights,
+        chunk_size=chunk_size,
+        axis=axis,
+        mesh=mesh,
+        axis_name=axis_name,
+        ring=ring,
+    )
+
+
+def reduce_pairs(
+    fn: Callable,
+    x: Any,
+    y: Any,
+    *,
+    reduce: str = "sum",
+    weights: jax.Array | None = None,
+    chunk_size: ChunkSize = "auto",
+    axis: int = 1,
+    mesh: jax.sharding.Mesh | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
+    ring: bool | None = None,
+    pattern: Pattern | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """:func:`pairwise_reduce`, for memwise's own callers that know what ``fn``
+    computes: ``pattern`` names it for the engine's backend seam
+    (:mod:`memwise.engine.kernels`), so a fused kernel registered for it may serve each
+    device's reduction, as ``implementation`` (``None``, ``"xla"``, ``"pallas"``) asks."""
     # Type checks first: ``in`` on a NumPy array asks for its truth value.
     if not isinstance(reduce, str) or reduce not in _PAIRWISE:
         raise ValueError(f"reduce must be one of {_PAIRWISE}, got {reduce!r}")
@@ -228,7 +262,9 @@ def pairwise_reduce(
                 "ring=True needs the points split over devices: pass mesh= (and "
                 "axis_name=), shard x, or call under jax.set_mesh"
             )
-        out = _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim)
+        out = _pairwise_local(
+            fn, x, y, weights, kind, chunk_size, out_ndim, seam=(pattern, implementation)
+        )
         return _user_result(out, kind)
     ringed = None
     if row_shard is not None:
@@ -254,7 +290,18 @@ def pairwise_reduce(
     auto_shape = ring_step(n, m, devices(mesh, axes), (x, y, weights))
 
     def local(x_l, y_l, w_l):
-        out = _pairwise_local(fn, x_l, y_l, w_l, kind, chunk_size, out_ndim, ringed, auto_shape)
+        out = _pairwise_local(
+            fn,
+            x_l,
+            y_l,
+            w_l,
+            kind,
+            chunk_size,
+            out_ndim,
+            ringed,
+            auto_shape,
+            seam=(pattern, implementation),
+        )
         if row_shard is None:  # each device reduced its own columns
             m_local = leading_length(y_l, reduced)
             out = REDUCTIONS[kind.engine].combine_over_devices(out, axes, m_local)
@@ -289,10 +336,13 @@ def _no_identity(reduce: str, reduced: str) -> NoReturn:
     )
 
 
-def _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim, ring=None, auto_shape=None):
+def _pairwise_local(
+    fn, x, y, weights, kind, chunk_size, out_ndim, ring=None, auto_shape=None, seam=(None, None)
+):
     """pairwise_reduce on one device (or per device inside shard_map, ``y`` and the
     weights this device's block of a ``ring``), as the engine's result: for a max,
-    ``(signed extreme, index or None)``. ``auto_shape``: see :func:`memwise.tiling.tiling`."""
+    ``(signed extreme, index or None)``. ``auto_shape``: see :func:`memwise.tiling.tiling`;
+    ``seam``: :func:`reduce_pairs`'s ``(pattern, implementation)``."""
     if kind.index and ring is None and varying_over(x, y):
         reduce = [name for name, k in _KINDS.items() if k == kind][0]
         raise NotImplementedError(
@@ -335,6 +385,8 @@ def _pairwise_local(fn, x, y, weights, kind, chunk_size, out_ndim, ring=None, au
         vary_consts=vary_consts,
         ring=ring,
         forward_mode_error=_FORWARD_MODE,
+        pattern=seam[0],
+        implementation=seam[1],
     )
     if kind.engine != "max":
         return out

@@ -49,6 +49,7 @@ __all__ = [
     "dispatch",
     "find",
     "first_order",
+    "may_serve",
     "register",
     "registered",
     "trace_config",
@@ -177,6 +178,24 @@ def find(
             return kernel, reasons
         reasons.append(f"{kernel.name} does not support {why}")
     return None, reasons
+
+
+def may_serve(pattern: str, reduce: str, implementation: str | None) -> bool:
+    """Whether a call of ``pattern`` and ``reduce`` with ``implementation`` may run a
+    kernel in this process: ``"pallas"`` always (interpret mode where no platform of the
+    kernel is present), ``None`` where a default kernel's platform is present. A caller
+    that would give a kernel its operands in another form than the loops' best (one more
+    elementwise pass over the points, say) asks this first, so that a CPU-only program
+    stays the loops' own."""
+    check_implementation(implementation)
+    if implementation == "xla":
+        return False
+    return any(
+        k.pattern == pattern
+        and k.reduce == reduce
+        and (implementation == "pallas" or (k.default and any(map(_platform_present, k.platforms))))
+        for k in _REGISTRY
+    )
 
 
 def dispatch(

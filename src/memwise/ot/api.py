@@ -116,6 +116,7 @@ def sinkhorn(
     reach: float | None = None,
     min_iterations: int = 0,
     cost_gradient: str = "exact",
+    implementation: str | None = None,
 ) -> SinkhornResult:
     """Entropic optimal transport between two weighted point clouds, in chunked memory.
 
@@ -178,6 +179,12 @@ def sinkhorn(
         point of its updates), ``"envelope"`` holds the potentials fixed (OTT-JAX's
         default ``use_danskin=True``: its numbers, in the balanced gradient's memory,
         but not the derivative). Balanced problems: both are the exact envelope gradient.
+      implementation: what runs the chunked passes of the ``"sqeuclidean"`` cost (its
+        soft c-transforms and their gradients): ``None`` (the default) a fused Pallas
+        kernel where one is compiled for the platform and serves the points (float32 or
+        bfloat16, one device), the XLA tiles elsewhere; ``"xla"`` the tiles; ``"pallas"``
+        the kernel (Pallas's interpret mode on a platform it is not compiled for, a
+        ``ValueError`` naming what it lacks). Other costs run the tiles.
 
     Returns:
       A :class:`SinkhornResult`.
@@ -218,6 +225,7 @@ def sinkhorn(
         reach=reach,
         min_iterations=min_iterations,
         cost_gradient=cost_gradient,
+        implementation=implementation,
     )
     n, m = p.x.shape[0], p.y.shape[0]
     if init is None:
@@ -381,6 +389,7 @@ def sinkhorn_divergence(
     reach: float | None = None,
     min_iterations: int = 0,
     cost_gradient: str = "exact",
+    implementation: str | None = None,
 ) -> Array | tuple[Array, tuple[SinkhornResult, SinkhornResult, SinkhornResult]]:
     """Sinkhorn divergence between two weighted point clouds, in chunked memory.
 
@@ -419,6 +428,7 @@ def sinkhorn_divergence(
         the default ``"exact"`` is the derivative (finite differences in float64 agree to
         1e-6), and differs from OTT-JAX's default gradient (``use_danskin=True``, not
         the derivative there); ``"envelope"`` gives OTT-JAX's default numbers.
+      implementation: as in :func:`sinkhorn`.
 
     Returns:
       The divergence (a scalar), or ``(divergence, (xy, xx, yy))``.
@@ -452,6 +462,7 @@ def sinkhorn_divergence(
         reach=reach,
         min_iterations=min_iterations,
         cost_gradient=cost_gradient,
+        implementation=implementation,
     )
     xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.x.dtype))
     xx = _self_transport(p, p.x, p.a, after=xy)

@@ -31,6 +31,7 @@ __all__ = [
     "PNormP",
     "cost_exponent",
     "cost_matrix",
+    "is_sqeuclidean",
     "resolve_cost",
     "score",
 ]
@@ -63,6 +64,12 @@ class _SqEuclidean:
         return _sqeuclidean(xi, yj)
 
     score = staticmethod(_sqeuclidean_score)
+
+
+def is_sqeuclidean(cost: Callable) -> bool:
+    """Whether ``cost`` is the built-in squared Euclidean cost (an inner product in
+    disguise: ``|x|^2 + |y|^2 - 2 x . y``)."""
+    return isinstance(cost, _SqEuclidean)
 
 
 def score(cost: Callable, consts: tuple, eps: Array) -> Callable:

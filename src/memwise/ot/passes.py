@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from memwise.ot.costs import cost_matrix, score
-from memwise.pairwise import pairwise_reduce
+from memwise.engine.kernels import Pattern, may_serve
+from memwise.ot.costs import cost_matrix, is_sqeuclidean, score
+from memwise.pairwise import pairwise_reduce, reduce_pairs
 from memwise.sharding import devices, has_explicit_axes, row_sharding
 from memwise.tiling import Tiling
 
@@ -57,6 +58,7 @@ class Placed(NamedTuple):
     mesh: Any = None
     axes: Any = None
     held: bool = False
+    implementation: str | None = None
 
 
 def _placed(where: Placed) -> dict:
@@ -106,8 +108,14 @@ def softmin(
 ) -> Array:
     """``-eps log sum_j exp(log_weights_j - C(x_i, y_j) / eps)`` for every ``i``.
 
-    ``axis=0`` reduces over ``i`` instead (``log_weights`` then index ``x``).
+    ``axis=0`` reduces over ``i`` instead (``log_weights`` then index ``x``). Where a
+    fused kernel may serve it (:func:`memwise.engine.kernels.may_serve`), the squared
+    Euclidean pass is given as the log-sum-exp of inner products it is:
+    ``-C_ij / eps = (2 x_i / eps) . y_j - |y_j|^2 / eps - |x_i|^2 / eps``, the last term
+    outside the sum (:func:`_inner_product_softmin`).
     """
+    if is_sqeuclidean(cost) and may_serve("dot_scores", "logsumexp", chunk_size.implementation):
+        return _inner_product_softmin(x, y, log_weights, eps, chunk_size, axis)
     return -eps * pairwise_reduce(
         score(cost, consts, eps),
         x,
@@ -117,6 +125,30 @@ def softmin(
         axis=axis,
         **_placed(chunk_size),
     )
+
+
+def _inner_product_softmin(x, y, log_weights, eps, where, axis):
+    """:func:`softmin` of the squared Euclidean cost as a ``"dot_scores"`` log-sum-exp."""
+    kept, reduced = (x, y) if axis == 1 else (y, x)
+    inv = 1.0 / eps
+    scaled = kept * (2.0 * inv).astype(kept.dtype)
+    shift = log_weights - inv * jnp.sum(jnp.square(reduced.astype(jnp.float32)), axis=1).astype(
+        log_weights.dtype
+    )
+    rows, cols = (scaled, reduced) if axis == 1 else (reduced, scaled)
+    lse = reduce_pairs(
+        jnp.dot,
+        rows,
+        cols,
+        reduce="logsumexp",
+        weights=shift.astype(kept.dtype),
+        axis=axis,
+        pattern=Pattern("dot_scores"),
+        implementation=where.implementation,
+        **_placed(where),
+    )
+    own = jnp.sum(jnp.square(kept.astype(jnp.float32)), axis=1)
+    return (own.astype(lse.dtype) - eps * lse).astype(lse.dtype)
 
 
 def _shifted_softmin(costs, log_weights, eps, shift, axis):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise.engine.kernels import check_implementation
 from memwise.ot.costs import CostFn, cost_exponent, resolve_cost
 from memwise.ot.gradients import reverse_mode_only
 from memwise.ot.marginals import HARD, Side
@@ -114,6 +115,7 @@ def prepare(
     reach: Any = None,
     min_iterations: int = 0,
     cost_gradient: str = "exact",
+    implementation: str | None = None,
 ) -> Problem:
     """The :class:`Problem` of a public call, every input checked before any solve."""
     _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
@@ -130,6 +132,14 @@ def prepare(
         raise ValueError(
             f'cost_gradient must be "exact" or "envelope" (OTT-JAX\'s use_danskin=True: '
             f"the potentials held fixed, exact only when balanced), got {cost_gradient!r}"
+        )
+    check_implementation(implementation)
+    if implementation == "pallas" and (cost != "sqeuclidean" or chunk_size is None):
+        raise ValueError(
+            "implementation='pallas' runs the chunked passes of cost='sqeuclidean' (a fused "
+            f"log-sum-exp of inner products); got cost={cost!r} with chunk_size="
+            f"{chunk_size!r}: pass implementation=None or 'xla' for "
+            + ("a held cost matrix" if chunk_size is None else "other costs")
         )
     relaxed = _check_relaxation(tau_a, tau_b, reach, cost)
     x, y = _check_points("x", x), _check_points("y", y)
@@ -168,7 +178,7 @@ def prepare(
             pair_bytes=lambda: pair_bytes(cost_fn, first_items(x), first_items(y), *consts),
         ),
         held=chunk_size is None,
-    )
+    )._replace(implementation=implementation)
     if epsilon is None:
         stopped = jax.lax.stop_gradient((consts, x, y))
         eps = jax.lax.stop_gradient(
