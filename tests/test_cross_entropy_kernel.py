@@ -180,6 +180,27 @@ def test_second_derivatives_through_the_kernel_name_the_fix():
         jax.hessian(loss)(x)
 
 
+def test_a_first_word_block_of_minus_infinity_stays_finite():
+    # Every score of the first word block -inf (a bias masking those words): the running
+    # log-sum-exp shifted by -inf there and gave NaN, where the tiles give the loss.
+    x, w, _, labels, _ = _inputs(64, 8, 384, "dv", ignore=False)
+    labels = labels % 128 + 256  # labels among the words left
+    bias = jnp.zeros(384).at[:128].set(-jnp.inf)
+
+    def run(impl):
+        loss = lambda x, w: mw.linear_cross_entropy(  # noqa: E731
+            x, w, labels, bias=bias, chunk_size=(64, 128), implementation=impl
+        )
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+
+    with jax.default_matmul_precision("highest"):
+        (got, dgot), (want, dwant) = run("pallas"), run("xla")
+    assert np.isfinite(float(got))
+    assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(dgot, dwant):
+        assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_vmap_of_grad_through_the_kernel():
     x, w, _, labels, _ = _inputs(64, 8, 256, "vd", ignore=False)
     xs = jnp.stack([x, 2 * x])

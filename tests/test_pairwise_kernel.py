@@ -102,6 +102,34 @@ def test_sinkhorn_through_the_kernel_equals_the_tiles(small_blocks):
     assert_allclose(ds2, ds1, rtol=1e-4, atol=1e-6)
 
 
+def test_zero_weights_on_a_whole_first_block_stay_finite(small_blocks):
+    # A first column block of zero weights is a block of -inf scores: the kernel's
+    # running log-sum-exp shifted by -inf there (NaN), on either side of the problem.
+    x, y = _clouds(40, 300, 2)
+    b = jnp.ones(300).at[:128].set(0.0)
+    b = b / jnp.sum(b)
+    for args in ((x, y, None, b), (y, x, b, None)):
+        out = {
+            impl: mw.ot.sinkhorn(*args, epsilon=0.5, implementation=impl)
+            for impl in ("xla", "pallas")
+        }
+        assert bool(out["pallas"].converged)
+        assert_allclose(out["pallas"].reg_ot_cost, out["xla"].reg_ot_cost, rtol=1e-5)
+        assert_allclose(out["pallas"].f, out["xla"].f, rtol=1e-5, atol=1e-5)
+
+
+def test_clouds_far_from_the_origin_keep_the_potentials_precision():
+    # |y|^2 / eps ~ 6e6 in float32 left the potentials only their high bits in each
+    # pass's weights: the kernel's solve did not converge and erred by 3.5% (the pass
+    # now moves both clouds to their middle; the XLA tiles' expansion errs by 1.3% here).
+    x = jnp.asarray(RNG.normal(size=(77, 3)) + 1000.0, jnp.float32)
+    y = jnp.asarray(RNG.normal(size=(93, 3)) + 1000.0, jnp.float32)
+    out = mw.ot.sinkhorn(x, y, epsilon=0.5, implementation="pallas", max_iterations=500)
+    centred = mw.ot.sinkhorn(x - 1000.0, y - 1000.0, epsilon=0.5, implementation="xla")
+    assert bool(out.converged)
+    assert_allclose(out.reg_ot_cost, centred.reg_ot_cost, rtol=1e-4)
+
+
 def test_vmap_of_grad_through_the_kernel(small_blocks):
     x, y = _clouds(150, 140, 3)
     xs = jnp.stack([x, 0.5 * x])

@@ -220,8 +220,11 @@ def _forward_kernel(cfg: _Config, *refs: Any) -> None:
     else:
         m_prev = m_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        e = jnp.exp(s - _lanes(m_next, bv))
-        l_ref[...] = jnp.exp(m_prev - m_next) * l_ref[...] + jnp.sum(e, axis=1, keepdims=True)
+        # A row with no finite score yet (a first block of -inf: zero weights, a bias of
+        # -inf) shifts by 0, not by -inf: exp(-inf - -inf) would be NaN.
+        shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        e = jnp.exp(s - _lanes(shift, bv))
+        l_ref[...] = jnp.exp(m_prev - shift) * l_ref[...] + jnp.sum(e, axis=1, keepdims=True)
         m_ref[...] = m_next
         if y_ref is not None:
             hit = col == _lanes(y_ref[...], bv)
@@ -330,7 +333,8 @@ def _backward_kernel(cfg: _Config, *refs: Any) -> None:
     row = i * bt + lax.broadcasted_iota(jnp.int32, (bt, bv), 0)
     col = j * bv + lax.broadcasted_iota(jnp.int32, (bt, bv), 1)
     if softmax:
-        p = jnp.exp(s - _lanes(lse_ref[...], bv))
+        lse = lse_ref[...]
+        p = jnp.exp(s - _lanes(jnp.where(lse == -jnp.inf, 0.0, lse), bv))  # as forward
         g = _lanes(dlse_ref[...], bv) * p
         if pick:
             g = g + jnp.where(col == _lanes(y_ref[...], bv), _lanes(dpick_ref[...], bv), 0.0)
@@ -591,7 +595,7 @@ def _dot_declines(
     call: kernels.KernelCall, rows: Any, cols: Any, pairs: Any, consts: Any
 ) -> str | None:
     if call.ring is not None:
-        return "a ring"
+        return "points split over devices (it runs on one device)"
     if call.batch:
         return "batch dims"
     if pairs or jax.tree.leaves(consts):

@@ -129,7 +129,12 @@ def softmin(
 
 def _inner_product_softmin(x, y, log_weights, eps, where, axis):
     """:func:`softmin` of the squared Euclidean cost as a ``"dot_scores"`` log-sum-exp."""
-    kept, reduced = (x, y) if axis == 1 else (y, x)
+    # Both clouds moved by one point between them: the cost is unchanged, and the
+    # expansion's terms |y_j|^2 / eps, to which each pass adds the potentials in the
+    # weights, stay small (clouds far from the origin lost the potentials' low bits).
+    # The shift's derivative is zero: it is held.
+    center = jax.lax.stop_gradient((jnp.mean(x, axis=0) + jnp.mean(y, axis=0)) / 2)
+    kept, reduced = (x - center, y - center) if axis == 1 else (y - center, x - center)
     inv = 1.0 / eps
     scaled = kept * (2.0 * inv).astype(kept.dtype)
     shift = log_weights - inv * jnp.sum(jnp.square(reduced.astype(jnp.float32)), axis=1).astype(
