@@ -430,10 +430,24 @@ def positive_int(value: Any, name: str, *, accepts: str = "", fix: str = "") -> 
         ...
         ValueError: chunk_size must be a positive int or 'auto', got 0
     """
-    message = f"{name} must be a positive int{accepts}, got {value!r}{fix}"
+    return _int_at_least(value, 1, f"{name} must be a positive int{accepts}, got {value!r}{fix}")
+
+
+def non_negative_int(value: Any, name: str) -> int:
+    """:func:`positive_int` for a count that may be 0 (``"{name} must be an int >= 0"``).
+
+    Example::
+
+        >>> non_negative_int(0, "min_iterations")
+        0
+    """
+    return _int_at_least(value, 0, f"{name} must be an int >= 0, got {value!r}")
+
+
+def _int_at_least(value: Any, least: int, message: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(message)
-    if value < 1:
+    if value < least:
         raise ValueError(message)
     return int(value)
 

@@ -42,7 +42,6 @@ relative in the value, 4e-3 in the gradients), and to 1e-6 with tight inner thre
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -54,7 +53,7 @@ from memwise._jax_private import forbid_reverse_mode
 from memwise.ot.api import sinkhorn
 from memwise.ot.gradients import reg_ot_cost, reverse_mode_only
 from memwise.ot.plan import TransportPlan
-from memwise.ot.problem import _check_points, _check_weights, _is_concrete
+from memwise.ot.problem import _check_points, _check_weights, check_scalar
 from memwise.pairwise import pairwise_reduce
 
 _WEIGHTS_GRADIENT = (
@@ -265,18 +264,15 @@ def gromov_wasserstein(
                 f"x_features and y_features must be [n, k] = [{n}, k] and [m, k] = [{m}, k] "
                 f"with the same k, got {fx.shape} and {fy.shape}"
             )
-    if epsilon is None or not _concrete_in(epsilon, 0.0, False):
-        raise ValueError(f"epsilon must be a positive finite number, got {_shown(epsilon)}")
-    if not _concrete_in(fused_penalty, 0.0, True):
-        raise ValueError(f"fused_penalty must be >= 0 and finite, got {_shown(fused_penalty)}")
+    check_scalar("epsilon", epsilon, 0.0, closed=False)
+    check_scalar("fused_penalty", fused_penalty, 0.0, closed=True)
     max_iterations = positive_int(max_iterations, "max_iterations")
     min_iterations = positive_int(min_iterations, "min_iterations")
     if min_iterations > max_iterations:
         raise ValueError(
             f"min_iterations ({min_iterations}) must be at most max_iterations ({max_iterations})"
         )
-    if not _concrete_in(threshold, 0.0, False):
-        raise ValueError(f"threshold must be a positive finite float, got {_shown(threshold)}")
+    check_scalar("threshold", threshold, 0.0, closed=False)
     # Forward mode, also over a reverse pass (jax.hessian), raises memwise.ot's message
     # at the inputs, not the message of whichever pass it reaches first.
     x, y, a, b, fx, fy = reverse_mode_only((x, y, a, b, fx, fy))
@@ -365,27 +361,6 @@ def gromov_wasserstein(
         reg = reg + (eps - jax.lax.stop_gradient(eps)) * jax.lax.stop_gradient(slope)
     converged = (n_iter < max_iterations) & all_converged
     return GromovWassersteinResult(reg.astype(dtype), plan, costs, n_iter, converged, eps)
-
-
-def _concrete_in(value: Any, low: float, closed: bool) -> bool:
-    """Whether a scalar known now (a Python, NumPy or concrete JAX number) is finite and
-    above ``low`` (or equal to it, ``closed``); a traced value passes (checked nowhere:
-    its value is not known while tracing)."""
-    if not _is_concrete(value):
-        return True
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return False
-    return math.isfinite(number) and (number >= low if closed else number > low)
-
-
-def _shown(value: Any) -> str:
-    """A scalar as the user would write it in an error message."""
-    try:
-        return repr(float(value))
-    except (TypeError, ValueError):
-        return repr(value)
 
 
 class _Product:

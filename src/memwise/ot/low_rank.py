@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import entr, logsumexp
 
-from memwise._arguments import positive_int
+from memwise._arguments import non_negative_int, positive_int
 from memwise._dtypes import accumulation_dtype
 from memwise._jax_private import forbid_reverse_mode
 from memwise.ot.costs import cost_matrix, resolve_cost
 from memwise.ot.gradients import reverse_mode_only
-from memwise.ot.problem import _check_points, _check_weights, _is_concrete
+from memwise.ot.problem import _check_points, _check_weights, check_scalar
 from memwise.pairwise import pairwise_reduce
 
 __all__ = ["LowRankSinkhornResult", "low_rank_sinkhorn"]
@@ -328,22 +328,17 @@ def low_rank_sinkhorn(
             f"rank must be at most min(n, m) = {min(n, m)} (a plan between {n} and {m} "
             f"points has no higher rank), got {rank}"
         )
-    _check_scalar("epsilon", epsilon, 0.0, closed=True)
-    _check_scalar("gamma", gamma, 0.0, closed=False)
-    _check_scalar("threshold", threshold, 0.0, closed=False)
-    _check_scalar("dykstra_threshold", dykstra_threshold, 0.0, closed=False)
-    _check_scalar("min_entry_value", min_entry_value, 0.0, closed=False)
+    check_scalar("epsilon", epsilon, 0.0, closed=True)
+    check_scalar("gamma", gamma, 0.0, closed=False)
+    check_scalar("threshold", threshold, 0.0, closed=False)
+    check_scalar("dykstra_threshold", dykstra_threshold, 0.0, closed=False)
+    check_scalar("min_entry_value", min_entry_value, 0.0, closed=False)
     if not isinstance(gamma_rescale, bool):
         raise TypeError(f"gamma_rescale must be a bool, got {gamma_rescale!r}")
     max_iterations = positive_int(max_iterations, "max_iterations")
     inner_iterations = positive_int(inner_iterations, "inner_iterations")
     dykstra_max_iterations = positive_int(dykstra_max_iterations, "dykstra_max_iterations")
-    if (
-        isinstance(min_iterations, bool)
-        or not isinstance(min_iterations, int)
-        or min_iterations < 0
-    ):
-        raise ValueError(f"min_iterations must be an int >= 0, got {min_iterations!r}")
+    min_iterations = non_negative_int(min_iterations, "min_iterations")
     x, y, a, b = reverse_mode_only((x, y, a, b))
     guarded = tuple(forbid_reverse_mode(w, _WEIGHTS_GRADIENT) for w in (a, b))
     a, b = jax.lax.stop_gradient((a, b))
@@ -457,17 +452,3 @@ def _initial(init, rng, a, b, rank, work):
     q = a[:, None] * (q / jnp.sum(q, 1, keepdims=True))
     r = b[:, None] * (r / jnp.sum(r, 1, keepdims=True))
     return q, r, g
-
-
-def _check_scalar(name: str, value: Any, low: float, *, closed: bool) -> None:
-    """A scalar known now is finite and above ``low`` (or equal, ``closed``); a traced
-    one passes (its value is not known while tracing)."""
-    if not _is_concrete(value):
-        return
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
-    if not (math.isfinite(number) and (number >= low if closed else number > low)):
-        bound = f">= {low}" if closed else f"> {low}"
-        raise ValueError(f"{name} must be finite and {bound}, got {number!r}")

@@ -22,6 +22,7 @@ iteration down to its target.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, TypeGuard
 
 import jax
@@ -267,6 +268,21 @@ def _sides(tau_a: Any, tau_b: Any, reach: Any, cost: Any, eps: Array, work: Any)
         return Side(True, float(tau) if _is_concrete(tau) else jnp.asarray(tau, work))
 
     return side(tau_a), side(tau_b)
+
+
+def check_scalar(name: str, value: Any, low: float, *, closed: bool) -> None:
+    """A scalar option known now is a finite number above ``low`` (or equal to it,
+    ``closed``): a ``TypeError`` for what is not a number, a ``ValueError`` naming the
+    bound otherwise. A traced value passes (its value is not known while tracing)."""
+    if not _is_concrete(value):
+        return
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    if not (math.isfinite(number) and (number >= low if closed else number > low)):
+        bound = f">= {low:g}" if closed else f"> {low:g}"
+        raise ValueError(f"{name} must be finite and {bound}, got {number!r}")
 
 
 def _is_concrete(value: Any) -> bool:
