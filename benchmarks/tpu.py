@@ -631,12 +631,12 @@ def _floors(pairs: float, d: int, passes: float, ops: float, highest: bool) -> d
 def _softmin(x, y, eps, implementation):
     from memwise.ot import passes
 
-    cost, _ = mw.ot.costs.resolve_cost("sqeuclidean", x, y)
+    cost, consts = mw.ot.costs.resolve_cost("sqeuclidean", x, y)
     where = passes.Placed(
         mw.tiling.tiling(x.shape[0], y.shape[0], "auto"), implementation=implementation
     )
     lw = jnp.zeros((y.shape[0],), x.dtype)
-    return passes.softmin(cost, (), x, y, lw, eps, where)
+    return passes.softmin(cost, consts, x, y, lw, eps, where)
 
 
 def _dense_softmin(x, y, eps):

@@ -32,6 +32,7 @@ __all__ = [
     "cost_exponent",
     "cost_matrix",
     "is_sqeuclidean",
+    "middle",
     "resolve_cost",
     "score",
 ]
@@ -58,12 +59,23 @@ def _sqeuclidean_score(xi: Array, yj: Array, eps: Array) -> Array:
 
 
 class _SqEuclidean:
-    """The squared Euclidean cost, with the score form the passes use (:func:`score`)."""
+    """The squared Euclidean cost, with the score form the passes use (:func:`score`),
+    expanded about ``center`` (its one const, held: the cost does not change when both
+    points move by the same vector). In float32 the expansion about the origin loses
+    what ``|x|^2 + |y|^2`` does not leave of ``C``: clouds 1,000 from the origin in 3
+    dimensions at epsilon 0.5 gave a transport cost 1.3% off."""
 
-    def __call__(self, xi: Array, yj: Array) -> Array:
-        return _sqeuclidean(xi, yj)
+    def __call__(self, xi: Array, yj: Array, center: Array) -> Array:
+        return _sqeuclidean(xi - center, yj - center)
 
-    score = staticmethod(_sqeuclidean_score)
+    @staticmethod
+    def score(xi: Array, yj: Array, eps: Array, center: Array) -> Array:
+        return _sqeuclidean_score(xi - center, yj - center, eps)
+
+
+def middle(x: Array, y: Array) -> Array:
+    """The point halfway between the means of two clouds, held (no derivative)."""
+    return jax.lax.stop_gradient((jnp.mean(x, axis=0) + jnp.mean(y, axis=0)) / 2)
 
 
 def is_sqeuclidean(cost: Callable) -> bool:
@@ -77,7 +89,7 @@ def score(cost: Callable, consts: tuple, eps: Array) -> Callable:
     own ``score`` where it has one (the squared Euclidean's), else its value over eps."""
     own = getattr(cost, "score", None)
     if own is not None:
-        return lambda xi, yj: own(xi, yj, eps)
+        return lambda xi, yj: own(xi, yj, eps, *consts)
     return lambda xi, yj: -cost(xi, yj, *consts) / eps
 
 
@@ -168,7 +180,7 @@ def resolve_cost(cost: Any, x: Array, y: Array) -> tuple[Callable, tuple]:
         if cost not in BUILTIN_COSTS:
             raise ValueError(f"cost must be one of {names} or a callable, got {cost!r}")
         if cost == "sqeuclidean":
-            return _SqEuclidean(), ()
+            return _SqEuclidean(), (middle(x, y),)
         fn = BUILTIN_COSTS[cost]
         return (lambda xi, yj: fn(xi, yj)), ()
     if not callable(cost):
