@@ -138,6 +138,17 @@ def test_a_held_cost_matrix_gives_the_chunked_solve():
 
 
 @pytest.mark.slow
+def test_clouds_far_from_the_origin_are_solved_as_the_centred_clouds():
+    # The rank-(d + 2) expansion about the origin loses |x|^2 + |y|^2 - 2 x.y to float32
+    # rounding: 1,000 from the origin the cost was 7.9% off the centred problem's.
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(300, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(280, 3)), jnp.float32)
+    far = mw.ot.low_rank_sinkhorn(x + 1000.0, y + 1000.0, rank=4).reg_ot_cost
+    near = mw.ot.low_rank_sinkhorn(x, y, rank=4).reg_ot_cost
+    np.testing.assert_allclose(far, near, rtol=1e-4)
+
+
 def test_an_explicit_init_is_where_the_steps_start():
     x, y, a, b = _clouds(50, 40, seed=5)
     geom = pointcloud.PointCloud(x, y)

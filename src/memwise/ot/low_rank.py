@@ -39,7 +39,7 @@ from jax.scipy.special import entr, logsumexp
 from memwise._arguments import non_negative_int, positive_int
 from memwise._dtypes import accumulation_dtype
 from memwise._jax_private import forbid_reverse_mode
-from memwise.ot.costs import cost_matrix, resolve_cost
+from memwise.ot.costs import cost_matrix, middle, resolve_cost
 from memwise.ot.gradients import reverse_mode_only
 from memwise.ot.problem import _check_points, _check_weights, check_scalar
 from memwise.pairwise import pairwise_reduce
@@ -113,8 +113,11 @@ class _Cost:
     def __init__(self, cost: Any, x: Array, y: Array, chunk_size: Any, held: bool) -> None:
         if held:  # the loop's cost: nothing in it is differentiated
             x, y = jax.lax.stop_gradient((x, y))
-        self.x, self.y, self.chunk_size = x, y, chunk_size
         self.squared = isinstance(cost, str) and cost == "sqeuclidean"
+        if self.squared:  # expanded about the clouds' middle, as memwise.ot.costs does
+            center = middle(x, y)
+            x, y = x - center, y - center
+        self.x, self.y, self.chunk_size = x, y, chunk_size
         self.matrix = None
         if not self.squared:
             fn, consts = resolve_cost(cost, x, y)
