@@ -80,6 +80,25 @@ def test_values_plans_and_gradients_equal_ott_at_500_points(fused):
 
 
 @pytest.mark.slow
+def test_clouds_far_from_the_origin_are_solved_as_the_centred_clouds():
+    # The linearised cost's augmented points carry |x|^2 and its square: about the
+    # origin, float32 clouds 100 from it gave reg_gw_cost -inf; each cloud's distances
+    # do not change when it moves, so each is solved about its mean.
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(120, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(100, 2)), jnp.float32)
+
+    def cost(x, y):
+        return mw.ot.gromov_wasserstein(x, y, epsilon=1.0).reg_gw_cost
+
+    near, (dx, dy) = jax.value_and_grad(cost, (0, 1))(x, y)
+    far, (fx, fy) = jax.value_and_grad(cost, (0, 1))(x + 100.0, y - 1000.0)
+    np.testing.assert_allclose(far, near, rtol=1e-4)
+    # (x + 100 rounds x to 8e-6: the gradients agree to that)
+    np.testing.assert_allclose(fx, dx, rtol=1e-2, atol=1e-4)
+    np.testing.assert_allclose(fy, dy, rtol=1e-2, atol=1e-4)
+
+
 def test_memory_grows_with_the_points_not_their_pairs():
     # Compiled temporaries of the gradient at two sizes: what is added with the points
     # is a sliver of what their pairs would add, never an n x m array.

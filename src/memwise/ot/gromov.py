@@ -249,6 +249,11 @@ def gromov_wasserstein(
     # (the linearised cost's sums of fourth powers need the range and the bits).
     work = accumulation_dtype(dtype)
     x, y = x.astype(work), y.astype(work)
+    # A cloud's own distances do not change when it moves: each is centred (the shift
+    # held), so that the augmented points' powers of |x|^2 keep float32's bits (100 from
+    # the origin in 3 dimensions the cost was -inf).
+    x = x - jax.lax.stop_gradient(jnp.mean(x, axis=0))
+    y = y - jax.lax.stop_gradient(jnp.mean(y, axis=0))
     a = jnp.full((n,), 1.0 / n, work) if a is None else _check_weights("a", a, n, work)
     b = jnp.full((m,), 1.0 / m, work) if b is None else _check_weights("b", b, m, work)
     if (x_features is None) != (y_features is None):
