@@ -168,11 +168,7 @@ def find(
     operands ``(rows, cols, pairs, consts)``, and each declining kernel's reason; with
     ``asked=False`` (the default dispatch) only kernels with ``default=True``."""
     reasons: list[str] = []
-    for kernel in _REGISTRY:
-        if kernel.pattern != call.pattern.name or kernel.reduce != call.reduce:
-            continue
-        if not (asked or kernel.default):
-            continue
+    for kernel in _candidates(call.pattern.name, call.reduce, asked):
         why = kernel.declines(call, *operands)
         if why is None:
             return kernel, reasons
@@ -190,11 +186,18 @@ def may_serve(pattern: str, reduce: str, implementation: str | None) -> bool:
     check_implementation(implementation)
     if implementation == "xla":
         return False
+    asked = implementation == "pallas"
     return any(
-        k.pattern == pattern
-        and k.reduce == reduce
-        and (implementation == "pallas" or (k.default and any(map(_platform_present, k.platforms))))
-        for k in _REGISTRY
+        asked or any(map(_platform_present, k.platforms))
+        for k in _candidates(pattern, reduce, asked)
+    )
+
+
+def _candidates(pattern: str, reduce: str, asked: bool) -> Iterator[Kernel]:
+    """The registered kernels of ``pattern`` and ``reduce``, in the order they are tried;
+    unless ``asked`` (``implementation="pallas"``), only those with ``default=True``."""
+    return (
+        k for k in _REGISTRY if k.pattern == pattern and k.reduce == reduce and (asked or k.default)
     )
 
 
