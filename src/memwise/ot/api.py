@@ -312,8 +312,9 @@ def _differentiable(p, x, y, a, b, eps, f, g, mass, error, n_iterations, errors,
     else:
         reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, f, g, mass)
     plan = TransportPlan(
-        x, y, a, b, df, dg, eps, p.consts, cost=p.cost, chunk=p.chunk, dtype=p.dtype
-    )
+        x, y, a, b, df, dg, eps, p.consts, cost=p.cost, chunk=p.chunk, dtype=p.dtype,
+        center=p.center,
+    )  # fmt: skip
     converged = (error < p.threshold) & ~jnp.any(jnp.isnan(errors))
     return SinkhornResult(
         df, dg, reg, converged, n_iterations, errors, jax.lax.stop_gradient(p.eps), plan
@@ -333,7 +334,12 @@ def _self_transport(p: Problem, x: Array, a: Array, after: SinkhornResult) -> Si
     x-y problem (OTT-JAX's divergence passes tau_a, tau_b to all three).
 
     A solve that holds its cost matrix starts ``after`` the previous solve has ended,
-    so that the divergence holds one matrix at a time, not its three at once."""
+    so that the divergence holds one matrix at a time, not its three at once. A
+    problem solved about the clouds' middle solves a self term about the cloud's own
+    mean (one cloud far from the other is far from the middle)."""
+    if p.center is not None:
+        own = jax.lax.stop_gradient(jnp.mean(x, axis=0))
+        x, p = x - own, p._replace(center=p.center + own)
     if p.chunk.held:
         g_init = jax.lax.optimization_barrier((jnp.zeros_like(a), after.f))[0]
         x = jax.lax.optimization_barrier((x, g_init))[0]

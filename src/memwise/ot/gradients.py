@@ -172,7 +172,8 @@ def _potentials_bwd(cost, chunk_size, max_steps, relaxed, residuals, cotangents)
     tau_a, P; P^T, diag(c) / tau_b]`` (``P`` the plan, ``r, c`` its marginals) is
     symmetric positive semi-definite; when balanced it is singular along the
     potentials' free constant ``(1, -1)``, which the gauge ``<a,f> = <b,g>`` fixes with
-    multiplier ``nu``; a relaxed side makes it definite (no gauge). The vjp solves ``J^T
+    multiplier ``nu`` (CG solves ``K + s u u^T`` there, ``u = (1, -1)``: the same
+    solution off ``u``, see below); a relaxed side makes it definite (no gauge). The vjp solves ``J^T
     lam = v - nu (a, -b)`` for ``lam = diag(r / tau_a, c / tau_b) w`` from ``K w = rhs``
     by Jacobi-preconditioned CG, two chunked passes a step, and returns ``-lam .
     dF/dtheta - nu d(<a,f> - <b,g>)/dtheta``. A zero-weight point moves no other
@@ -213,15 +214,27 @@ def _potentials_bwd(cost, chunk_size, max_steps, relaxed, residuals, cotangents)
     )  # R^T
     r_diag, c_diag = r / tau_a, c / tau_b
 
+    u_f, u_g = on_a.astype(f.dtype), -on_b.astype(g.dtype)  # K's null vector if balanced
+    # Balanced, K + s u u^T: definite, and its solution for a right-hand side off u is
+    # K's off u. s puts u's eigenvalue of the preconditioned system at 1, inside the
+    # spectrum: K alone let float32 CG grow w along u (a million times the solution
+    # after a few hundred steps), stall at 1e-3, and the gradients along u, which cancel
+    # exactly, came back as the difference of two large sums.
+    gauge = (jnp.sum(r) + jnp.sum(c)) / (jnp.sum(u_f) - jnp.sum(u_g)) ** 2 if balanced else 0.0
+
     def plan_system(w):
+        along = gauge * (jnp.sum(w[0] * u_f) + jnp.sum(w[1] * u_g))
         return (
-            r_diag * w[0] + kernel(log_pf, log_pg, w[1], axis=1),
-            c_diag * w[1] + kernel(log_pf, log_pg, w[0], axis=0),
+            r_diag * w[0] + kernel(log_pf, log_pg, w[1], axis=1) + along * u_f,
+            c_diag * w[1] + kernel(log_pf, log_pg, w[0], axis=0) + along * u_g,
         )
 
     def jacobi(w):
         return jnp.where(r > 0, w[0] / r_diag, 0.0), jnp.where(c > 0, w[1] / c_diag, 0.0)
 
+    if balanced:  # off u, as it is up to rounding
+        along = (jnp.sum(rhs[0] * u_f) + jnp.sum(rhs[1] * u_g)) / (jnp.sum(u_f) - jnp.sum(u_g))
+        rhs = (rhs[0] - along * u_f, rhs[1] - along * u_g)
     (w_f, w_g), _ = cg(
         plan_system, rhs, M=jacobi, maxiter=max_steps, tol=_CG_RTOL[jnp.dtype(f.dtype).name]
     )

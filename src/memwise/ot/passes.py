@@ -115,7 +115,7 @@ def softmin(
     outside the sum (:func:`_inner_product_softmin`).
     """
     if is_sqeuclidean(cost) and may_serve("dot_scores", "logsumexp", chunk_size.implementation):
-        return _inner_product_softmin(x, y, consts[0], log_weights, eps, chunk_size, axis)
+        return _inner_product_softmin(x, y, log_weights, eps, chunk_size, axis)
     return -eps * pairwise_reduce(
         score(cost, consts, eps),
         x,
@@ -127,13 +127,13 @@ def softmin(
     )
 
 
-def _inner_product_softmin(x, y, center, log_weights, eps, where, axis):
-    """:func:`softmin` of the squared Euclidean cost, expanded about ``center`` (its
-    const: :func:`memwise.ot.costs.middle`), as a ``"dot_scores"`` log-sum-exp. About
-    the middle of the clouds the terms ``|y_j|^2 / eps``, to which each pass adds the
-    potentials in the weights, stay small (about the origin, clouds far from it kept
-    only the potentials' high bits: a solve that did not converge, 3.5% off)."""
-    kept, reduced = (x - center, y - center) if axis == 1 else (y - center, x - center)
+def _inner_product_softmin(x, y, log_weights, eps, where, axis):
+    """:func:`softmin` of the squared Euclidean cost as a ``"dot_scores"`` log-sum-exp.
+    The points are about the clouds' middle (:func:`memwise.ot.costs.center`), so the
+    terms ``|y_j|^2 / eps``, to which each pass adds the potentials in the weights, stay
+    small (about the origin, clouds far from it kept only the potentials' high bits: a
+    solve that did not converge, 3.5% off)."""
+    kept, reduced = (x, y) if axis == 1 else (y, x)
     inv = 1.0 / eps
     scaled = kept * (2.0 * inv).astype(kept.dtype)
     shift = log_weights - inv * jnp.sum(jnp.square(reduced.astype(jnp.float32)), axis=1).astype(

@@ -49,6 +49,9 @@ class TransportPlan:
       cost: the cost, a function of ``(xi, yj, *consts)``.
       chunk: where the passes run (their tiles).
       dtype: the dtype results are returned in.
+      center: the held point subtracted from the clouds before the solve (``x`` and
+        ``y`` here are about it; the squared Euclidean cost's, see
+        :func:`memwise.ot.costs.center`), or None.
 
     Build one with :func:`memwise.ot.sinkhorn` (``out.plan``), not by hand.
     """
@@ -67,19 +70,23 @@ class TransportPlan:
         cost: Any,
         chunk: Placed,
         dtype: Any,
+        center: Array | None = None,
     ) -> None:
         self.x, self.y, self.a, self.b = x, y, a, b
         self.f, self.g, self.eps, self.consts = f, g, eps, consts
-        self.cost, self.chunk, self.dtype = cost, chunk, dtype
+        self.cost, self.chunk, self.dtype, self.center = cost, chunk, dtype, center
 
     def tree_flatten(self):
-        children = (self.x, self.y, self.a, self.b, self.f, self.g, self.eps, self.consts)
+        children = (
+            self.x, self.y, self.a, self.b, self.f, self.g, self.eps, self.consts, self.center
+        )  # fmt: skip
         return children, (self.cost, self.chunk, self.dtype)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         cost, chunk, dtype = aux
-        return cls(*children, cost=cost, chunk=chunk, dtype=dtype)
+        *arrays, center = children
+        return cls(*arrays, cost=cost, chunk=chunk, dtype=dtype, center=center)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -199,6 +206,8 @@ class TransportPlan:
         if not jnp.issubdtype(z.dtype, jnp.floating):
             raise TypeError(f"points must hold floats, got {z.dtype}")
         z = z.astype(self.x.dtype)
+        if points is not None and self.center is not None:
+            z = z - self.center  # where the clouds are
         _, right = self._logs()
         # Row normaliser -t/eps, then the softmax-weighted average of y.
         t = softmin(self.cost, self.consts, z, self.y, right, self.eps, self.chunk)
@@ -214,6 +223,8 @@ class TransportPlan:
             self.y,
             axis=1,
         )
+        if self.center is not None:
+            out = out + self.center
         return out.astype(self.dtype)
 
     def matrix(self) -> Array:

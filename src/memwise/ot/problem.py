@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from memwise.engine.kernels import check_implementation
-from memwise.ot.costs import CostFn, cost_exponent, resolve_cost
+from memwise.ot.costs import CostFn, center, cost_exponent, resolve_cost
 from memwise.ot.gradients import reverse_mode_only
 from memwise.ot.marginals import HARD, Side
 from memwise.ot.passes import Placed, default_epsilon, placement
@@ -81,6 +81,8 @@ class Problem(NamedTuple):
     side_b: Side = HARD
     min_iterations: int = 0
     cost_gradient: str = "exact"
+    # The held point subtracted from x and y (memwise.ot.costs.center); None: as given.
+    center: Array | None = None
 
     @property
     def is_balanced(self) -> bool:
@@ -168,6 +170,9 @@ def prepare(
                 "(tau_a, tau_b < 1 or reach=...) for unbalanced OT"
             )
     cost_fn, consts = resolve_cost(cost, x, y)
+    offset = center(cost_fn, x, y)
+    if offset is not None:
+        x, y = x - offset, y - offset
     # One tiling (one "auto" knob for memwise.fit) serves every pass of the call: the
     # solves, the backward and the divergence's self terms (their sizes clipped).
     chunk = placement(
@@ -207,6 +212,7 @@ def prepare(
         side_b,
         int(min_iterations),
         cost_gradient,
+        offset,
     )
 
 
