@@ -10,8 +10,9 @@ Conventions follow OTT-JAX 0.6's ``SinkhornOutput``: ``apply(v, axis=0)`` is ``P
 ``axis=1`` is ``P v``; ``marginal(1)`` is ``P 1``, ``marginal(0)`` is ``P^T 1``; the
 entropic map of points ``z`` is the barycentric projection ``T(z) = sum_j w_j(z) y_j``
 with ``w(z) = softmax_j(log b_j + (g_j - C(z, y_j)) / eps)`` (for the squared Euclidean
-cost this is OTT's ``to_dual_potentials().transport``: ``z - grad f(z) / 2`` for the
-c-transform ``f`` of ``g``; Pooladian and Niles-Weed 2021).
+cost ``z - grad f(z) / 2`` for the c-transform ``f`` of ``g``; Pooladian and Niles-Weed
+2021). OTT-JAX's ``to_dual_potentials().transport`` is the same map for uniform ``b``;
+for other weights it counts ``log b`` twice (its ``g`` holds ``eps log b`` already).
 """
 
 from __future__ import annotations
@@ -181,8 +182,10 @@ class TransportPlan:
     def transport(self, points: Array | None = None) -> Array:
         """The entropic (barycentric) map ``T(z) = sum_j softmax_j(log b_j + (g_j -
         C(z, y_j)) / eps) y_j`` of ``points`` (``[k, d]``; ``None``: the source points
-        ``x``), OTT-JAX's ``to_dual_potentials().transport`` for the squared Euclidean
-        cost. New points need no new solve: two chunked passes over ``k x m``.
+        ``x``): the plan's rows normalised, applied to ``y``, for the source points.
+        For the squared Euclidean cost and uniform ``b`` it is OTT-JAX's
+        ``to_dual_potentials().transport``. New points need no new solve: two chunked
+        passes over ``k x m``.
 
         Raises:
           ValueError: for points that are not ``[k, d]`` with the clouds' ``d``.
