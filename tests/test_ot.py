@@ -640,3 +640,27 @@ def test_divergence_self_terms_are_solved_about_their_own_cloud(implementation):
     for term, want in zip((xx, yy), alone):
         assert bool(term.converged)
         np.testing.assert_allclose(term.reg_ot_cost, want, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_float32_epsilon_gradients_at_small_epsilon_are_float64s():
+    # The slope of a soft c-transform in epsilon is a row's KL divergence; taken through
+    # the log-sum-exp's vjp it was the difference of two sums of size C / eps: at eps
+    # 0.01 the gradient of <w, f> + <v, g> came back -1.44 for 0.588, with the wrong sign.
+    rng = np.random.default_rng(11)
+    x, y = rng.normal(size=(40, 2)), rng.normal(size=(30, 2)) + 0.3
+    a, b = rng.uniform(0.2, 1, 40), rng.uniform(0.2, 1, 30)
+    w, v = rng.normal(size=40), rng.normal(size=30)
+
+    def losses(x, y, a, b, eps):
+        out = ot.sinkhorn(
+            x, y, a / a.sum(), b / b.sum(), epsilon=eps, threshold=1e-5, max_iterations=20_000
+        )
+        dual = jnp.sum(w.astype(x.dtype) * out.f) + jnp.sum(v.astype(x.dtype) * out.g)
+        return jnp.stack([dual, out.reg_ot_cost])
+
+    slopes = jax.jit(jax.jacrev(losses, 4))
+    with jax.enable_x64(True):
+        want = slopes(*map(jnp.asarray, (x, y, a, b)), jnp.asarray(0.01))
+    got = slopes(*(jnp.asarray(u, jnp.float32) for u in (x, y, a, b)), jnp.float32(0.01))
+    np.testing.assert_allclose(got, want, rtol=1e-2)

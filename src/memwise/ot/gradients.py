@@ -31,7 +31,7 @@ from memwise._jax_private import forbid_forward_mode, forbid_reverse_mode
 from memwise._vjp import custom_vjp, dense, unwrap
 from memwise.ot import marginals
 from memwise.ot.marginals import Side
-from memwise.ot.passes import kernel_apply, safe_log, softmin
+from memwise.ot.passes import epsilon_slope, kernel_apply, safe_log, softmin
 
 __all__ = ["FIRST_ORDER_ONLY", "potentials", "reg_ot_cost", "reverse_mode_only"]
 
@@ -92,6 +92,12 @@ def reg_ot_cost(cost, chunk_size, relaxed, x, y, a, b, eps, consts, taus, f, g, 
     return _cost_value(_sides(relaxed, taus), a, b, eps, f, g, mass)
 
 
+def _frozen_value(sides, a, b, eps, f, g, t_b):
+    """The cost at frozen potentials, with the plan's mass from ``T_b(g)``."""
+    plan_mass = jnp.sum(a * jnp.exp((f - t_b) / eps))
+    return _cost_value(sides, a, b, eps, f, g, plan_mass), t_b
+
+
 def _reg_ot_cost_fwd(cost, chunk_size, relaxed, *args):
     args = _values(args)
     x, y, a, b, eps, consts, taus, f, g, mass = args
@@ -106,13 +112,19 @@ def _reg_ot_cost_bwd(cost, chunk_size, relaxed, residuals, cotangent):
 
     # The same value written with the potentials frozen: its gradient in everything
     # but b is the envelope gradient; the logsumexp's chunked vjp does the work.
+    # T_b's own slope in eps is epsilon_slope's (see _potentials_bwd).
+    held = jax.lax.stop_gradient(eps)
+
     def frozen(x, y, a, eps, consts):
-        t_b = softmin(cost, consts, x, y, log_b + g / eps, eps, chunk_size)
-        plan_mass = jnp.sum(a * jnp.exp((f - t_b) / eps))
-        return _cost_value(sides, a, b, eps, f, g, plan_mass), t_b
+        return _frozen_value(sides, a, b, eps, f, g, softmin(
+            cost, consts, x, y, log_b + g / held, held, chunk_size
+        ))  # fmt: skip
 
     _, vjp, t_b = jax.vjp(frozen, x, y, a, eps, consts, has_aux=True)
     dx, dy, da, deps, dconsts = vjp(cotangent)
+    _, through_t = jax.vjp(lambda t: _frozen_value(sides, a, b, eps, f, g, t)[0], t_b)
+    (dt_b,) = through_t(cotangent)
+    deps = deps + jnp.sum(dt_b * epsilon_slope(cost, consts, x, y, eps, chunk_size, t_b, g, log_b))
     # b enters the logsumexp through log b (infinite slope at b_j = 0), so its
     # partial derivative (mass term)'_j + eps|a| - eps sum_i P_ij / b_j is written
     # out, with sum_i P_ij / b_j = exp((g_j - T_a(f)_j) / eps).
@@ -189,9 +201,12 @@ def _potentials_bwd(cost, chunk_size, max_steps, relaxed, residuals, cotangents)
     cotangents = dense(cotangents, (f, g))
     log_a, log_b = safe_log(a), safe_log(b)
 
+    held = jax.lax.stop_gradient(eps)
+
     def transport(x, y, eps, consts):  # (U_a(T_b(g)), U_b(T_a(f))) as functions of the data
-        t_b = softmin(cost, consts, x, y, log_b + g / eps, eps, chunk_size)
-        t_a = softmin(cost, consts, x, y, log_a + f / eps, eps, chunk_size, axis=0)
+        # T's own slope in eps is epsilon_slope's (below), not the log-sum-exp's vjp
+        t_b = softmin(cost, consts, x, y, log_b + g / held, held, chunk_size)
+        t_a = softmin(cost, consts, x, y, log_a + f / held, held, chunk_size, axis=0)
         return (
             marginals.update(side_a, t_b, a, eps),
             marginals.update(side_b, t_a, b, eps),
@@ -240,6 +255,9 @@ def _potentials_bwd(cost, chunk_size, max_steps, relaxed, residuals, cotangents)
     )
     lam_f, lam_g = jnp.where(on_a, r_diag * w_f, v_f), jnp.where(on_b, c_diag * w_g, v_g)
     dx, dy, deps, dconsts = pullback((lam_f, lam_g))
+    slope = functools.partial(epsilon_slope, cost, consts, x, y, eps, chunk_size)
+    deps = deps + tau_a * jnp.sum(lam_f * slope(t_b, g, log_b))
+    deps = deps + tau_b * jnp.sum(lam_g * slope(t_a, f, log_a, axis=0))
     # d T_a(f)_j / d a_i = -eps exp((f_i + T_a(f)_j - C_ij) / eps), finite at a_i = 0;
     # a relaxed side's update also holds -(1 - tau) eps log a.
     da = -tau_b * eps * kernel(f / eps, t_a / eps, lam_g, axis=1)
