@@ -95,7 +95,7 @@ def reg_ot_cost(cost, chunk_size, relaxed, x, y, a, b, eps, consts, taus, f, g, 
 def _frozen_value(sides, a, b, eps, f, g, t_b):
     """The cost at frozen potentials, with the plan's mass from ``T_b(g)``."""
     plan_mass = jnp.sum(a * jnp.exp((f - t_b) / eps))
-    return _cost_value(sides, a, b, eps, f, g, plan_mass), t_b
+    return _cost_value(sides, a, b, eps, f, g, plan_mass)
 
 
 def _reg_ot_cost_fwd(cost, chunk_size, relaxed, *args):
@@ -116,13 +116,12 @@ def _reg_ot_cost_bwd(cost, chunk_size, relaxed, residuals, cotangent):
     held = jax.lax.stop_gradient(eps)
 
     def frozen(x, y, a, eps, consts):
-        return _frozen_value(sides, a, b, eps, f, g, softmin(
-            cost, consts, x, y, log_b + g / held, held, chunk_size
-        ))  # fmt: skip
+        t_b = softmin(cost, consts, x, y, log_b + g / held, held, chunk_size)
+        return _frozen_value(sides, a, b, eps, f, g, t_b), t_b
 
     _, vjp, t_b = jax.vjp(frozen, x, y, a, eps, consts, has_aux=True)
     dx, dy, da, deps, dconsts = vjp(cotangent)
-    _, through_t = jax.vjp(lambda t: _frozen_value(sides, a, b, eps, f, g, t)[0], t_b)
+    _, through_t = jax.vjp(functools.partial(_frozen_value, sides, a, b, eps, f, g), t_b)
     (dt_b,) = through_t(cotangent)
     deps = deps + jnp.sum(dt_b * epsilon_slope(cost, consts, x, y, eps, chunk_size, t_b, g, log_b))
     # b enters the logsumexp through log b (infinite slope at b_j = 0), so its
@@ -229,27 +228,36 @@ def _potentials_bwd(cost, chunk_size, max_steps, relaxed, residuals, cotangents)
     )  # R^T
     r_diag, c_diag = r / tau_a, c / tau_b
 
-    u_f, u_g = on_a.astype(f.dtype), -on_b.astype(g.dtype)  # K's null vector if balanced
-    # Balanced, K + s u u^T: definite, and its solution for a right-hand side off u is
-    # K's off u. s puts u's eigenvalue of the preconditioned system at 1, inside the
-    # spectrum: K alone let float32 CG grow w along u (a million times the solution
-    # after a few hundred steps), stall at 1e-3, and the gradients along u, which cancel
-    # exactly, came back as the difference of two large sums.
-    gauge = (jnp.sum(r) + jnp.sum(c)) / (jnp.sum(u_f) - jnp.sum(u_g)) ** 2 if balanced else 0.0
+    # Balanced, K's null vector u = (1, -1) over the points of positive weight. CG solves
+    # K + s u u^T: definite, and its solution for a right-hand side off u is K's off u.
+    # s puts u's eigenvalue of the preconditioned system at 1, inside the spectrum: K
+    # alone let float32 CG grow w along u (a million times the solution after a few
+    # hundred steps), stall at 1e-3, and the gradients along u, which cancel exactly,
+    # came back as the difference of two large sums.
+    u = (on_a.astype(f.dtype), -on_b.astype(g.dtype))
+
+    def dot_u(w):
+        return jnp.sum(w[0] * u[0]) + jnp.sum(w[1] * u[1])
+
+    u_norm = dot_u(u)
+    gauge = (jnp.sum(r) + jnp.sum(c)) / u_norm**2
 
     def plan_system(w):
-        along = gauge * (jnp.sum(w[0] * u_f) + jnp.sum(w[1] * u_g))
-        return (
-            r_diag * w[0] + kernel(log_pf, log_pg, w[1], axis=1) + along * u_f,
-            c_diag * w[1] + kernel(log_pf, log_pg, w[0], axis=0) + along * u_g,
+        out = (
+            r_diag * w[0] + kernel(log_pf, log_pg, w[1], axis=1),
+            c_diag * w[1] + kernel(log_pf, log_pg, w[0], axis=0),
         )
+        if not balanced:
+            return out
+        along = gauge * dot_u(w)
+        return out[0] + along * u[0], out[1] + along * u[1]
 
     def jacobi(w):
         return jnp.where(r > 0, w[0] / r_diag, 0.0), jnp.where(c > 0, w[1] / c_diag, 0.0)
 
     if balanced:  # off u, as it is up to rounding
-        along = (jnp.sum(rhs[0] * u_f) + jnp.sum(rhs[1] * u_g)) / (jnp.sum(u_f) - jnp.sum(u_g))
-        rhs = (rhs[0] - along * u_f, rhs[1] - along * u_g)
+        along = dot_u(rhs) / u_norm
+        rhs = (rhs[0] - along * u[0], rhs[1] - along * u[1])
     (w_f, w_g), _ = cg(
         plan_system, rhs, M=jacobi, maxiter=max_steps, tol=_CG_RTOL[jnp.dtype(f.dtype).name]
     )
