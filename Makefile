@@ -37,8 +37,9 @@ demo: $(VENV)/.installed
 # each: XLA:CPU has crashed after about 840 compilations in one process (Diffrax's
 # adjoint tests, about a hundred compilations of their own, crashed a worker of the first).
 # The conformance grids (tests marked `grid`: the matrix, the ported neural-tangents and
-# Diffrax tests) run a stratified sample whose seed the header prints (tests/_grid.py);
-# `make test-full` runs every case.
+# Diffrax tests) run a stratified sample, and of the other `slow` tests a quarter of each
+# file's (at least one), chosen by a seed the header prints (tests/_grid.py): every file
+# runs, every slow test runs in some runs. `make test-full` runs every test and case.
 PORTED := $(wildcard tests/test_nt_ported_*.py)
 OWN_PROCESS := tests/test_matrix.py tests/test_diffrax_adjoint.py $(PORTED)
 test: $(VENV)/.installed-test

@@ -1,9 +1,14 @@
-"""Sampled conformance grids, as JAX's own suite samples its parametrized cases
-(``JAX_NUM_GENERATED_CASES``).
+"""Sampled conformance grids and a sampled slow tier, as JAX's own suite samples its
+parametrized cases (``JAX_NUM_GENERATED_CASES``) and runs the rest in a fuller lane.
 
 A test marked ``grid`` (a parametrized conformance grid: the dtype x transformation
 matrix, the ported neural-tangents and Diffrax suites) runs a deterministic, stratified
-sample of its cases in ``make test`` and every case under ``make test-full``:
+sample of its cases in ``make test`` and every case under ``make test-full``. Of the other
+tests marked ``slow`` (larger compilations: memory at two sizes, peers at their own sizes,
+several devices in a subprocess, the documentation's examples), ``make test`` runs a
+seeded :data:`SLOW_FRACTION` of each file's, at least one per file (:func:`sample_slow`),
+so every file runs in CI and every slow test runs in some CI runs; ``make test-full``
+runs them all. The fast lane (``-m "not slow"``) and every doctest always run.
 
 - ``MEMWISE_TEST_GRID=full`` runs every case; ``sample`` (the default) runs a sample.
 - ``MEMWISE_TEST_SEED`` chooses the sample. Unset, the suite draws one and prints it in
@@ -29,6 +34,7 @@ import random
 from collections.abc import Hashable, Sequence
 
 DEFAULT_FRACTION = 0.25
+SLOW_FRACTION = 0.25
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -116,3 +122,15 @@ def sample_product(
         return product
     cases = [strata(case, {n: list(options[n]).index(case[n]) for n in names}) for case in product]
     return [product[i] for i in sample(cases, fraction, key)]
+
+
+def sample_slow(names: Sequence[str], key: str, fraction: float = SLOW_FRACTION) -> list[int]:
+    """Positions of the chosen tests among one file's slow tests (``names``, their node
+    ids, in collection order): ``ceil(fraction * len(names))`` of them, at least one,
+    in an order seeded by the run's seed and ``key`` (the file), returned sorted. Every
+    test is as likely to be chosen, so across runs every slow test runs in CI."""
+    if not names:
+        return []
+    order = list(range(len(names)))
+    random.Random(f"{seed()}:slow:{key}").shuffle(order)
+    return sorted(order[: max(1, math.ceil(fraction * len(names)))])

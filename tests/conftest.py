@@ -72,8 +72,8 @@ def pytest_report_header(config):
     if _grid.mode() == "full":
         return "grids: full (MEMWISE_TEST_GRID=full)"
     return (
-        f"grids: sampled, seed {_grid.seed()} (MEMWISE_TEST_SEED={_grid.seed()} repeats"
-        " this sample; MEMWISE_TEST_GRID=full runs every case)"
+        f"grids and slow tests: sampled, seed {_grid.seed()} (MEMWISE_TEST_SEED={_grid.seed()}"
+        " repeats this sample; MEMWISE_TEST_GRID=full runs every case)"
     )
 
 
@@ -92,6 +92,15 @@ def pytest_collection_modifyitems(config, items):
         fraction = marker.kwargs.get("fraction", _grid.DEFAULT_FRACTION)
         cases = [_grid.strata(i.callspec.params, i.callspec.indices) for i in group]
         keep = set(_grid.sample(cases, fraction, key))
+        dropped += [item for i, item in enumerate(group) if i not in keep]
+    # The slow tier outside the grids' cases: a seeded share of each file's (tests/_grid.py).
+    sampled = {id(item) for _, group in groups.values() for item in group}
+    slow: dict = {}
+    for item in items:
+        if item.get_closest_marker("slow") and id(item) not in sampled:
+            slow.setdefault(item.nodeid.split("::")[0], []).append(item)
+    for path, group in slow.items():
+        keep = set(_grid.sample_slow([i.nodeid for i in group], path))
         dropped += [item for i, item in enumerate(group) if i not in keep]
     if dropped:
         drop = set(map(id, dropped))
