@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from memwise._arguments import positive_int
 from memwise._dtypes import accumulation_dtype
@@ -157,7 +158,12 @@ def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size):
         applied = plan.apply(columns.T, axis=1).T
     else:
         applied = _held_apply(plan, columns)  # [P |y|^2, P y]: [n, d' + 1]
-    plan_ay = jnp.concatenate([applied[:, :1], p[:, None], -2.0 * applied[:, 1:]], axis=1)
+    # [P |y|^2, p, -2 P y] as a product with a constant placement: its transpose is one
+    # product too (a concatenation of slices transposes to a pad per slice).
+    place = np.zeros((applied.shape[1], applied.shape[1] + 1), applied.dtype)
+    place[0, 0] = 1.0
+    place[1:, 2:] = -2.0 * np.eye(applied.shape[1] - 1)
+    plan_ay = applied @ place + p[:, None] * np.eye(1, place.shape[1], 1, dtype=applied.dtype)
     g = jnp.concatenate(
         [jnp.sum(plan_ay, axis=0, keepdims=True), (sq_x @ plan_ay)[None], x.T @ plan_ay]
     )  # B^T P A': [d + 2, d' + 2]
