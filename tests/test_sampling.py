@@ -24,6 +24,7 @@ def test_every_slow_test_is_chosen_by_some_seed(monkeypatch):
 
 
 def test_a_grid_sample_covers_every_value_of_every_parameter(monkeypatch):
+    monkeypatch.setenv("MEMWISE_TEST_GRID", "sample")  # as make test-full sets "full"
     monkeypatch.setenv("MEMWISE_TEST_SEED", "3")
     cases = _grid.sample_product(
         "k",

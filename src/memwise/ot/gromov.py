@@ -41,6 +41,7 @@ relative in the value, 4e-3 in the gradients), and to 1e-6 with tight inner thre
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, NamedTuple
 
@@ -106,15 +107,47 @@ def _inner(p: Array, q: Array) -> Array:
     return jnp.dot(p, q)
 
 
+def _fourth(xi: Array, xk: Array) -> Array:
+    # Expanded, so that over a tile the cross term is one matrix product (the
+    # difference would hold rows x cols x d values), as OTT's factored form does.
+    return jnp.square(jnp.sum(xi * xi) + jnp.sum(xk * xk) - 2.0 * jnp.dot(xi, xk))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _squared_distances_applied(x: Array, weights: Array, chunk_size: Any) -> Array:
-    """``(Cx^2 w)_i = sum_k |x_i - x_k|^4 w_k``: one chunked sum over pairs."""
+    """``(Cx^2 w)_i = sum_k |x_i - x_k|^4 w_k``: one chunked sum over pairs.
 
-    def fourth(xi, xk):
-        # Expanded, so that over a tile the cross term is one matrix product (the
-        # difference would hold rows x cols x d values), as OTT's factored form does.
-        return jnp.square(jnp.sum(xi * xi) + jnp.sum(xk * xk) - 2.0 * jnp.dot(xi, xk))
+    Its gradient uses the symmetry of ``|x_i - x_k|^4``: ``x`` is both operands, so the
+    pass's own gradient would accumulate one cotangent per operand (two ``[n, d]``
+    buffers); here ``d/dx_j = sum_k (c_j w_k + w_j c_k) d/dx_j |x_j - x_k|^4`` is the
+    row operand's gradient of one pass with the two weights ``(w, c)`` as columns, and
+    row cotangents ``(c, w)``.
+    """
+    return pairwise_reduce(_fourth, x, x, reduce="sum", weights=weights, chunk_size=chunk_size)
 
-    return pairwise_reduce(fourth, x, x, reduce="sum", weights=weights, chunk_size=chunk_size)
+
+def _squared_distances_applied_fwd(x, weights, chunk_size):
+    return _squared_distances_applied(x, weights, chunk_size), (x, weights)
+
+
+def _squared_distances_applied_bwd(chunk_size, residuals, ct):
+    x, weights = residuals
+    held = jax.lax.stop_gradient(x)
+
+    def both(x):  # [n, 2]: sum_k f(x_i, x_k) w_k and sum_k f(x_i, x_k) c_k
+        pair = jnp.stack([weights, ct], axis=1)
+        return pairwise_reduce(_fourth, x, held, reduce="sum", weights=pair, chunk_size=chunk_size)
+
+    _, vjp = jax.vjp(both, x)
+    (ct_x,) = vjp(jnp.stack([ct, weights], axis=1))
+    # d/dw_k sum_i c_i sum_k f(x_i, x_k) w_k = sum_i f(x_k, x_i) c_i (f is symmetric).
+    ct_weights = pairwise_reduce(
+        _fourth, held, held, reduce="sum", weights=ct, chunk_size=chunk_size
+    )
+    return ct_x.astype(x.dtype), ct_weights.astype(weights.dtype)
+
+
+_squared_distances_applied.defvjp(_squared_distances_applied_fwd, _squared_distances_applied_bwd)
 
 
 @jax.custom_vjp
