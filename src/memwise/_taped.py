@@ -192,6 +192,10 @@ def take(tree: list, index: Any) -> list:
     return [lax.dynamic_index_in_dim(a, index, 0, keepdims=False) for a in tree]
 
 
+def put(buffers: list, values: list, slot: Any) -> list:
+    return [lax.dynamic_update_index_in_dim(b, v, slot, 0) for b, v in zip(buffers, values)]
+
+
 def store(buffers: list, values: list, slot: Any, do: Any) -> list:
     # Read-select-write touches one slot per step instead of the whole buffer, and keeps
     # the update in place inside XLA loops.
