@@ -182,26 +182,61 @@ def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size):
     ``u = Cx^2 p``, ``v = Cy^2 q``. ``P A' = [P |y|^2, p, -2 P y]`` takes ``d' + 1``
     applications of the plan (``P 1 = p``); ``A`` and ``B`` are never formed.
     """
-    sq_x = jnp.sum(x * x, axis=1)
     sq_y = jnp.sum(y * y, axis=1)
     columns = jnp.concatenate([sq_y[:, None], y], axis=1)
     if isinstance(plan, _Product):
         applied = plan.apply(columns.T, axis=1).T
     else:
         applied = _held_apply(plan, columns)  # [P |y|^2, P y]: [n, d' + 1]
-    # [P |y|^2, p, -2 P y] as a product with a constant placement: its transpose is one
-    # product too (a concatenation of slices transposes to a pad per slice).
-    place = np.zeros((applied.shape[1], applied.shape[1] + 1), applied.dtype)
-    place[0, 0] = 1.0
-    place[1:, 2:] = -2.0 * np.eye(applied.shape[1] - 1)
-    plan_ay = applied @ place + p[:, None] * np.eye(1, place.shape[1], 1, dtype=applied.dtype)
-    g = jnp.concatenate(
-        [jnp.sum(plan_ay, axis=0, keepdims=True), (sq_x @ plan_ay)[None], x.T @ plan_ay]
-    )  # B^T P A': [d + 2, d' + 2]
-    a_g = sq_x[:, None] * g[0] + g[1] - 2.0 * (x @ g[2:])  # A G: [n, d' + 2]
     u = _squared_distances_applied(x, p, chunk_size)
     v = _squared_distances_applied(y, q, chunk_size)
-    left = [u[:, None], jnp.ones_like(u)[:, None], a_g]
+    return _augmented(x, y, fx, fy, jnp.asarray(penalty, x.dtype), applied, p, u, v)
+
+
+def _b(x: Array, sq_x: Array, c: Array) -> Array:
+    """``B c`` with ``B = [1, |x|^2, x]`` (never formed): ``[n, k]`` for ``c`` ``[d + 2, k]``."""
+    return c[0] + sq_x[:, None] * c[1] + x @ c[2:]
+
+
+def _b_transposed(x: Array, sq_x: Array, w: Array) -> Array:
+    """``B^T w``: ``[d + 2, k]`` for ``w`` ``[n, k]``."""
+    return jnp.concatenate([jnp.sum(w, 0, keepdims=True), (sq_x @ w)[None], x.T @ w])
+
+
+def _swapped(g: Array) -> Array:
+    """``S g`` with ``A = B S``: ``[g_1, g_0, -2 g_2:]`` (``S`` is symmetric)."""
+    return jnp.concatenate([g[1:2], g[:1], -2.0 * g[2:]])
+
+
+def _placement(width: int, dtype: Any) -> np.ndarray:
+    """``place`` in ``P A' = [P |y|^2, p, -2 P y] = [P |y|^2, P y] place + p e_1``
+    (``width = d' + 2`` columns; column 1, ``p``'s, is zero)."""
+    place = np.zeros((width - 1, width), dtype)
+    place[0, 0] = 1.0
+    place[1:, 2:] = -2.0 * np.eye(width - 2)
+    return place
+
+
+@jax.custom_vjp
+def _augmented(x, y, fx, fy, penalty, applied, p, u, v):
+    """``_linearised``'s algebra, given ``applied = [P |y|^2, P y]`` and ``u``, ``v``.
+
+    Its backward is written out: the cotangents of the ``[n, d' + 4]`` augmented points
+    reach ``x`` through products with ``(d + 2) x (d' + 2)`` matrices, so that no slice
+    of them and no ``[n, d' + 2]`` product (``P A'``, ``A G`` or their cotangents) is
+    formed; JAX's own backward held about five such arrays at once.
+    """
+    return _augmented_fwd(x, y, fx, fy, penalty, applied, p, u, v)[0]
+
+
+def _augmented_fwd(x, y, fx, fy, penalty, applied, p, u, v):
+    sq_x = jnp.sum(x * x, axis=1)
+    sq_y = jnp.sum(y * y, axis=1)
+    place = _placement(applied.shape[1] + 1, applied.dtype)
+    # G = B^T P A' = (B^T [P |y|^2, P y]) place + (B^T p) e_1: P A' is never formed.
+    g = _b_transposed(x, sq_x, applied) @ place
+    g = g.at[:, 1].set(_b_transposed(x, sq_x, p[:, None])[:, 0])
+    left = [u[:, None], jnp.ones_like(u)[:, None], _b(x, sq_x, _swapped(g))]  # A G = B S G
     ones = jnp.ones_like(v)[:, None]
     right = [ones, v[:, None], -2.0 * ones, -2.0 * sq_y[:, None], -2.0 * y]
     if fx is not None:
@@ -209,7 +244,48 @@ def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size):
         right[1] = right[1] + penalty * jnp.sum(fy * fy, 1, keepdims=True)
         left.append(fx)
         right.append(-2.0 * penalty * fy)
-    return jnp.concatenate(left, 1), jnp.concatenate(right, 1)
+    points = jnp.concatenate(left, 1), jnp.concatenate(right, 1)
+    return points, (x, y, fx, fy, penalty, applied, p, g)
+
+
+def _augmented_bwd(residuals, cotangents):
+    x, y, fx, fy, penalty, applied, p, g = residuals
+    ct_left, ct_right = cotangents
+    sq_x = jnp.sum(x * x, axis=1)
+    width = g.shape[1]
+    place = _placement(width, g.dtype)
+    # A G is left's columns 2 : 2 + width; its cotangent is read through products with
+    # this selection (zero elsewhere), never sliced out.
+    select = np.zeros((ct_left.shape[1], width), g.dtype)
+    select[2 : 2 + width] = np.eye(width)
+    ct_g = _swapped(_b_transposed(x, sq_x, ct_left) @ select)  # S B^T ct_AG
+    # d/dx_i of sum(w * (B c)) is 2 x_i (w_i . c_1) + c_2:^T w_i, for A G = B (S G) and
+    # for G = B^T W (W = P A' = applied place + p e_1): h = [w c_1, w c_2:^T] summed.
+    h = (
+        ct_left @ (select @ _swapped(g)[1:].T)
+        + applied @ (place @ ct_g[1:].T)
+        + p[:, None] * ct_g[1:, 1]
+    )
+    ct_x = 2.0 * x * h[:, :1] + h[:, 1:]
+    ct_applied = _b(x, sq_x, ct_g @ place.T)  # ct_W = B ct_G, placed back
+    ct_p = _b(x, sq_x, ct_g[:, 1:2])[:, 0]
+    d = y.shape[1]
+    # right = [1, v, -2, -2 |y|^2, -2 y, -2 penalty fy]
+    ct_y = -2.0 * ct_right[:, 4 : 4 + d] - 4.0 * y * ct_right[:, 3:4]
+    ct_fx = ct_fy = None
+    ct_penalty = jnp.zeros_like(penalty)
+    if fx is not None:
+        sq_fx, sq_fy = jnp.sum(fx * fx, axis=1), jnp.sum(fy * fy, axis=1)
+        ct_features = ct_right[:, 4 + d :]
+        ct_fx = ct_left[:, 2 + width :] + 2.0 * penalty * ct_left[:, :1] * fx
+        ct_fy = -2.0 * penalty * ct_features + 2.0 * penalty * ct_right[:, 1:2] * fy
+        ct_penalty = (
+            ct_left[:, 0] @ sq_fx + ct_right[:, 1] @ sq_fy - 2.0 * jnp.sum(ct_features * fy)
+        )
+    return ct_x, ct_y, ct_fx, ct_fy, ct_penalty, ct_applied, ct_p, ct_left[:, 0], ct_right[:, 1]
+
+
+_augmented.defvjp(_augmented_fwd, _augmented_bwd)
 
 
 def gromov_wasserstein(
