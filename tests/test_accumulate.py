@@ -112,7 +112,7 @@ def test_bad_inputs():
     params, batch = _problem(n=48)
     with pytest.raises(ValueError, match=r"48 examples.*microbatches=7"):
         mw.accumulate_grad(_loss, params, batch, microbatches=7)
-    with pytest.raises(ValueError, match=">= 1"):
+    with pytest.raises(ValueError, match="microbatches must be a positive int or 'auto', got 0"):
         mw.accumulate_grad(_loss, params, batch, microbatches=0)
     with pytest.raises(TypeError, match="microbatches"):
         mw.accumulate_grad(_loss, params, batch, microbatches=2.0)

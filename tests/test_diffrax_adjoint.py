@@ -436,5 +436,6 @@ def test_unsafe_brownian_path_is_refused():
     "checkpoints, error", [(0, ValueError), (2.5, TypeError), ("many", TypeError)]
 )
 def test_bad_checkpoints(checkpoints, error):
-    with pytest.raises(error, match="checkpoints"):
+    # the wording of every loop's checkpoints= (memwise._loop_inputs.checkpoint_count)
+    with pytest.raises(error, match="checkpoints must be a positive int"):
         MEMWISE(checkpoints=checkpoints)

@@ -23,6 +23,7 @@ from _attention_reference import dense_attention
 from _close import TOLERANCE, assert_close
 
 import memwise as mw
+import memwise.nt as nt
 
 pytestmark = pytest.mark.usefixtures("float64_module")
 
@@ -1486,3 +1487,82 @@ def test_bad_input_names_the_argument(name):
         call()
     assert words in str(info.value), str(info.value)
     assert "jax._src" not in str(info.value)
+
+
+def _q_of_12():
+    return jnp.ones((2, 12, 4))
+
+
+def _no_kernel(x1, x2=None, *args, **kwargs):
+    return None
+
+
+# Every public count argument is checked by one helper (memwise._arguments.positive_int
+# and non_negative_int) in one wording: (call with the count, its name, the least count).
+COUNT_ARGUMENTS = {
+    "accumulate_grad microbatches": (
+        lambda v: mw.accumulate_grad(_PAIR, _X, _X, microbatches=v),
+        "microbatches",
+        1,
+    ),
+    "attention stripes": (
+        lambda v: mw.attention(_q_of_12(), _q_of_12(), _q_of_12(), stripes=v),
+        "stripes",
+        1,
+    ),
+    "stripe stripes": (lambda v: mw.stripe(_q_of_12(), v), "stripe: stripes", 1),
+    "scan checkpoints": (
+        lambda v: mw.scan(lambda c, x: (c, None), 1.0, None, 3, checkpoints=v),
+        "checkpoints",
+        1,
+    ),
+    "scan nested checkpoints": (
+        lambda v: mw.scan(lambda c, x: (c, None), 1.0, None, 3, schedule="nested", checkpoints=v),
+        "checkpoints",
+        1,
+    ),
+    "scan length": (lambda v: mw.scan(lambda c, x: (c, None), 1.0, None, v), "length", 0),
+    "while_loop max_steps": (
+        lambda v: mw.while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, max_steps=v),
+        "max_steps",
+        1,
+    ),
+    "chunked_map chunk_size": (
+        lambda v: mw.chunked_map(jnp.sin, _X, chunk_size=v),
+        "chunk_size",
+        1,
+    ),
+    "sinkhorn max_iterations": (
+        lambda v: mw.ot.sinkhorn(_X, _X, max_iterations=v),
+        "max_iterations",
+        1,
+    ),
+    "sinkhorn_divergence min_iterations": (
+        lambda v: mw.ot.sinkhorn_divergence(_X, _X, min_iterations=v),
+        "min_iterations",
+        0,
+    ),
+    "taylor_expand degree": (
+        lambda v: mw.taylor_expand(lambda p, x: p["w"] * x, {"w": _X}, v),
+        "degree",
+        0,
+    ),
+    "nt.batch batch_size": (lambda v: nt.batch(_no_kernel, batch_size=v), "batch_size", 0),
+    "nt.monte_carlo_kernel_fn n_samples": (
+        lambda v: nt.monte_carlo_kernel_fn(None, _no_kernel, None, v),
+        "n_samples",
+        1,
+    ),
+    "nt.stax.Dense out_dim": (lambda v: nt.stax.Dense(v), "stax.Dense out_dim", 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COUNT_ARGUMENTS))
+def test_count_arguments_share_one_check(name):
+    call, argument, least = COUNT_ARGUMENTS[name]
+    wording = f"{argument} must be " + ("a positive int" if least == 1 else "an int >= 0")
+    for value, error in ((least - 1, ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(error) as info:
+            call(value)
+        assert str(info.value).startswith(wording), str(info.value)
+        assert f"got {value!r}" in str(info.value), str(info.value)

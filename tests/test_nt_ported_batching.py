@@ -163,9 +163,9 @@ def test_batch_memory_is_one_tile():
     assert large - small < 4 * (64 * 64 - 16 * 16) * 4 + 256 * 1024, (small, large)
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True])
-def test_batch_size_checked(bad):
-    with pytest.raises(ValueError, match="batch_size"):
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_batch_size_checked(bad, error):
+    with pytest.raises(error, match="batch_size must be an int >= 0"):
         nt.batch(lambda a, b: a, batch_size=bad)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -328,6 +329,19 @@ def test_convergence_flags_and_iteration_cap():
     assert bool(done.converged)
     n_it = int(done.n_iterations)
     assert done.errors[n_it - 1] < 1e-3 and np.all(np.asarray(done.errors[n_it:]) == -1)
+
+
+def test_public_functions_take_the_problem_arguments_by_prepare_names():
+    # sinkhorn and sinkhorn_divergence hand their arguments to prepare by its parameter
+    # names (memwise.ot.api._problem): each must take every one, with prepare's default.
+    from memwise.ot.problem import prepare
+
+    for fn in (ot.sinkhorn, ot.sinkhorn_divergence):
+        public = inspect.signature(fn).parameters
+        for name, parameter in inspect.signature(prepare).parameters.items():
+            assert name in public, (fn.__name__, name)
+            if parameter.default is not parameter.empty:
+                assert public[name].default == parameter.default, (fn.__name__, name)
 
 
 def test_bad_input_raises_clear_errors():

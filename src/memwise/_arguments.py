@@ -13,7 +13,8 @@ It is also the one place for the check every primitive makes of its data argumen
 (:func:`check_arrays`: a carry, the items to map over, the points of a reduction), so a
 string or an object there is named by the primitive's own argument, never by JAX's
 "not a valid JAX type"; and for the check of a count argument (:func:`positive_int`: a
-chunk size, a number of checkpoints or branches), in one wording.
+chunk size, a number of checkpoints or branches; :func:`non_negative_int` where 0 is
+allowed), in one wording.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "check_static_options",
     "describe",
     "index_tuple",
+    "non_negative_int",
     "positive_int",
     "prepare",
     "signature",
@@ -433,15 +435,20 @@ def positive_int(value: Any, name: str, *, accepts: str = "", fix: str = "") -> 
     return _int_at_least(value, 1, f"{name} must be a positive int{accepts}, got {value!r}{fix}")
 
 
-def non_negative_int(value: Any, name: str) -> int:
-    """:func:`positive_int` for a count that may be 0 (``"{name} must be an int >= 0"``).
+def non_negative_int(value: Any, name: str, *, accepts: str = "", fix: str = "") -> int:
+    """:func:`positive_int` for a count that may be 0: ``"{name} must be an int >=
+    0{accepts}, got {value!r}{fix}"``.
 
     Example::
 
         >>> non_negative_int(0, "min_iterations")
         0
+        >>> non_negative_int(-1, "degree", accepts=" (the order of the polynomial)")
+        Traceback (most recent call last):
+        ...
+        ValueError: degree must be an int >= 0 (the order of the polynomial), got -1
     """
-    return _int_at_least(value, 0, f"{name} must be an int >= 0, got {value!r}")
+    return _int_at_least(value, 0, f"{name} must be an int >= 0{accepts}, got {value!r}{fix}")
 
 
 def _int_at_least(value: Any, least: int, message: str) -> int:

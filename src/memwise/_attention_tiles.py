@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise._arguments import positive_int
 from memwise._dtypes import accumulation_dtype
 from memwise.engine import Ring, tiled_reduce
 from memwise.engine.kernels import Pattern
@@ -83,15 +84,7 @@ def dropout_rows(
 
 def stripe_count(stripes: Any, prefix: str) -> int:
     """``stripes`` as an int >= 1 (the ``s`` of :func:`memwise.stripe`), or a clear error."""
-    if isinstance(stripes, bool) or not isinstance(stripes, (int, np.integer)):
-        raise TypeError(
-            f"{prefix}stripes must be an int >= 1 (as given to mw.stripe), got {stripes!r}"
-        )
-    if stripes < 1:
-        raise ValueError(
-            f"{prefix}stripes must be an int >= 1 (as given to mw.stripe), got {stripes}"
-        )
-    return int(stripes)
+    return positive_int(stripes, f"{prefix}stripes", accepts=" (as given to mw.stripe)")
 
 
 def check_stripes(stripes: Any, lq: int, lk: int) -> tuple[int, int, int] | None:

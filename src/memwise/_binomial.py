@@ -55,9 +55,9 @@ from memwise._taped import (
     TapedStep,
     entry,
     entry_zeros,
-    perturbed_carry,
     replayed_cotangents,
     take,
+    unwrap_loop,
 )
 from memwise._vjp import (
     Static,
@@ -65,7 +65,6 @@ from memwise._vjp import (
     guard_forward_mode,
     is_zero,
     select,
-    unwrap,
 )
 from memwise.sharding import typed_zeros, vary
 
@@ -131,18 +130,12 @@ def _run(loop, consts, carry, xs):
 
 
 def _run_fwd(loop, consts, carry, xs):
-    consts, consts_perturbed = unwrap(consts)
-    carry, carry_perturbed = unwrap(carry)
-    xs, xs_perturbed = unwrap(xs)
-    carry_mask = perturbed_carry(
-        loop, consts, carry, entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
-    )
+    consts, carry, xs, perturbed = unwrap_loop(loop, consts, carry, xs)
     buffers = [
         vary(jnp.zeros((len(loop.forward),) + a.shape, a.dtype), varying_axes(a)) for a in carry
     ]
     carry, ys, stored = _sweep(loop, consts, carry, xs, buffers=buffers)
-    perturbed = Static((consts_perturbed, carry_perturbed, carry_mask, xs_perturbed))
-    return (carry, ys), (consts, xs, stored, perturbed)
+    return (carry, ys), (consts, xs, stored, Static(perturbed))
 
 
 def _run_bwd(loop, residuals, output_cotangents):

@@ -8,7 +8,8 @@ does), and turn the body into the flat, closure-converted loop the executors run
 here, below all three, so that the executors import these pieces from one place and
 nothing imports upwards into ``scan``.
 
-Contents: :func:`resolve_checkpoints` (the slot count for ``checkpoints=``),
+Contents: :func:`resolve_checkpoints` (the slot count for ``checkpoints=``) and
+:func:`checkpoint_count` (an int ``checkpoints`` checked, also for Diffrax's adjoint),
 :func:`check_callable`, :func:`check_carry_structure` and :func:`carry_type_error` (a
 changed carry structure or leaf type, with the fix), :func:`strong_carry` (the body's
 carry check and weak-type promotion), :func:`flat_step` and :func:`loop_body` (the loop
@@ -35,6 +36,7 @@ from memwise.sharding import first_items, vary, varying_over
 
 __all__ = [
     "resolve_checkpoints",
+    "checkpoint_count",
     "check_callable",
     "check_carry_structure",
     "carry_type_error",
@@ -80,13 +82,18 @@ def resolve_checkpoints(checkpoints: Any, n: int) -> int:
             f"checkpoints={checkpoints!r} is not understood; pass an int >= 1, None, "
             "'all' or 'auto'"
         )
-    kept = positive_int(
+    return min(checkpoint_count(checkpoints), n)
+
+
+def checkpoint_count(checkpoints: Any) -> int:
+    """An int ``checkpoints`` checked, in the wording of every loop that takes it (its
+    other values, None, 'all' and 'auto', are :func:`resolve_checkpoints`')."""
+    return positive_int(
         checkpoints,
         "checkpoints",
         accepts=" (the number of carries kept), None, 'all' or 'auto'",
         fix="; checkpoints=1 keeps the least memory",
     )
-    return min(kept, n)
 
 
 def check_callable(fn: Any, name: str) -> None:

@@ -60,9 +60,9 @@ from memwise._taped import (
     TapedStep,
     entry,
     entry_zeros,
-    perturbed_carry,
     replayed_cotangents,
     store,
+    unwrap_loop,
 )
 from memwise._vjp import (
     Static,
@@ -322,13 +322,8 @@ def _run(loop, consts, cond_consts, carry, written):
 
 
 def _run_fwd(loop, consts, cond_consts, carry, written):
-    consts, consts_perturbed = unwrap(consts)
+    consts, carry, written, perturbed = unwrap_loop(loop, consts, carry, written, item=list)
     cond_consts, _ = unwrap(cond_consts)
-    carry, carry_perturbed = unwrap(carry)
-    written, written_perturbed = unwrap(written)
-    carry_mask = perturbed_carry(
-        loop, consts, carry, written, consts_perturbed, carry_perturbed, written_perturbed
-    )
     c = loop.n_checkpoints
     buffers = [vary(jnp.zeros((c,) + a.shape, a.dtype), varying_axes(a)) for a in carry]
 
@@ -344,18 +339,16 @@ def _run_fwd(loop, consts, cond_consts, carry, written):
         (jnp.int32(0), carry, written, buffers, _initial_placement(c)),
     )
     stack = (placement["positions"], placement["order"], placement["count"])
-    perturbed = Static(
-        (consts_perturbed, len(cond_consts), carry_perturbed, carry_mask, written_perturbed)
-    )
+    flags = Static((perturbed, len(cond_consts)))
     # The final write-only buffers stand in for the buffers of every replayed step: the
     # body only writes them, so their values never reach a carry or a cotangent (the
     # buffers are outputs, so this keeps no array that the forward pass does not).
-    return (carry, written), (consts, written, buffers, stack, trips, perturbed)
+    return (carry, written), (consts, written, buffers, stack, trips, flags)
 
 
 def _run_bwd(loop, residuals, output_cotangents):
-    consts, written, buffers, (positions, order, count), trips, perturbed = residuals
-    consts_perturbed, n_cond, carry_perturbed, carry_mask, written_perturbed = perturbed.value
+    consts, written, buffers, (positions, order, count), trips, flags = residuals
+    (consts_perturbed, carry_perturbed, carry_mask, written_perturbed), n_cond = flags.value
     ct_carry, ct_written = output_cotangents
     c = loop.n_checkpoints
     # A float buffer's cotangent runs through the steps (a step zeroes the cotangents of

@@ -45,7 +45,7 @@ from memwise._loop_inputs import (
     loop_body,
     resolve_checkpoints,
 )
-from memwise._taped import TapedStep, entry, perturbed_carry, replayed_cotangents, store, take
+from memwise._taped import TapedStep, entry, replayed_cotangents, store, take, unwrap_loop
 from memwise._vjp import (
     Static,
     closure_convert,
@@ -339,16 +339,10 @@ def _run(loop, consts, inverse_consts, carry, xs):
 
 
 def _run_fwd(loop, consts, inverse_consts, carry, xs):
-    consts, consts_perturbed = unwrap(consts)
+    consts, init, xs, perturbed = unwrap_loop(loop, consts, carry, xs)
     inverse_consts, _ = unwrap(inverse_consts)
-    init, carry_perturbed = unwrap(carry)
-    xs, xs_perturbed = unwrap(xs)
-    carry_mask = perturbed_carry(
-        loop, consts, init, entry(xs), consts_perturbed, carry_perturbed, xs_perturbed
-    )
     final, ys, kept = _sweep(loop, consts, init, xs, record=True)
-    perturbed = Static((consts_perturbed, carry_perturbed, carry_mask, xs_perturbed))
-    return (final, ys), (consts, inverse_consts, init, final, xs, kept, perturbed)
+    return (final, ys), (consts, inverse_consts, init, final, xs, kept, Static(perturbed))
 
 
 def _run_bwd(loop, residuals, output_cotangents):

@@ -11,6 +11,9 @@ the carry of the step it reverses (restored from a revolve slot by
   cotangent and a carry leaf no input perturbs is never differentiated;
 * :func:`perturbed_carry`: which carry leaves are perturbed, the fixed point
   ``lax.scan`` computes, from the jaxpr of the body's ``jvp``;
+* :func:`unwrap_loop` and :class:`Perturbed`: the forward rule's prologue (the inputs'
+  values, which of them are perturbed, and the perturbed carry), handed to the backward
+  rule as one value;
 * :func:`replayed_cotangents`: a replaying backward rule's cotangents, refusing reverse
   mode (grad of grad) with the loop's own error;
 * slot reads and writes of stacked carries (:func:`take`, :func:`store`,
@@ -23,7 +26,7 @@ leaves.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +34,11 @@ from jax import lax
 from jax.extend.core import Var
 
 from memwise._jax_private import forbid_reverse_mode, varying_axes
-from memwise._vjp import cotangents, fill, is_differentiable, select
+from memwise._vjp import cotangents, fill, is_differentiable, select, unwrap
 from memwise.sharding import typed_zeros, vary
 
 __all__ = [
+    "Perturbed",
     "TapedStep",
     "entry",
     "entry_zeros",
@@ -42,6 +46,7 @@ __all__ = [
     "replayed_cotangents",
     "store",
     "take",
+    "unwrap_loop",
 ]
 
 
@@ -204,3 +209,37 @@ def store(buffers: list, values: list, slot: Any, do: Any) -> list:
         old = lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
         out.append(lax.dynamic_update_index_in_dim(buf, jnp.where(do, val, old), slot, 0))
     return out
+
+
+class Perturbed(NamedTuple):
+    """Which inputs of a loop's custom VJP are perturbed: what its forward rule learns
+    (:func:`unwrap_loop`) and its backward rule reads (inside a ``Static``)."""
+
+    consts: tuple[bool, ...]
+    carry: tuple[bool, ...]
+    carry_mask: list[bool]  # the carry leaves the loop perturbs (perturbed_carry)
+    xs: tuple[bool, ...]
+
+
+def unwrap_loop(
+    loop: Any,
+    consts: Sequence[Any],
+    carry: Sequence[Any],
+    xs: Sequence[Any],
+    *,
+    item: Callable[[list], list] = entry,
+) -> tuple[list, list, list, Perturbed]:
+    """``(consts, carry, xs, perturbed)``: the prologue of every executor's forward rule.
+
+    The values of the ``custom_vjp(symbolic_zeros=True)`` inputs (the closed-over arrays,
+    the carry, xs) and which of them are perturbed, with the carry leaves the loop
+    perturbs (:func:`perturbed_carry`). ``item(xs)`` is what one step receives of
+    ``xs``: one row (:func:`entry`); a while loop's buffers whole.
+    """
+    consts, consts_perturbed = unwrap(consts)
+    carry, carry_perturbed = unwrap(carry)
+    xs, xs_perturbed = unwrap(xs)
+    carry_mask = perturbed_carry(
+        loop, consts, carry, item(xs), consts_perturbed, carry_perturbed, xs_perturbed
+    )
+    return consts, carry, xs, Perturbed(consts_perturbed, carry_perturbed, carry_mask, xs_perturbed)

@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from memwise import knobs
+from memwise._arguments import positive_int
 from memwise._dtypes import accumulation_dtype
 from memwise.sharding import check_divisible, devices, row_sharding, sharded_call
 
@@ -63,10 +64,7 @@ def _resolve_microbatches(microbatches: int | str, batch_size: int) -> int:
             cost=lambda m: 1.0 + 0.03 * math.log2(m),
             default=1,
         )
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int):
-        raise TypeError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    microbatches = positive_int(microbatches, "microbatches", accepts=" or 'auto'")
     if batch_size % microbatches:
         near = [d for d in _divisors(batch_size) if d <= microbatches][-1]
         raise ValueError(

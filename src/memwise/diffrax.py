@@ -40,6 +40,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 import jax
 
 from memwise._buffers import WriteOnlyBuffer
+from memwise._loop_inputs import checkpoint_count
 from memwise._while import checked_while_loop
 
 __all__ = ["CheckpointAdjoint"]
@@ -107,16 +108,7 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         c = self.checkpoints
         if c is None or c in ("auto", "all"):
             return
-        if isinstance(c, bool) or not isinstance(c, int):
-            raise TypeError(
-                f"CheckpointAdjoint(checkpoints=...) takes an int >= 1, None, 'auto' or "
-                f"'all', got {c!r}"
-            )
-        if c < 1:
-            raise ValueError(
-                f"CheckpointAdjoint(checkpoints={c}) must be >= 1 (the carries kept); use "
-                "checkpoints=1 for the least memory"
-            )
+        checkpoint_count(c)
 
     def loop(
         self,

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise._arguments import non_negative_int
 from memwise._vjp import (
     Static,
     closure_convert,
@@ -483,10 +484,7 @@ def taylor_expand(f: Callable, params: Any, degree: int) -> TaylorExpanded:
     """
     if not callable(f):
         raise TypeError(f"f must be callable f(params, *inputs), got {type(f).__name__}")
-    if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or degree < 0:
-        raise ValueError(
-            f"degree must be an int >= 0 (the order of the Taylor polynomial), got {degree!r}"
-        )
+    non_negative_int(degree, "degree", accepts=" (the order of the Taylor polynomial)")
     leaves, static = _split(params)
     if not any(is_differentiable(leaf) for leaf in leaves):
         raise TypeError(

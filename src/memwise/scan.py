@@ -51,7 +51,7 @@ from jax import lax
 
 from memwise import _binomial
 from memwise import schedule as schedule_lib
-from memwise._arguments import check_arrays
+from memwise._arguments import check_arrays, non_negative_int, positive_int
 from memwise._loop_inputs import (
     check_callable,
     flat_step,
@@ -104,21 +104,16 @@ def _scan_length(xs: Any, length: int | None) -> int:
             "xs must have the same number of steps along axis 0"
         )
     if length is not None:
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
-            raise TypeError(f"length must be an int, got {type(length).__name__}")
-        if lengths and int(length) not in lengths:
+        n = non_negative_int(length, "length", accepts=" (the number of steps)")
+        if lengths and n not in lengths:
             raise ValueError(
                 f"length={length} does not match the leading axis of xs "
                 f"({lengths.pop()}); drop length= or make them agree"
             )
-        n = int(length)
-    elif lengths:
-        n = lengths.pop()
-    else:
-        raise ValueError("xs is None (or has no arrays): pass length= (the number of steps)")
-    if n < 0:
-        raise ValueError(f"length={n} must be >= 0")
-    return n
+        return n
+    if lengths:
+        return lengths.pop()
+    raise ValueError("xs is None (or has no arrays): pass length= (the number of steps)")
 
 
 def _check_flags(reverse: Any, unroll: Any) -> None:
@@ -247,14 +242,7 @@ def scan(
 def _nested_plan(n: int, checkpoints: Any) -> schedule_lib.NestedSchedule:
     if checkpoints is None:
         return schedule_lib.nested(n, 2)
-    if (
-        isinstance(checkpoints, str)
-        or isinstance(checkpoints, bool)
-        or not isinstance(checkpoints, (int, np.integer))
-    ):
-        raise ValueError(f"schedule='nested' takes checkpoints=None or an int, got {checkpoints!r}")
-    if checkpoints < 1:
-        raise ValueError(f"checkpoints={checkpoints} must be >= 1")
+    positive_int(checkpoints, "checkpoints", accepts=" or None with schedule='nested'")
     fewest = None
     for levels in range(2, max(3, n.bit_length() + 2)):
         plan = schedule_lib.nested(n, levels)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import random
 
+from memwise._arguments import positive_int
 from memwise.ntk import kernels as _k
 from memwise.ntk._covariance import _is_zero_ntk, _State
 from memwise.ntk.branching import _ConcatChannels
@@ -279,8 +280,7 @@ def _check_default_axes(layer: str, batch_axis: int, channel_axis: int) -> None:
 
 
 def _check_width(layer: str, arg: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"stax.{layer} {arg} must be a positive int (the width), got {value!r}")
+    positive_int(value, f"stax.{layer} {arg}", accepts=" (the width)")
 
 
 def _shape_only(rng, input_shape):

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from memwise._arguments import non_negative_int
 from memwise.chunked import over_row_chunks
 from memwise.tiling import Chunking, leading_length
 
@@ -48,8 +49,8 @@ def batch(
       ``batched_kernel_fn(x1, x2=None, *args, **kwargs)`` with ``kernel_fn``'s results.
 
     Raises:
-      ValueError: ``batch_size`` not an int >= 0. NotImplementedError: ``device_count``
-        above 1.
+      TypeError, ValueError: ``batch_size`` not an int >= 0. NotImplementedError:
+        ``device_count`` above 1.
 
     Memory/compute: one tile's temporaries plus the result; ``kernel_fn`` is called once
     per tile (each ``x2`` block's per-input work is redone for every ``x1`` block).
@@ -67,8 +68,7 @@ def batch(
     """
     if not callable(kernel_fn):
         raise TypeError(f"kernel_fn must be callable kernel_fn(x1, x2, ...), got {kernel_fn!r}")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
-        raise ValueError(f"batch_size must be an int >= 0 (0: no tiling), got {batch_size!r}")
+    non_negative_int(batch_size, "batch_size", accepts=" (0: no tiling)")
     if not isinstance(device_count, int) or device_count > 1:
         raise NotImplementedError(
             f"nt.batch(device_count={device_count!r}) is not supported by memwise.nt; use "

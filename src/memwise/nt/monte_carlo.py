@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from jax import random
 
+from memwise._arguments import positive_int
 from memwise.nt.batching import batch
 from memwise.nt.empirical import NtkImplementation, empirical_kernel_fn
 
@@ -63,7 +64,7 @@ def monte_carlo_kernel_fn(
       :func:`memwise.nt.empirical_kernel_fn`), or a generator for several counts.
 
     Raises:
-      ValueError: ``n_samples`` not a positive int or an iterable of them.
+      TypeError, ValueError: ``n_samples`` not a positive int or an iterable of them.
 
     Example::
 
@@ -77,12 +78,10 @@ def monte_carlo_kernel_fn(
         >>> mc(jnp.ones((3, 2)), None, "nngp").shape
         (3, 3)
     """
-    counts = {n_samples} if isinstance(n_samples, int) else set(n_samples)
-    if not counts or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts):
-        raise ValueError(
-            f"n_samples must be a positive int or an iterable of them, got {n_samples!r}"
-        )
-    generator = not isinstance(n_samples, int)
+    counts = set(n_samples) if isinstance(n_samples, Iterable) else {n_samples}
+    for n in counts or [n_samples]:  # an empty iterable is refused like a bad count
+        positive_int(n, "n_samples", accepts=" or an iterable of them")
+    generator = isinstance(n_samples, Iterable)
     kernel_fn = empirical_kernel_fn(apply_fn, trace_axes, diagonal_axes, vmap_axes, implementation)
 
     def sample_once(x1: Any, x2: Any, one_key: jax.Array, get: Any) -> Any:

@@ -8,6 +8,7 @@ loops of :mod:`memwise.ot.loops` on stopped inputs, and differentiated by the ru
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -209,24 +210,7 @@ def sinkhorn(
         >>> bool(out.converged), round(float(value), 1), grad_x.shape
         (True, 2.5, (300, 2))
     """
-    p = prepare(
-        x,
-        y,
-        a,
-        b,
-        cost,
-        epsilon,
-        chunk_size,
-        max_iterations,
-        threshold,
-        epsilon_scaling,
-        tau_a=tau_a,
-        tau_b=tau_b,
-        reach=reach,
-        min_iterations=min_iterations,
-        cost_gradient=cost_gradient,
-        implementation=implementation,
-    )
+    p = _problem(locals())
     n, m = p.x.shape[0], p.y.shape[0]
     if init is None:
         g_init = jnp.zeros((m,), p.x.dtype)
@@ -246,6 +230,18 @@ def sinkhorn(
             )
         g_init = jnp.asarray(g_init, p.x.dtype)
     return _in_dtype(_sinkhorn(p, g_init), p.dtype)
+
+
+# The arguments that define a Problem: sinkhorn and sinkhorn_divergence take each of them,
+# by prepare's name for it (a test holds the three signatures together).
+_PROBLEM_ARGUMENTS = tuple(inspect.signature(prepare).parameters)
+
+
+def _problem(arguments: dict[str, Any]) -> Problem:
+    """The :class:`Problem` of a public call, from its arguments (``locals()`` on entry):
+    the public functions share one call of :func:`prepare` rather than each listing its
+    sixteen arguments."""
+    return prepare(**{name: arguments[name] for name in _PROBLEM_ARGUMENTS})
 
 
 def _sinkhorn(p: Problem, g_init: Array) -> SinkhornResult:
@@ -452,24 +448,7 @@ def sinkhorn_divergence(
     """
     if not isinstance(return_results, (bool, np.bool_)):
         raise TypeError(f"return_results must be True or False, got {return_results!r}")
-    p = prepare(
-        x,
-        y,
-        a,
-        b,
-        cost,
-        epsilon,
-        chunk_size,
-        max_iterations,
-        threshold,
-        epsilon_scaling,
-        tau_a=tau_a,
-        tau_b=tau_b,
-        reach=reach,
-        min_iterations=min_iterations,
-        cost_gradient=cost_gradient,
-        implementation=implementation,
-    )
+    p = _problem(locals())
     xy = _sinkhorn(p, jnp.zeros((p.y.shape[0],), p.x.dtype))
     xx = _self_transport(p, p.x, p.a, after=xy)
     yy = _self_transport(p, p.y, p.b, after=xx)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memwise._arguments import non_negative_int, positive_int
 from memwise.engine.kernels import check_implementation
 from memwise.ot.costs import CostFn, center, cost_exponent, resolve_cost
 from memwise.ot.gradients import reverse_mode_only
@@ -122,14 +123,9 @@ def prepare(
 ) -> Problem:
     """The :class:`Problem` of a public call, every input checked before any solve."""
     _check_options(epsilon, max_iterations, threshold, epsilon_scaling)
-    if (
-        isinstance(min_iterations, bool)
-        or not isinstance(min_iterations, (int, np.integer))
-        or not 0 <= min_iterations <= max_iterations
-    ):
+    if non_negative_int(min_iterations, "min_iterations") > max_iterations:
         raise ValueError(
-            f"min_iterations must be an int in [0, max_iterations={max_iterations}], "
-            f"got {min_iterations!r}"
+            f"min_iterations ({min_iterations}) must be at most max_iterations ({max_iterations})"
         )
     if cost_gradient not in ("exact", "envelope"):
         raise ValueError(
@@ -317,12 +313,7 @@ def _check_options(epsilon: Any, max_iterations: Any, threshold: Any, epsilon_sc
                 f"epsilon must be a positive finite scalar (or None for 0.05 x std of the "
                 f"cost matrix), got {epsilon!r}"
             )
-    if (
-        isinstance(max_iterations, bool)
-        or not isinstance(max_iterations, (int, np.integer))
-        or max_iterations < 1
-    ):
-        raise ValueError(f"max_iterations must be an int >= 1, got {max_iterations!r}")
+    positive_int(max_iterations, "max_iterations")
     if not _is_real(threshold) or not threshold > 0:
         raise ValueError(f"threshold must be a positive float, got {threshold!r}")
     if epsilon_scaling is not None and not (_is_real(epsilon_scaling) and 0 < epsilon_scaling < 1):
