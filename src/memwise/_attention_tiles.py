@@ -45,17 +45,86 @@ __all__ = ["Visibility", "attend", "check_stripes", "dropout_rows", "stripe_coun
 
 @dataclasses.dataclass(frozen=True)
 class Visibility:
-    """The static part of which keys a query sees, and dropout's rate.
+    """The static part of which keys a query sees, and dropout's rate: the one encoding
+    every form of it is derived from.
 
     ``window = (left, right)``: query ``i`` sees keys ``i - left <= j <= i + right``
     (``jax.nn.dot_product_attention``'s ``local_window_size``). ``softcap``: scores
     become ``softcap * tanh(s / softcap)`` before the bias and masks.
+
+    Derived forms, as splash attention derives its block tables from one mask object:
+    :attr:`offsets` (the range of ``j - i`` a visible pair has: what a fused kernel's
+    mask is built from), :meth:`pair_mask` (a tile's pairs, in ``tile_fn``),
+    :meth:`tile_may_see` (whether a tile can hold a visible pair: the engine's ``live``)
+    and :attr:`band` (the engine's ``band``). Masks, padding lengths and segment ids are
+    operands, not part of it.
     """
 
     causal: bool = False
     window: tuple[int, int] | None = None
     softcap: float | None = None
     dropout_rate: float = 0.0
+
+    @property
+    def offsets(self) -> tuple[int | None, int | None]:
+        """``(lo, hi)``: query position ``i`` sees key position ``j`` only if
+        ``lo <= j - i <= hi`` (``None``: no bound on that side)."""
+        lo, hi = (None, None) if self.window is None else (-self.window[0], self.window[1])
+        if self.causal:
+            hi = 0 if hi is None else min(hi, 0)
+        return lo, hi
+
+    @property
+    def by_position(self) -> bool:
+        """Whether positions hide some pairs (causal or a window): tiles may be skipped."""
+        return self.offsets != (None, None)
+
+    @property
+    def band(self) -> tuple[int, int] | None:
+        """The engine's ``band``: :attr:`offsets` when both are bounded, else None (for
+        keys and queries whose positions are their indices)."""
+        lo, hi = self.offsets
+        return None if lo is None or hi is None else (lo, hi)
+
+    def pair_mask(
+        self, q_pos: jax.Array, k_pos: jax.Array, keep: jax.Array | None = None
+    ) -> jax.Array | None:
+        """The pairs of ``keep`` (None: all) visible by position (``q_pos`` and ``k_pos``
+        broadcast against each other, e.g. ``(R, 1)`` and ``(1, C)``); None: all are.
+
+        The causal and window tests stay apart, each against the key positions (the
+        form the compiled memory was measured with: one test from the offsets changed a
+        causal window's gradient temporaries by 520 bytes)."""
+
+        def both(extra: jax.Array) -> jax.Array:
+            return extra if keep is None else keep & extra
+
+        if self.causal:
+            keep = both(k_pos <= q_pos)
+        if self.window is not None:
+            left, right = self.window
+            keep = both((q_pos <= k_pos + left) & (q_pos >= k_pos - right))
+        return keep
+
+    def tile_may_see(
+        self, first_q: jax.Array, last_q: jax.Array, first_k: jax.Array, last_k: jax.Array
+    ) -> jax.Array:
+        """Whether queries at positions in ``[first_q, last_q]`` and keys in ``[first_k,
+        last_k]`` hold a pair :meth:`pair_mask` keeps (exact for whole ranges: ``j - i``
+        then covers ``[first_k - last_q, last_k - first_q]``, which must meet
+        :attr:`offsets`)."""
+        ok = jnp.asarray(True)
+        if self.causal:
+            ok &= first_k <= last_q
+        if self.window is not None:
+            left, right = self.window
+            ok &= (last_k >= first_q - left) & (first_k <= last_q + right)
+        return ok
+
+    def may_hide_whole_rows(self, q_length: int, kv_length: int) -> bool:
+        """Whether a query may see no key by position alone: a causal query sees key 0,
+        and within a window query ``i`` sees key ``i`` if ``i < kv_length``."""
+        return self.window is not None and q_length > kv_length
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -221,16 +290,13 @@ def attend(
         row_offset=row_offset,
     )
     skips = (
-        visibility.causal
-        or visibility.window is not None
+        visibility.by_position
         or live_segments is not None
         or any(n is not None for n in live_lengths)
     )
-    # A window on unshifted, unstriped indices: key j - query i lies in a band.
-    band = None
-    if visibility.window is not None and stripes is None and row_offset is None and ring is None:
-        left, right = visibility.window
-        band = (-left, min(right, 0) if visibility.causal else right)
+    # Positions that are the indices (unshifted, unstriped): a window is a band of them.
+    indexed = stripes is None and row_offset is None and ring is None
+    band = visibility.band if indexed else None
     tiles, requested = _resolve_tiles(
         lq,
         lk,
@@ -294,10 +360,7 @@ def _kernel_pattern(
     return Pattern(
         "dot_product_attention",
         (
-            ("causal", vis.causal),
-            ("window", vis.window),
-            ("softcap", vis.softcap),
-            ("dropout_rate", vis.dropout_rate),
+            ("visibility", vis),
             ("groups", groups),
             ("rows", tuple(sorted(rows))),
             ("cols", tuple(sorted(cols))),
@@ -405,13 +468,11 @@ def _tile_function(
         def both(extra):
             return extra if keep is None else keep & extra
 
-        pos = _query_positions(row_ids, consts, stripes)[:, None]
-        cid = _key_positions(col_ids, stripes)[None, :]
-        if vis.causal:
-            keep = both(cid <= pos)
-        if vis.window is not None:
-            left, right = vis.window
-            keep = both((pos <= cid + left) & (pos >= cid - right))
+        keep = vis.pair_mask(
+            _query_positions(row_ids, consts, stripes)[:, None],
+            _key_positions(col_ids, stripes)[None, :],
+            keep,
+        )
         if "seg" in r:
             keep = both(r["seg"][:, None] == c["seg"][None, :])
         if "keep" in r:
@@ -440,12 +501,7 @@ def _live_predicate(vis: Visibility, stripes: tuple[int, int, int] | None) -> An
         # are contiguous within each stripe) and, for segments, every batch row's ids.
         pos, kpos = _query_positions(row_ids, consts, stripes), _key_positions(col_ids, stripes)
         first_q, last_q, first_k, last_k = pos.min(), pos.max(), kpos.min(), kpos.max()
-        ok = jnp.asarray(True)
-        if vis.causal:
-            ok &= first_k <= last_q
-        if vis.window is not None:
-            left, right = vis.window
-            ok &= (last_k >= first_q - left) & (first_k <= last_q + right)
+        ok = vis.tile_may_see(first_q, last_q, first_k, last_k)
         if "live_q_length" in consts:
             ok &= first_q < consts["live_q_length"]
         if "live_kv_length" in consts:

@@ -161,7 +161,7 @@ class Checked:
     def may_see_nothing(self) -> bool:
         """Whether some query may see no key (its row then needs a correction).
 
-        A causal query always sees key 0; within a window, query i sees key i if i < S;
+        Positions hide a whole row only as :meth:`Visibility.may_hide_whole_rows` says;
         with one array of segment ids for queries and keys of one sequence, every query
         sees its own key. A bias of -inf can hide a whole row too: it gets the values'
         mean, as a masked row, whether or not a mask is passed.
@@ -170,7 +170,7 @@ class Checked:
         return (
             any(a is not None for a in (self.mask, self.bias, self.q_len, self.kv_len))
             or (self.q_seg is not None and not self.own_segments)
-            or (self.visibility.window is not None and T > S)
+            or self.visibility.may_hide_whole_rows(T, S)
         )
 
 
