@@ -646,3 +646,116 @@ def test_under_checkpoint():
         jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v),
     ):
         np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+# One encoding of visibility (issue 55, item 14): the pairs a tile keeps, the tiles the
+# engine skips (live), the engine's band and the TPU kernel's splash mask are derived
+# from one Visibility, and each must agree with jax.nn's definition.
+_VISIBILITIES = [
+    (False, None),
+    (True, None),
+    (False, (3, 2)),
+    (False, (0, 0)),
+    (False, (4, 0)),
+    (False, (0, 5)),
+    (True, (4, 1)),
+    (True, (2, 7)),
+    (True, (0, 0)),
+]
+
+
+def _visible(causal, window, lq, lk, q_pos=None, k_pos=None):
+    """jax.nn's definition: query i sees key j if j <= i (causal), i - left <= j <= i +
+    right (window)."""
+    i = (np.arange(lq) if q_pos is None else q_pos)[:, None]
+    j = (np.arange(lk) if k_pos is None else k_pos)[None, :]
+    keep = np.ones((lq, lk), bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (j >= i - window[0]) & (j <= i + window[1])
+    return keep
+
+
+@pytest.mark.parametrize("causal, window", _VISIBILITIES)
+def test_every_form_of_a_visibility_agrees(causal, window):
+    from jax.experimental.pallas.ops.tpu import splash_attention  # noqa: F401
+
+    from memwise._attention_tiles import Visibility
+    from memwise.engine.tpu_attention import _mask
+
+    vis = Visibility(causal, window)
+    lq, lk = 13, 11
+    want = _visible(causal, window, lq, lk)
+    pairs = vis.pair_mask(jnp.arange(lq)[:, None], jnp.arange(lk)[None, :])
+    got = np.ones((lq, lk), bool) if pairs is None else np.broadcast_to(pairs, (lq, lk))
+    np.testing.assert_array_equal(got, want)
+    assert vis.by_position == (causal or window is not None) == (not want.all())
+    # The kernel's mask (splash's mask object, as its block tables read it).
+    np.testing.assert_array_equal(_mask(lq, lk, vis.offsets)[:, :], want)
+    # The band: exactly the pairs with lo <= j - i <= hi, where both ends are bounded.
+    offset = np.arange(lk)[None, :] - np.arange(lq)[:, None]
+    if vis.band is not None:
+        lo, hi = vis.band
+        np.testing.assert_array_equal((offset >= lo) & (offset <= hi), want)
+    else:
+        assert window is None
+    # The tiles live: exactly those holding a visible pair, on several grids.
+    for rows, cols in ((1, 1), (2, 3), (4, 4), (5, 2), (13, 11)):
+        firsts = [(r, c) for r in range(0, lq, rows) for c in range(0, lk, cols)]
+        first_q, first_k = (np.array(a) for a in zip(*firsts))
+        last_q, last_k = np.minimum(first_q + rows, lq) - 1, np.minimum(first_k + cols, lk) - 1
+        live = np.broadcast_to(vis.tile_may_see(first_q, last_q, first_k, last_k), first_q.shape)
+        held = [want[r : r + rows, c : c + cols].any() for r, c in firsts]
+        np.testing.assert_array_equal(live, held, err_msg=f"tiles {rows} x {cols}")
+
+
+@pytest.mark.parametrize("causal, window", _VISIBILITIES[1:4] + _VISIBILITIES[6:8])
+@pytest.mark.parametrize("extra", ["none", "segments", "lengths", "stripes", "mask"])
+def test_the_tiles_skipped_hold_no_visible_pair(causal, window, extra):
+    # The engine's live predicate against the scores of each tile: a tile it skips has
+    # no finite score for any problem of the batch, and with positions contiguous in a
+    # tile and no mask (which it does not read) it skips every tile that has none.
+    from memwise._attention_tiles import (
+        Visibility,
+        _live_predicate,
+        _tile_function,
+        _tile_operands,
+    )
+
+    B, L, H, tile = 2, 12, 4, 3
+    x = jax.random.normal(jax.random.key(0), (B, L, H))
+    ids = jnp.array([[0] * 5 + [1] * 7, [0] * 3 + [1] * 3 + [2] * 6], jnp.int32)
+    lengths = jnp.array([7, 10])
+    keep = jnp.arange(L)[None] < lengths[:, None]
+    stripes = (3, L, L) if extra == "stripes" else None
+    kw = dict(
+        mask=jax.random.bernoulli(jax.random.key(1), 0.3, (B, L, L)) if extra == "mask" else None,
+        bias=None,
+        q_segments=ids if extra == "segments" else None,
+        kv_segments=ids if extra == "segments" else None,
+        q_keep=keep if extra == "lengths" else None,
+        kv_keep=keep if extra == "lengths" else None,
+        live_segments=(ids, ids) if extra == "segments" else None,
+        live_lengths=(jnp.max(lengths), jnp.max(lengths)) if extra == "lengths" else (None, None),
+        dropout=None,
+        row_offset=None,
+    )
+    rows, cols, pairs, consts = _tile_operands(x, x, x, scale=jnp.asarray(1.0), **kw)
+    vis = Visibility(causal, window)
+    tile_fn, live = _tile_function(vis, None, stripes), _live_predicate(vis, stripes)
+    for r0 in range(0, L, tile):
+        for c0 in range(0, L, tile):
+            row_ids, col_ids = jnp.arange(r0, r0 + tile), jnp.arange(c0, c0 + tile)
+            seen = False
+            for b in range(B):
+                r = {n: a[b, r0 : r0 + tile] for n, a in rows.items()}
+                c = {n: a[b, c0 : c0 + tile] for n, a in cols.items()}
+                p = {n: a[b, r0 : r0 + tile, c0 : c0 + tile] for n, a in pairs.items()}
+                scores = tile_fn(r, c, p, consts, row_ids, col_ids)[0]
+                seen |= bool(jnp.isfinite(scores).any())
+            if extra in ("mask", "stripes"):  # live reads no mask; striped positions
+                # are not contiguous in a tile, so it tests their range
+                assert seen <= bool(live(row_ids, col_ids, consts)), (r0, c0)
+            else:
+                assert seen == bool(live(row_ids, col_ids, consts)), (r0, c0)

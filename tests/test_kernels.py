@@ -44,7 +44,9 @@ def test_a_registered_kernel_replaces_the_loops_and_matches_them():
             "softmax",
             (jax.default_backend(),),
             apply=dense_attention,
-            declines=lambda call, *_: "causal" if call.pattern.option("causal") else None,
+            declines=lambda call, *_: (
+                "causal" if call.pattern.option("visibility").causal else None
+            ),
         )
     )
     try:

@@ -559,3 +559,49 @@ def test_every_option_on_8_devices_matches_one_device():
         n_devices=8,
     )
     assert out.count("ok") == 13
+
+
+# The attention path's functions, each short enough to hold in one's head (issue 55,
+# item 14): dot_product_attention is its stages in order, the engine's backward one
+# function per loop order around a shared per-tile step.
+_ATTENTION_PATH = ("sdpa", "_sdpa_args", "_attention_tiles", "engine/backward")
+_LONGEST_BODY = 80  # lines, docstring excluded
+
+
+def _functions(module):
+    import ast
+    import pathlib
+
+    path = pathlib.Path(mw.__file__).parent / f"{module}.py"
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_attention_path_functions_fit_in_one_screen():
+    import ast
+
+    too_long = []
+    for module in _ATTENTION_PATH:
+        for fn in _functions(module):
+            body = fn.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]  # the docstring
+            lines = body[-1].end_lineno - body[0].lineno + 1 if body else 0
+            if lines > _LONGEST_BODY:
+                too_long.append(f"{module}.{fn.name}: {lines} lines")
+    assert not too_long, too_long
+
+
+def test_dot_product_attention_reads_as_its_stages():
+    import ast
+
+    (public,) = (f for f in _functions("sdpa") if f.name == "dot_product_attention")
+    called = [
+        node.func.id
+        for node in ast.walk(public)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
+    stages = ["check_options", "validate", "_layout", "_operands", "_dispatch", "_corrections"]
+    assert [name for name in called if name in stages] == stages

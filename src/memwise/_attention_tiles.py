@@ -46,17 +46,86 @@ __all__ = ["Visibility", "attend", "check_stripes", "dropout_rows", "stripe_coun
 
 @dataclasses.dataclass(frozen=True)
 class Visibility:
-    """The static part of which keys a query sees, and dropout's rate.
+    """The static part of which keys a query sees, and dropout's rate: the one encoding
+    every form of it is derived from.
 
     ``window = (left, right)``: query ``i`` sees keys ``i - left <= j <= i + right``
     (``jax.nn.dot_product_attention``'s ``local_window_size``). ``softcap``: scores
     become ``softcap * tanh(s / softcap)`` before the bias and masks.
+
+    Derived forms, as splash attention derives its block tables from one mask object:
+    :attr:`offsets` (the range of ``j - i`` a visible pair has: what a fused kernel's
+    mask is built from), :meth:`pair_mask` (a tile's pairs, in ``tile_fn``),
+    :meth:`tile_may_see` (whether a tile can hold a visible pair: the engine's ``live``)
+    and :attr:`band` (the engine's ``band``). Masks, padding lengths and segment ids are
+    operands, not part of it.
     """
 
     causal: bool = False
     window: tuple[int, int] | None = None
     softcap: float | None = None
     dropout_rate: float = 0.0
+
+    @property
+    def offsets(self) -> tuple[int | None, int | None]:
+        """``(lo, hi)``: query position ``i`` sees key position ``j`` only if
+        ``lo <= j - i <= hi`` (``None``: no bound on that side)."""
+        lo, hi = (None, None) if self.window is None else (-self.window[0], self.window[1])
+        if self.causal:
+            hi = 0 if hi is None else min(hi, 0)
+        return lo, hi
+
+    @property
+    def by_position(self) -> bool:
+        """Whether positions hide some pairs (causal or a window): tiles may be skipped."""
+        return self.offsets != (None, None)
+
+    @property
+    def band(self) -> tuple[int, int] | None:
+        """The engine's ``band``: :attr:`offsets` when both are bounded, else None (for
+        keys and queries whose positions are their indices)."""
+        lo, hi = self.offsets
+        return None if lo is None or hi is None else (lo, hi)
+
+    def pair_mask(
+        self, q_pos: jax.Array, k_pos: jax.Array, keep: jax.Array | None = None
+    ) -> jax.Array | None:
+        """The pairs of ``keep`` (None: all) visible by position (``q_pos`` and ``k_pos``
+        broadcast against each other, e.g. ``(R, 1)`` and ``(1, C)``); None: all are.
+
+        The causal and window tests stay apart, each against the key positions (the
+        form the compiled memory was measured with: one test from the offsets changed a
+        causal window's gradient temporaries by 520 bytes)."""
+
+        def both(extra: jax.Array) -> jax.Array:
+            return extra if keep is None else keep & extra
+
+        if self.causal:
+            keep = both(k_pos <= q_pos)
+        if self.window is not None:
+            left, right = self.window
+            keep = both((q_pos <= k_pos + left) & (q_pos >= k_pos - right))
+        return keep
+
+    def tile_may_see(
+        self, first_q: jax.Array, last_q: jax.Array, first_k: jax.Array, last_k: jax.Array
+    ) -> jax.Array:
+        """Whether queries at positions in ``[first_q, last_q]`` and keys in ``[first_k,
+        last_k]`` hold a pair :meth:`pair_mask` keeps (exact for whole ranges: ``j - i``
+        then covers ``[first_k - last_q, last_k - first_q]``, which must meet
+        :attr:`offsets`)."""
+        ok = jnp.asarray(True)
+        if self.causal:
+            ok &= first_k <= last_q
+        if self.window is not None:
+            left, right = self.window
+            ok &= (last_k >= first_q - left) & (first_k <= last_q + right)
+        return ok
+
+    def may_hide_whole_rows(self, q_length: int, kv_length: int) -> bool:
+        """Whether a query may see no key by position alone: a causal query sees key 0,
+        and within a window query ``i`` sees key ``i`` if ``i < kv_length``."""
+        return self.window is not None and q_length > kv_length
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -193,11 +262,130 @@ def attend(
     kernel may read it in.
     Gradients: q, k, v, bias and a traced scale. ``caller`` names the public function in the error forward mode raises.
     """
-    vis = visibility
     heads = 0 if groups is None else 2  # q's head dims after the sequence axis
     batch = q.shape[: q.ndim - 2 - heads]
     lq, lk = q.shape[len(batch)], k.shape[len(batch)]
     problems = int(np.prod(batch + (groups or ()), dtype=np.int64))
+    rows, cols, pairs, consts = _tile_operands(
+        q,
+        k,
+        v,
+        scale=scale,
+        mask=mask,
+        bias=bias,
+        q_segments=q_segments,
+        kv_segments=kv_segments,
+        q_keep=q_keep,
+        kv_keep=kv_keep,
+        live_segments=live_segments,
+        live_lengths=live_lengths,
+        dropout=dropout,
+        row_offset=row_offset,
+    )
+    skips = (
+        visibility.by_position
+        or live_segments is not None
+        or any(n is not None for n in live_lengths)
+    )
+    # Positions that are the indices (unshifted, unstriped): a window is a band of them.
+    indexed = stripes is None and row_offset is None and ring is None
+    band = visibility.band if indexed else None
+    tiles, requested = _resolve_tiles(
+        lq,
+        lk,
+        chunk_size,
+        pair_bytes=lambda: _pair_bytes(q, k, v, problems),
+        auto_shape=auto_shape,
+        band=band,
+        groups=groups,
+    )
+    return tiled_reduce(
+        _tile_function(visibility, groups, stripes),
+        rows,
+        cols,
+        reduce="softmax",
+        tiles=tiles,
+        pairs=pairs,
+        consts=consts,
+        batch=batch,
+        upcast=True,
+        live=_live_predicate(visibility, stripes) if skips else None,
+        band=band,
+        ring=ring,
+        # A fused attention kernel registered for this platform may take the call
+        # (memwise.engine.kernels): the leaves are the dicts above, by these names.
+        pattern=_kernel_pattern(
+            visibility,
+            groups,
+            (rows, cols, pairs, consts),
+            stripes=stripes,
+            requested=requested,
+            lse_unused=lse_unused,
+            value_dtype=value_dtype,
+        ),
+        implementation=implementation,
+        row_layout=None if groups is None else _heads_first,
+        forward_mode_error=_FORWARD_MODE.format(caller=caller),
+    )
+
+
+_FORWARD_MODE = (
+    "{caller} supports reverse mode (grad, vjp, jacrev; also jax.hessian and "
+    "jacfwd of grad) and vmap, but not forward mode through it (jvp, jacfwd, "
+    "jax.linearize); for forward mode use jax.nn.dot_product_attention "
+    "(implementation='xla'), or differentiate in reverse mode"
+)
+
+
+def _kernel_pattern(
+    vis: Visibility,
+    groups: tuple[int, int] | None,
+    operands: tuple[dict, dict, dict, dict],
+    *,
+    stripes: tuple[int, int, int] | None,
+    requested: tuple[int, int, int, int] | None,
+    lse_unused: bool,
+    value_dtype: Any,
+) -> Pattern:
+    """What the tiles compute, for a fused kernel to recognise: the static options and
+    the names of the operands present."""
+    rows, cols, pairs, consts = operands
+    return Pattern(
+        "dot_product_attention",
+        (
+            ("visibility", vis),
+            ("groups", groups),
+            ("rows", tuple(sorted(rows))),
+            ("cols", tuple(sorted(cols))),
+            ("pairs", tuple(sorted(pairs))),
+            ("consts", tuple(sorted(consts))),
+            ("stripes", stripes),
+            ("chunk_size", requested),
+            ("lse_unused", lse_unused),
+            ("value_dtype", None if value_dtype is None else jnp.dtype(value_dtype).name),
+        ),
+    )
+
+
+def _tile_operands(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    q_segments: jax.Array | None,
+    kv_segments: jax.Array | None,
+    q_keep: jax.Array | None,
+    kv_keep: jax.Array | None,
+    live_segments: tuple[jax.Array, jax.Array] | None,
+    live_lengths: tuple[jax.Array | None, jax.Array | None],
+    dropout: tuple[jax.Array, jax.Array] | None,
+    row_offset: jax.Array | None,
+) -> tuple[dict, dict, dict, dict]:
+    """The engine's ``(rows, cols, pairs, consts)``: each operand of :func:`attend` under
+    the name the tile (and a fused kernel) reads it by."""
     rows: dict = {"q": q}
     cols: dict = {"k": k, "v": v}
     pairs: dict = {}
@@ -222,16 +410,32 @@ def attend(
     for name, length in zip(("live_q_length", "live_kv_length"), live_lengths):
         if length is not None:
             consts[name] = length
+    return rows, cols, pairs, consts
 
-    def global_rows(row_ids, consts):  # the ids of this device's queries in the whole
-        return row_ids + consts["offset"] if "offset" in consts else row_ids
 
-    def positions(row_ids, consts):
-        index = global_rows(row_ids, consts)
-        return index if stripes is None else unstriped_position(index, stripes[0], stripes[1])
+def _global_rows(row_ids: jax.Array, consts: dict) -> jax.Array:
+    """The ids of this device's queries in the whole sequence."""
+    return row_ids + consts["offset"] if "offset" in consts else row_ids
 
-    def key_positions(col_ids):
-        return col_ids if stripes is None else unstriped_position(col_ids, stripes[0], stripes[2])
+
+def _query_positions(
+    row_ids: jax.Array, consts: dict, stripes: tuple[int, int, int] | None
+) -> jax.Array:
+    """The queries' positions in the sequence (before :func:`memwise.stripe`)."""
+    index = _global_rows(row_ids, consts)
+    return index if stripes is None else unstriped_position(index, stripes[0], stripes[1])
+
+
+def _key_positions(col_ids: jax.Array, stripes: tuple[int, int, int] | None) -> jax.Array:
+    """The keys' positions in the sequence (before :func:`memwise.stripe`)."""
+    return col_ids if stripes is None else unstriped_position(col_ids, stripes[0], stripes[2])
+
+
+def _tile_function(
+    vis: Visibility, groups: tuple[int, int] | None, stripes: tuple[int, int, int] | None
+) -> Any:
+    """The engine's ``tile_fn``: a tile's scores (``-inf`` where a pair is not visible),
+    its values and, with dropout, its value weights."""
 
     def tile_fn(r, c, p, consts, row_ids, col_ids):
         # Scores in at least float32 from bfloat16/float16 inputs (float32 accumulation,
@@ -257,12 +461,11 @@ def attend(
         def both(extra):
             return extra if keep is None else keep & extra
 
-        pos, cid = positions(row_ids, consts)[:, None], key_positions(col_ids)[None, :]
-        if vis.causal:
-            keep = both(cid <= pos)
-        if vis.window is not None:
-            left, right = vis.window
-            keep = both((pos <= cid + left) & (pos >= cid - right))
+        keep = vis.pair_mask(
+            _query_positions(row_ids, consts, stripes)[:, None],
+            _key_positions(col_ids, stripes)[None, :],
+            keep,
+        )
         if "seg" in r:
             keep = both(r["seg"][:, None] == c["seg"][None, :])
         if "keep" in r:
@@ -274,53 +477,58 @@ def attend(
         if "hash" not in r:
             return s, vals
         row_hash = r["hash"] if groups is None else jnp.moveaxis(r["hash"], 0, -1)
-        kept = _keep_mask(row_hash, key_positions(col_ids), consts["seed"][1], vis.dropout_rate)
+        kept = _keep_mask(
+            row_hash, _key_positions(col_ids, stripes), consts["seed"][1], vis.dropout_rate
+        )
         weights = jnp.where(kept, 1.0 / (1.0 - vis.dropout_rate), 0.0).astype(score_dtype)
         return s, vals, weights
 
+    return tile_fn
+
+
+def _live_predicate(vis: Visibility, stripes: tuple[int, int, int] | None) -> Any:
+    """The engine's ``live``: whether any pair of a tile can be visible."""
+
     def live(row_ids, col_ids, consts):
-        # Whether any pair of the tile can be visible, from position ranges (a tile is a
-        # contiguous block of indices, whose positions are contiguous within each
-        # stripe) and, for segments, every batch row's ids.
-        pos, kpos = positions(row_ids, consts), key_positions(col_ids)
+        # From position ranges (a tile is a contiguous block of indices, whose positions
+        # are contiguous within each stripe) and, for segments, every batch row's ids.
+        pos, kpos = _query_positions(row_ids, consts, stripes), _key_positions(col_ids, stripes)
         first_q, last_q, first_k, last_k = pos.min(), pos.max(), kpos.min(), kpos.max()
-        ok = jnp.asarray(True)
-        if vis.causal:
-            ok &= first_k <= last_q
-        if vis.window is not None:
-            left, right = vis.window
-            ok &= (last_k >= first_q - left) & (first_k <= last_q + right)
+        ok = vis.tile_may_see(first_q, last_q, first_k, last_k)
         if "live_q_length" in consts:
             ok &= first_q < consts["live_q_length"]
         if "live_kv_length" in consts:
             ok &= first_k < consts["live_kv_length"]
         if "live_segments" in consts:
             q_seg, kv_seg = consts["live_segments"]
-            rows_seg = _clamped(q_seg, global_rows(row_ids, consts))
+            rows_seg = _clamped(q_seg, _global_rows(row_ids, consts))
             same = rows_seg[:, :, None] == _clamped(kv_seg, col_ids)[:, None, :]
             ok &= jnp.any(same)
         return ok
 
-    skips = (
-        vis.causal
-        or vis.window is not None
-        or live_segments is not None
-        or any(n is not None for n in live_lengths)
-    )
-    # A window on unshifted, unstriped indices: key j - query i lies in a band.
-    band = None
-    if vis.window is not None and stripes is None and row_offset is None and ring is None:
-        left, right = vis.window
-        band = (-left, min(right, 0) if vis.causal else right)
+    return live
+
+
+def _resolve_tiles(
+    lq: int,
+    lk: int,
+    chunk_size: ChunkSize,
+    *,
+    pair_bytes: Any,
+    auto_shape: DeviceShare | None,
+    band: tuple[int, int] | None,
+    groups: tuple[int, int] | None,
+) -> tuple[Tiling, tuple[int, int, int, int] | None]:
+    """The tiles, and the ``(rows, cols, backward rows, backward cols)`` the caller asked
+    for, if any (a fused kernel's blocks follow it too)."""
     tiles = tiling(
         lq,
         lk,
         chunk_size,
-        pair_bytes=lambda: _pair_bytes(q, k, v, problems),
+        pair_bytes=pair_bytes,
         auto_shape=auto_shape,
         band=None if band is None else band[1] - band[0],
     )
-    # The tile the caller asked for, if any: a fused kernel's blocks follow it too.
     requested = None
     if not isinstance(chunk_size, str):
         forward = (tiles.rows.size, tiles.cols.size)
@@ -332,46 +540,4 @@ def attend(
         # runs the forward's tile (a ``Tiling`` given as chunk_size still sets its own).
         size = (tiles.rows.size, tiles.cols.size)
         tiles = tiling(lq, lk, size, backward=size)
-    out, lse = tiled_reduce(
-        tile_fn,
-        rows,
-        cols,
-        reduce="softmax",
-        tiles=tiles,
-        pairs=pairs,
-        consts=consts,
-        batch=batch,
-        upcast=True,
-        live=live if skips else None,
-        band=band,
-        ring=ring,
-        # A fused attention kernel registered for this platform may take the call
-        # (memwise.engine.kernels): the leaves are the dicts above, by these names.
-        pattern=Pattern(
-            "dot_product_attention",
-            (
-                ("causal", vis.causal),
-                ("window", vis.window),
-                ("softcap", vis.softcap),
-                ("dropout_rate", vis.dropout_rate),
-                ("groups", groups),
-                ("rows", tuple(sorted(rows))),
-                ("cols", tuple(sorted(cols))),
-                ("pairs", tuple(sorted(pairs))),
-                ("consts", tuple(sorted(consts))),
-                ("stripes", stripes),
-                ("chunk_size", requested),
-                ("lse_unused", lse_unused),
-                ("value_dtype", None if value_dtype is None else jnp.dtype(value_dtype).name),
-            ),
-        ),
-        implementation=implementation,
-        row_layout=None if groups is None else _heads_first,
-        forward_mode_error=(
-            f"{caller} supports reverse mode (grad, vjp, jacrev; also jax.hessian and "
-            "jacfwd of grad) and vmap, but not forward mode through it (jvp, jacfwd, "
-            "jax.linearize); for forward mode use jax.nn.dot_product_attention "
-            "(implementation='xla'), or differentiate in reverse mode"
-        ),
-    )
-    return out, lse
+    return tiles, requested

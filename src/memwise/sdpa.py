@@ -35,6 +35,8 @@ over the mask's tiles; a finite bias (``-1e9``) gives the same result in both.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -42,17 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from memwise._arguments import as_array
-from memwise._attention_args import check_scale
-from memwise._attention_tiles import (
-    Visibility,
-    attend,
-    check_stripes,
-    dropout_rows,
-    unstriped_position,
-)
+from memwise._attention_tiles import Visibility, attend, dropout_rows, unstriped_position
 from memwise._dtypes import accumulation_dtype
+from memwise._sdpa_args import Checked, check_options, validate
 from memwise._sdpa_split import run_split, sequence_split
-from memwise.engine.kernels import check_implementation
 from memwise.tiling import ChunkSize, tiling
 
 __all__ = ["dot_product_attention", "flax_attention_fn"]
@@ -61,112 +56,257 @@ __all__ = ["dot_product_attention", "flax_attention_fn"]
 _LARGE_NEGATIVE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def _four_d(arr: jax.Array | None, name: str) -> jax.Array | None:
-    """``arr`` with leading singleton dims up to rank 4 (``jax.nn``'s broadcasting)."""
-    if arr is None:
-        return None
-    if arr.ndim > 4:
-        raise ValueError(f"{name} must have at most 4 dims (B, N, T, S), got shape {arr.shape}")
-    return arr.reshape((1,) * (4 - arr.ndim) + arr.shape)
-
-
-def _check_pair(arr: jax.Array, name: str, full: tuple[int, ...]) -> None:
-    """A mask or bias must broadcast to ``(B, N, T, S)`` dim by dim (each that size or 1)."""
-    if any(a not in (1, f) for a, f in zip(arr.shape, full)):
-        raise ValueError(
-            f"{name} of shape {arr.shape} does not broadcast to (B, N, T, S) = {full}: "
-            "each dim must be that size or 1"
-        )
-
-
 def _grouped(arr: jax.Array, kv_heads: int, group: int) -> jax.Array:
     """A ``(B, N, T, S)``-broadcastable mask or bias as ``(B, K, G, T, S)`` (a reshape)."""
     b, n, t, s = arr.shape
     return arr.reshape((b, 1, 1, t, s) if n == 1 else (b, kv_heads, group, t, s))
 
 
-def _int_vector(value: Any, name: str, shape: tuple[int, ...]) -> jax.Array:
-    arr = as_array(value, name)
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
-    if arr.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
-    return arr
+# The stages of dot_product_attention, in the order it runs them: validation
+# (memwise._sdpa_args.validate), the empty call (_empty_result), layout (_layout),
+# operands (_operands), dispatch (_dispatch, _run_tiles) and corrections (_corrections).
 
 
-def _window(value: Any) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    pair = (value, value) if isinstance(value, (int, np.integer)) else value
-    if (
-        not isinstance(pair, (tuple, list))
-        or len(pair) != 2
-        or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0 for w in pair)
-    ):
-        raise ValueError(
-            "local_window_size must be a non-negative int or a (left, right) pair of them, "
-            f"got {value!r}"
-        )
-    return int(pair[0]), int(pair[1])
+def _empty_result(
+    call: Checked, chunk_size: ChunkSize, return_residual: bool
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The dense result of a call with no query, key, head or batch element."""
+    if chunk_size != "auto":
+        tiling(1, 1, chunk_size)  # still a valid size
+    # Nothing to attend to gives zeros (jax.nn's empty sums).
+    out = jnp.zeros(call.out_lead + call.v.shape[-1:], call.q.dtype)
+    # jax.nn's log-sum-exp over no key is -inf (its masked scores are finite).
+    S = call.k.shape[1]
+    lse = jnp.full(call.out_lead, -jnp.inf if S == 0 else _LARGE_NEGATIVE, jnp.float32)
+    lse = lse.astype(call.q.dtype)
+    return (out, lse) if return_residual else out
 
 
-def _positive_float(value: Any, name: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a positive Python float (static), got {value!r}")
-    if not value > 0 or not np.isfinite(value):
-        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
-    return float(value)
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The operands in the layout the tiles read them: the inputs' own ``(B, T, K, G, H)``
+    with the heads inside each tile (``groups=(K, G)``), or heads-first ``(B, K, G, T,
+    H)`` (``per_head``: a mask or bias with a head dim)."""
+
+    per_head: bool
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array | None
+    bias: jax.Array | None
+    groups: tuple[int, int] | None
+    values: jax.Array  # v in (B, S, K, Hv), in the dtype the corrections read
+    q_valid: jax.Array | None  # (B, T): the queries before query_seq_lengths
+    kv_valid: jax.Array | None  # (B, S)
+    dropout: tuple[jax.Array, jax.Array] | None  # (seed, row hashes)
+
+    @property
+    def t_axis(self) -> int:
+        """The queries' axis in q and in the output (what a sequence split cuts)."""
+        return 3 if self.per_head else 1
+
+    def rows_of(self, a: jax.Array) -> jax.Array:
+        """A ``(B, T)`` row operand in this layout."""
+        if not self.per_head:
+            return a
+        B, K, G, T = self.q.shape[:4]
+        return jnp.broadcast_to(a[:, None, None], (B, K, G, T))
+
+    def cols_of(self, a: jax.Array) -> jax.Array:
+        """A ``(B, S)`` column operand in this layout."""
+        return a[:, None, None] if self.per_head else a
 
 
-def _segments(
-    q_ids: Any, kv_ids: Any, batch: int, lq: int, lk: int
-) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
-    """Both segment-id arrays as ``(B, T)`` and ``(B, S)`` int arrays (or both None)."""
-    if q_ids is None and kv_ids is None:
-        return None, None
-    if kv_ids is None or q_ids is None:
-        if lq != lk:
-            given = "q_segment_ids" if kv_ids is None else "kv_segment_ids"
-            raise ValueError(
-                f"only {given} was given and the query and key lengths differ ({lq} vs "
-                f"{lk}): pass both q_segment_ids and kv_segment_ids"
-            )
-        q_ids = kv_ids if q_ids is None else q_ids
-        kv_ids = q_ids if kv_ids is None else kv_ids
-    out = []
-    for ids, name, length in ((q_ids, "q_segment_ids", lq), (kv_ids, "kv_segment_ids", lk)):
-        arr = as_array(ids, name)
-        if not jnp.issubdtype(arr.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
-        if arr.ndim == 1:
-            arr = arr[None]
-        if arr.shape not in ((batch, length), (1, length)):
-            raise ValueError(f"{name} must have shape ({batch}, {length}), got {arr.shape}")
-        out.append(jnp.broadcast_to(arr.astype(jnp.int32), (batch, length)))
-    return out[0], out[1]
+def _layout(call: Checked) -> _Layout:
+    """Layout: query heads as (K, G), each K/V head serving its group.
+
+    Masks and biases shared by every head, segments, lengths and dropout are read in
+    the inputs' own layout, the heads inside each tile; a per-head mask or bias (B, N,
+    T, S) is sliced from its own shape in the heads-first layout (B, K, G, T, .), which
+    costs a copy of q, k, v and the output moved there and back.
+    """
+    B, T, S, _, K, G = call.shape
+    H = call.q.shape[-1]
+    mask, bias, v4 = call.mask, call.bias, call.v
+    per_head = any(a is not None and a.shape[1] != 1 for a in (mask, bias))
+    acc = accumulation_dtype(call.q.dtype)
+    if acc != jnp.dtype(v4.dtype) and (call.sinks is not None or call.may_see_nothing):
+        # The per-row corrections (the sink's share, the values' mean for a query that
+        # sees nothing) then act on the unrounded output, and the mean's gradient joins
+        # dV before its one rounding: a bfloat16 dV was off by up to one ulp instead of
+        # half. Costs a float32 copy of V.
+        v4 = v4.astype(acc)
+    # Each index's position in the sequence (in mw.stripe's order, not the index).
+    striped = call.stripes
+    q_pos = jnp.arange(T) if striped is None else unstriped_position(jnp.arange(T), *striped[:2])
+    kv_pos = q_pos if striped is not None else jnp.arange(S)
+    q_valid = None if call.q_len is None else q_pos < call.q_len[:, None]  # (B, T)
+    kv_valid = None if call.kv_len is None else kv_pos < call.kv_len[:, None]
+    dropout = None
+    if call.seed is not None:
+        row_hash = dropout_rows(call.seed, (B, K, G), T, shared=call.dropout_broadcast)
+        row_hash = row_hash if striped is None else row_hash[..., q_pos]
+        dropout = (call.seed, row_hash if per_head else row_hash.transpose(0, 3, 1, 2))
+    if per_head:
+        qg = call.q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
+        kg, vg = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (call.k, v4))
+        mask, bias = (None if a is None else _grouped(a, K, G) for a in (mask, bias))
+        groups = None
+    else:
+        qg, kg, vg = call.q.reshape(B, T, K, G, H), call.k, v4
+        mask, bias = (None if a is None else a[:, 0] for a in (mask, bias))  # (B, T, S)
+        groups = (K, G)
+    return _Layout(per_head, qg, kg, vg, mask, bias, groups, v4, q_valid, kv_valid, dropout)
 
 
-def _dropout_seed(rate: Any, rng: Any) -> tuple[float, jax.Array | None]:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)):
-        raise TypeError(f"dropout_rate must be a Python float in [0, 1), got {rate!r}")
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate!r}")
-    if rate == 0.0:
-        return 0.0, None
-    if rng is None:
-        raise ValueError("dropout_rate > 0 needs dropout_rng (a PRNG key, e.g. jax.random.key(0))")
-    try:
-        key = (
-            rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
-        )
-        seed = jax.random.bits(key, (2,), jnp.uint32)
-    except (TypeError, ValueError, AttributeError) as e:
-        raise TypeError(
-            f"dropout_rng must be a PRNG key (jax.random.key or PRNGKey), got {rng!r}"
-        ) from e
-    return float(rate), seed
+def _operands(call: Checked, layout: _Layout) -> tuple[dict, dict]:
+    """Operands: each array the tiles read, as ``name: (array, role)``, and those read
+    whole on every device (``name: value``).
+
+    The role is the axis of its queries (``"rows"``, ``"pairs"``) or keys (``"cols"``):
+    what a split over the batch or the sequence cuts. Read whole: scalars, and segment
+    ids (4 bytes a token) to skip tiles.
+    """
+    q_seg, kv_seg, q_valid, kv_valid = call.q_seg, call.kv_seg, layout.q_valid, layout.kv_valid
+    dropout = layout.dropout
+    operands: dict = {"q": (layout.q, "rows"), "k": (layout.k, "cols"), "v": (layout.v, "cols")}
+    optional = {
+        "mask": (layout.mask, "pairs"),
+        "bias": (layout.bias, "pairs"),
+        "q_segments": (None if q_seg is None else layout.rows_of(q_seg), "rows"),
+        "kv_segments": (None if kv_seg is None else layout.cols_of(kv_seg), "cols"),
+        "q_keep": (None if q_valid is None else layout.rows_of(q_valid), "rows"),
+        "kv_keep": (None if kv_valid is None else layout.cols_of(kv_valid), "cols"),
+        "hash": (None if dropout is None else dropout[1], "rows"),
+    }
+    operands.update({name: a for name, a in optional.items() if a[0] is not None})
+    whole = {
+        "scale": call.scale,
+        "seed": None if dropout is None else dropout[0],
+        "live_segments": None if q_seg is None or kv_seg is None else (q_seg, kv_seg),
+        "live_lengths": (
+            None if call.q_len is None else jnp.max(call.q_len),
+            None if call.kv_len is None else jnp.max(call.kv_len),
+        ),
+    }
+    return operands, whole
+
+
+@dataclasses.dataclass(frozen=True)
+class _TileCall:
+    """What every device's call of the tiles shares (static)."""
+
+    visibility: Visibility
+    chunk_size: ChunkSize
+    groups: tuple[int, int] | None
+    stripes: tuple[int, int, int] | None
+    implementation: str | None
+    lse_unused: bool
+    value_dtype: Any
+
+
+def _run_tiles(
+    static: _TileCall,
+    parts: dict,
+    whole: dict,
+    ring: Any = None,
+    row_offset: Any = None,
+    auto_shape: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of the tiles over ``parts`` (one device's share, or all of them)."""
+    seed = whole["seed"]
+    return attend(
+        parts["q"],
+        parts["k"],
+        parts["v"],
+        scale=whole["scale"],
+        visibility=static.visibility,
+        chunk_size=static.chunk_size,
+        caller="memwise.dot_product_attention",
+        mask=parts.get("mask"),
+        bias=parts.get("bias"),
+        q_segments=parts.get("q_segments"),
+        kv_segments=parts.get("kv_segments"),
+        q_keep=parts.get("q_keep"),
+        kv_keep=parts.get("kv_keep"),
+        live_segments=whole["live_segments"],
+        live_lengths=whole["live_lengths"],
+        dropout=None if seed is None else (seed, parts["hash"]),
+        groups=static.groups,
+        ring=ring,
+        row_offset=row_offset,
+        stripes=static.stripes,
+        auto_shape=auto_shape,
+        implementation=static.implementation,
+        lse_unused=static.lse_unused,
+        value_dtype=static.value_dtype,
+    )
+
+
+def _dispatch(
+    call: Checked,
+    layout: _Layout,
+    operands: dict,
+    whole: dict,
+    *,
+    chunk_size: ChunkSize,
+    implementation: str | None,
+    lse_unused: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Dispatch: the tiles on one device, or under ``shard_map`` where the queries' data
+    is split over devices (:mod:`memwise._sdpa_split`); ``(out, lse)`` in the layout."""
+    B, T, S, _, _, G = call.shape
+    static = _TileCall(
+        call.visibility,
+        chunk_size,
+        layout.groups,
+        call.stripes,
+        implementation,
+        lse_unused,
+        call.q.dtype,
+    )
+    run = functools.partial(_run_tiles, static)
+    split = sequence_split(call.q, S, (call.k, layout.values), layout.per_head and G > 1)
+    if split is None:
+        return run({name: a for name, (a, _) in operands.items()}, whole)
+    return run_split(run, split, operands, whole, layout.t_axis, (B, T, S))
+
+
+def _corrections(
+    call: Checked,
+    layout: _Layout,
+    out: jax.Array,
+    lse: jax.Array,
+    *,
+    return_residual: bool,
+    differentiable_residual: bool,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Corrections: the per-row ones (sinks, a query that sees nothing, padded queries),
+    in at least float32 (O(T) per head: never a tile), only where a row may need one:
+    the output is otherwise returned as the tiles made it."""
+    _, _, _, _, K, G = call.shape
+    dtype = call.q.dtype
+    acc = accumulation_dtype(dtype)
+    if layout.per_head:  # back to (B, T, K, G, .)
+        out, lse = out.transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)
+    out32 = out.astype(acc)
+    if call.sinks is not None:
+        sink = call.sinks.astype(acc).reshape(1, 1, K, G)
+        out32 = out32 * jax.nn.sigmoid(lse - sink)[..., None]
+        lse = jnp.logaddexp(lse, sink)
+    elif call.may_see_nothing:
+        # jax.nn: a query that sees no key averages all values (uniform weights).
+        seen = jnp.isfinite(lse)
+        mean_v = jnp.mean(layout.values.astype(acc), axis=1, keepdims=True)[:, :, :, None]
+        out32 = jnp.where(seen[..., None], out32, mean_v)
+        lse = jnp.where(seen, lse, _LARGE_NEGATIVE)
+    if layout.q_valid is not None:
+        out32 = jnp.where(layout.q_valid[:, :, None, None, None], out32, 0.0)
+    result = out32.astype(dtype).reshape(call.out_lead + call.v.shape[-1:])
+    if not return_residual:
+        return result
+    residual = lse.astype(dtype).reshape(call.out_lead)
+    return result, residual if differentiable_residual else jax.lax.stop_gradient(residual)
 
 
 def dot_product_attention(
@@ -307,231 +447,56 @@ def dot_product_attention(
         >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
         ((2, 128, 8, 16), True)
     """
-    if implementation == "cudnn":
-        raise ValueError(
-            "implementation='cudnn' is not memwise's: memwise runs its own kernels "
-            "(implementation=None, 'xla' or 'pallas'); for cuDNN's fused kernel call "
-            "jax.nn.dot_product_attention(..., implementation='cudnn')"
-        )
-    check_implementation(implementation)
-    for flag, name in (
-        (is_causal, "is_causal"),
-        (return_residual, "return_residual"),
-        (differentiable_residual, "differentiable_residual"),
-        (dropout_broadcast, "dropout_broadcast"),
-    ):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(
-                f"{name} must be a Python bool (it decides which tiles run), got {flag!r}; "
-                "under jit pass it as a static argument"
-            )
-    arrays = [as_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value"))]
-    for arr, name in zip(arrays, ("query", "key", "value")):
-        if arr.ndim not in (3, 4):
-            raise ValueError(f"{name} must be (B, T, N, H) or (T, N, H), got shape {arr.shape}")
-        if not jnp.issubdtype(arr.dtype, jnp.floating):
-            raise TypeError(f"{name} must be a float array, got dtype {arr.dtype}")
-    if len({a.dtype for a in arrays}) > 1:
-        raise ValueError(
-            "query, key and value must have one dtype (as jax.nn.dot_product_attention "
-            f"requires), got {arrays[0].dtype}, {arrays[1].dtype} and {arrays[2].dtype}: "
-            "cast them to one, e.g. key.astype(query.dtype)"
-        )
-    out_lead = arrays[0].shape[:-1]
-    q4, k4, v4 = (_four_d(a, n) for a, n in zip(arrays, ("query", "key", "value")))
-    assert q4 is not None and k4 is not None and v4 is not None
-    B, T, N, H = q4.shape
-    _, S, K, _ = k4.shape
-    if k4.shape[0] != B or k4.shape[-1] != H:
-        raise ValueError(
-            f"key must be (B, S, K, H) with query's B and H: query {q4.shape}, key {k4.shape}"
-        )
-    if v4.shape[:3] != k4.shape[:3]:
-        raise ValueError(f"value must have key's (B, S, K); got key {k4.shape}, value {v4.shape}")
-    if K == 0 or N % K:
-        raise ValueError(
-            f"the number of query heads ({N}) must be a multiple of the number of key/value "
-            f"heads ({K}): repeat K/V heads or change num_heads"
-        )
-    G = N // K
-    dtype = arrays[0].dtype
-    scale = check_scale(scale, H)
-    window = _window(local_window_size)
-    striped = check_stripes(stripes, T, S)
-    softcap = _positive_float(logit_soft_cap, "logit_soft_cap")
-    rate, seed = _dropout_seed(dropout_rate, dropout_rng)
-    full = (B, N, T, S)
-    if mask is not None:
-        mask = _four_d(as_array(mask, "mask"), "mask")
-        assert mask is not None
-        if mask.dtype != jnp.bool_:
-            raise TypeError(
-                f"mask must be a boolean array (True = attend), got dtype {mask.dtype}; "
-                "pass additive masks (0 / -inf) as bias= instead"
-            )
-        _check_pair(mask, "mask", full)
-    if bias is not None:
-        bias = _four_d(as_array(bias, "bias"), "bias")
-        assert bias is not None
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise TypeError(
-                f"bias must be a float array added to the scores, got dtype {bias.dtype}; "
-                "pass boolean masks as mask="
-            )
-        _check_pair(bias, "bias", full)
-    q_len = kv_len = None
-    if query_seq_lengths is not None:
-        q_len = _int_vector(query_seq_lengths, "query_seq_lengths", (B,))
-    if key_value_seq_lengths is not None:
-        kv_len = _int_vector(key_value_seq_lengths, "key_value_seq_lengths", (B,))
-    q_seg, kv_seg = _segments(q_segment_ids, kv_segment_ids, B, T, S)
-    if sinks is not None:
-        sinks = as_array(sinks, "sinks")
-        if not jnp.issubdtype(sinks.dtype, jnp.floating) or sinks.shape != (N,):
-            raise TypeError(
-                f"sinks must be a float array of shape (N,) = ({N},), one logit per query "
-                f"head; got shape {sinks.shape} and dtype {sinks.dtype}"
-            )
-    lse_shape = out_lead
-    out_shape = out_lead + v4.shape[-1:]
-    if 0 in (B, T, S, N):
-        if chunk_size != "auto":
-            tiling(1, 1, chunk_size)  # still a valid size
-        # The dense result: nothing to attend to gives zeros (jax.nn's empty sums).
-        out = jnp.zeros(out_shape, dtype)
-        # jax.nn's log-sum-exp over no key is -inf (its masked scores are finite).
-        lse = jnp.full(lse_shape, -jnp.inf if S == 0 else _LARGE_NEGATIVE, jnp.float32)
-        lse = lse.astype(dtype)
-        return (out, lse) if return_residual else out
-
-    # Query heads as (K, G), each K/V head serving its group. Masks and biases shared
-    # by every head, segments, lengths and dropout are read in the inputs' own layout,
-    # the heads inside each tile; a per-head mask or bias (B, N, T, S) is sliced from
-    # its own shape in the heads-first layout (B, K, G, T, .), which costs a copy of
-    # q, k, v and the output moved there and back.
-    per_head = any(a is not None and a.shape[1] != 1 for a in (mask, bias))
-    acc = accumulation_dtype(dtype)
-    # (A causal query always sees key 0; within a window, query i sees key i if i < S;
-    # with one array of segment ids for queries and keys of one sequence, every query
-    # sees its own key. A bias of -inf can hide a whole row too: it gets the values'
-    # mean, as a masked row, whether or not a mask is passed.)
-    own_segments = T == S and (
-        q_segment_ids is None or kv_segment_ids is None or q_segment_ids is kv_segment_ids
+    check_options(
+        implementation,
+        {
+            "is_causal": is_causal,
+            "return_residual": return_residual,
+            "differentiable_residual": differentiable_residual,
+            "dropout_broadcast": dropout_broadcast,
+        },
     )
-    may_see_nothing = (
-        any(a is not None for a in (mask, bias, q_len, kv_len))
-        or (q_seg is not None and not own_segments)
-        or (window is not None and T > S)
+    call = validate(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        logit_soft_cap=logit_soft_cap,
+        sinks=sinks,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        dropout_broadcast=dropout_broadcast,
+        stripes=stripes,
     )
-    if acc != jnp.dtype(v4.dtype) and (sinks is not None or may_see_nothing):
-        # The per-row corrections below (the sink's share, the values' mean for a query
-        # that sees nothing) then act on the unrounded output, and the mean's gradient
-        # joins dV before its one rounding: a bfloat16 dV was off by up to one ulp
-        # instead of half. Costs a float32 copy of V.
-        v4 = v4.astype(acc)
-    # Each index's position in the sequence (in mw.stripe's order, not the index).
-    q_pos = jnp.arange(T) if striped is None else unstriped_position(jnp.arange(T), *striped[:2])
-    kv_pos = q_pos if striped is not None else jnp.arange(S)
-    q_valid = None if q_len is None else q_pos < q_len[:, None]  # (B, T)
-    kv_valid = None if kv_len is None else kv_pos < kv_len[:, None]
-    dropout = None
-    if seed is not None:
-        row_hash = dropout_rows(seed, (B, K, G), T, shared=bool(dropout_broadcast))
-        row_hash = row_hash if striped is None else row_hash[..., q_pos]
-        dropout = (seed, row_hash if per_head else row_hash.transpose(0, 3, 1, 2))
-    if per_head:
-        batch = (B, K, G)
-        qg = q4.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
-        kg, vg = (a.transpose(0, 2, 1, 3)[:, :, None] for a in (k4, v4))
-        mask, bias = (None if a is None else _grouped(a, K, G) for a in (mask, bias))
-        rows_of = lambda a: jnp.broadcast_to(a[:, None, None], batch + (T,))  # noqa: E731
-        cols_of = lambda a: a[:, None, None]  # noqa: E731
-        groups = None
-    else:
-        qg, kg, vg = q4.reshape(B, T, K, G, H), k4, v4
-        mask, bias = (None if a is None else a[:, 0] for a in (mask, bias))  # (B, T, S)
-        rows_of = cols_of = lambda a: a  # noqa: E731
-        groups = (K, G)
-    # Each array attend reads, with the axis of its queries (rows, pairs) or keys
-    # (cols): what a split over the batch or the sequence cuts.
-    t_axis = 3 if per_head else 1
-    operands: dict = {"q": (qg, "rows"), "k": (kg, "cols"), "v": (vg, "cols")}
-    optional = {
-        "mask": (mask, "pairs"),
-        "bias": (bias, "pairs"),
-        "q_segments": (None if q_seg is None else rows_of(q_seg), "rows"),
-        "kv_segments": (None if kv_seg is None else cols_of(kv_seg), "cols"),
-        "q_keep": (None if q_valid is None else rows_of(q_valid), "rows"),
-        "kv_keep": (None if kv_valid is None else cols_of(kv_valid), "cols"),
-        "hash": (None if dropout is None else dropout[1], "rows"),
-    }
-    operands.update({name: a for name, a in optional.items() if a[0] is not None})
-    whole = {  # read whole on every device (scalars, and segment ids: 4 bytes a token)
-        "scale": scale,
-        "seed": None if dropout is None else dropout[0],
-        "live_segments": None if q_seg is None or kv_seg is None else (q_seg, kv_seg),
-        "live_lengths": (
-            None if q_len is None else jnp.max(q_len),
-            None if kv_len is None else jnp.max(kv_len),
-        ),
-    }
-
-    def run(parts, whole, ring=None, row_offset=None, auto_shape=None):
-        seed = whole["seed"]
-        return attend(
-            parts["q"],
-            parts["k"],
-            parts["v"],
-            scale=whole["scale"],
-            visibility=Visibility(bool(is_causal), window, softcap, rate),
-            chunk_size=chunk_size,
-            caller="memwise.dot_product_attention",
-            mask=parts.get("mask"),
-            bias=parts.get("bias"),
-            q_segments=parts.get("q_segments"),
-            kv_segments=parts.get("kv_segments"),
-            q_keep=parts.get("q_keep"),
-            kv_keep=parts.get("kv_keep"),
-            live_segments=whole["live_segments"],
-            live_lengths=whole["live_lengths"],
-            dropout=None if seed is None else (seed, parts["hash"]),
-            groups=groups,
-            ring=ring,
-            row_offset=row_offset,
-            stripes=striped,
-            auto_shape=auto_shape,
-            implementation=implementation,
-            lse_unused=not (return_residual or sinks is not None or may_see_nothing),
-            value_dtype=dtype,
-        )
-
-    split = sequence_split(q4, S, (k4, v4), per_head and G > 1)
-    if split is None:
-        out, lse = run({name: a for name, (a, _) in operands.items()}, whole)
-    else:
-        out, lse = run_split(run, split, operands, whole, t_axis, (B, T, S))
-    if per_head:  # back to (B, T, K, G, .)
-        out, lse = out.transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)
-    # Per-row corrections, in at least float32 (O(T) per head: never a tile), only
-    # where a row may need one: the output is otherwise returned as the tiles made it.
-    out32 = out.astype(acc)
-    if sinks is not None:
-        sink = sinks.astype(acc).reshape(1, 1, K, G)
-        out32 = out32 * jax.nn.sigmoid(lse - sink)[..., None]
-        lse = jnp.logaddexp(lse, sink)
-    elif may_see_nothing:
-        # jax.nn: a query that sees no key averages all values (uniform weights).
-        seen = jnp.isfinite(lse)
-        mean_v = jnp.mean(v4.astype(acc), axis=1, keepdims=True)[:, :, :, None]
-        out32 = jnp.where(seen[..., None], out32, mean_v)
-        lse = jnp.where(seen, lse, _LARGE_NEGATIVE)
-    if q_valid is not None:
-        out32 = jnp.where(q_valid[:, :, None, None, None], out32, 0.0)
-    result = out32.astype(dtype).reshape(out_shape)
-    if not return_residual:
-        return result
-    residual = lse.astype(dtype).reshape(lse_shape)
-    return result, residual if differentiable_residual else jax.lax.stop_gradient(residual)
+    if 0 in call.shape[:4]:
+        return _empty_result(call, chunk_size, return_residual)
+    layout = _layout(call)
+    operands, whole = _operands(call, layout)
+    out, lse = _dispatch(
+        call,
+        layout,
+        operands,
+        whole,
+        chunk_size=chunk_size,
+        implementation=implementation,
+        lse_unused=not (return_residual or call.sinks is not None or call.may_see_nothing),
+    )
+    return _corrections(
+        call,
+        layout,
+        out,
+        lse,
+        return_residual=return_residual,
+        differentiable_residual=differentiable_residual,
+    )
 
 
 def flax_attention_fn(

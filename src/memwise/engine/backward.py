@@ -12,7 +12,9 @@ operands. ``backward="split"`` adds a column-major pass for the latter, so a col
 block's cotangent is complete after its pass over the rows and is stored once in its
 own dtype too (a bfloat16 output layer gets no float32 copy of its size). Replicated
 inputs enter the loops as varying copies, so each tile's vjp yields a local partial
-cotangent that one all-reduce sums at the end.
+cotangent that one all-reduce sums at the end. The two loop orders
+(``_Loops.rows_first``, ``_Loops.cols_first``) share what they read and the per-tile
+step (``_Loops.tile_vjp``) in one object, ``_Loops``.
 """
 
 from __future__ import annotations
@@ -67,34 +69,49 @@ def backward(spec, values, residual, flags, ct, running=None):
     at the rows' shape, the columns' padded to whole tiles (pairs: ``None`` gives this
     pass's own, returned padded, squeezed as
     :meth:`~memwise.engine.tiles.TileSpec.squeeze_pairs` squeezes them)."""
-    rows, cols, pairs, consts = values
-    R, C = spec.tiles.backward_rows, spec.tiles.backward_cols
-    reduction = spec.reduction
-    nb = len(spec.batch)
+    loops = _Loops(spec, values, row_data(spec, values, residual, ct))
+    if running is not None:
+        d_rows, d_cols, d_pairs, d_consts = running
+        if d_pairs is None:  # a ring's pair cotangents: this block's, fresh
+            d_pairs = loops.zeros(flags, "rows")[2]
+        return loops.rows_first(flags, (d_rows, d_cols, d_pairs, d_consts), ring=True)
+    if spec.backward == "rows":
+        return loops.finish(flags, loops.rows_first(flags, loops.zeros(flags, "rows")))
+    return loops.finish(flags, loops.split(flags))
 
-    per_row = row_data(spec, values, residual, ct)
 
-    row_f, col_f, pair_f, const_f = flags
-    axes = varying_over(values, per_row)
-    primals = values
-    # Replicated inputs enter the loops as varying copies so that each tile's vjp yields
-    # a local partial cotangent; psum_replicated all-reduces once at the end.
-    rows, cols, pairs = vary(values[:3], axes)
-    consts = vary(values[3], axes) if spec.vary_consts else values[3]
-    if spec.upcast:
-        consts = promote(consts)
-    pairs = spec.squeeze_pairs(pairs)
-    cols = spec.squeeze_cols(cols)
-    # A pair's row/column axes follow the batch dims it does not broadcast over; so does
-    # a column leaf's column axis.
-    lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
-    col_lead = spec.col_lead()
+class _Loops:
+    """What the backward's loop orders share: the operands as the tiles read them (made
+    varying, squeezed), the per-row data, the zero accumulators, one tile's vjp (the
+    per-tile step) and the row and column blocks it is given.
 
-    # Blocks are sliced by index from the unpadded arrays (splitting into (chunks, size,
-    # ...) copied q once more), and cotangents are written in place into carries of the
-    # operands' own shapes (store_block puts a ragged last block where it came from);
-    # a pair's carry is padded, its slots past the end masked, then sliced off.
-    def pair_accumulator(p, k):
+    Blocks are sliced by index from the unpadded arrays (splitting into (chunks, size,
+    ...) copied q once more), and cotangents are written in place into carries of the
+    operands' own shapes (store_block puts a ragged last block where it came from); a
+    pair's carry is padded, its slots past the end masked, then sliced off.
+    """
+
+    def __init__(self, spec, values, per_row):
+        self.spec, self.primals, self.per_row = spec, values, per_row
+        self.R, self.C = spec.tiles.backward_rows, spec.tiles.backward_cols
+        self.nb = len(spec.batch)
+        self.axes = varying_over(values, per_row)
+        # Replicated inputs enter the loops as varying copies so that each tile's vjp
+        # yields a local partial cotangent; psum_replicated all-reduces once at the end.
+        rows, cols, pairs = vary(values[:3], self.axes)
+        consts = vary(values[3], self.axes) if spec.vary_consts else values[3]
+        self.rows = rows
+        self.consts = promote(consts) if spec.upcast else consts
+        self.pairs = spec.squeeze_pairs(pairs)
+        self.cols = spec.squeeze_cols(cols)
+        # A pair's row/column axes follow the batch dims it does not broadcast over; so
+        # does a column leaf's column axis.
+        self.lead = [sum(s != 1 for s in pb) for pb in spec.pair_batch]
+        self.col_lead = spec.col_lead()
+
+    def pair_accumulator(self, p, k):
+        """A pair's zero carry, padded to whole tiles on its row and column axes."""
+        R, C = self.R, self.C
         shape = list(p.shape)
         full_rows, full_cols = shape[k] == R.length, shape[k + 1] == C.length
         shape[k] = R.padded if full_rows else 1
@@ -103,22 +120,45 @@ def backward(spec, values, residual, flags, ct, running=None):
         # one contribution per tile, in the accumulation dtype.
         once = (full_rows or R.length == 1) and (full_cols or C.length == 1)
         dtype = jnp.result_type(p) if once else accumulation_dtype(jnp.result_type(p))
-        return vary(jnp.zeros(shape, dtype), axes)
+        return vary(jnp.zeros(shape, dtype), self.axes)
 
-    # One tile of every problem in the batch at once.
-    tile_in_axes = lambda level: (0, spec.col_axes(level), spec.pair_axes(level), None)  # noqa: E731
+    def zeros(self, fl, own):
+        """The zero accumulators of the cotangents selected by ``fl`` (rows and columns
+        at their operands' shapes, pairs padded): the rows' (``own="rows"``) or the
+        columns' (``"cols"``) in their own dtype, each block stored once; the others in
+        at least float32, summed over blocks."""
+        row_f, col_f, pair_f, const_f = fl
 
-    def tile_vjp(fl, r_ids, c_ids, operands):
+        def acc(a, mine):  # unpadded: blocks are stored (or added) by store_block
+            dtype = a.dtype if own == mine else accumulation_dtype(a.dtype)
+            return vary(jnp.zeros(a.shape, dtype), self.axes)
+
+        d_rows0 = [acc(a, "rows") for a in select(self.rows, row_f)]
+        d_cols0 = [acc(a, "cols") for a in select(self.cols, col_f)]
+        d_pairs0 = [
+            self.pair_accumulator(p, k)
+            for p, k in zip(select(self.pairs, pair_f), select(self.lead, pair_f))
+        ]
+        d_consts0 = accumulators(select(self.consts, const_f))
+        d_rows0, d_cols0, d_pairs0 = made_after(
+            (d_rows0, d_cols0, d_pairs0), last_read(self.per_row)
+        )
+        return d_rows0, d_cols0, d_pairs0, d_consts0
+
+    def tile_vjp(self, fl, r_ids, c_ids, operands):
         """The cotangents of one tile's inputs selected by ``fl`` (the four flags).
         ``operands`` is ``(row block, per-row data, row validity, column block, pair
         block, column validity)``. Only live tiles get here (``TileSpec.over_live``)."""
-        row_blk, row_data, r_valid, col_blk, pblk, c_valid = operands
+        spec, consts = self.spec, self.consts
+        row_blk, per_row_blk, r_valid, col_blk, pblk, c_valid = operands
         blocks = [row_blk, col_blk, pblk]
         if spec.upcast:
             blocks = promote(blocks)
         primals = tuple(select(b, f_) for b, f_ in zip((*blocks, consts), fl))
+        # One tile of every problem in the batch at once.
         tile = spec.over_batch(
-            lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids), tile_in_axes
+            lambda r, c, p, k: spec.tile((r, c, p, k), r_ids, c_ids),
+            lambda level: (0, spec.col_axes(level), spec.pair_axes(level), None),
         )
 
         def f(r_d, c_d, p_d, k_d):
@@ -130,30 +170,33 @@ def backward(spec, values, residual, flags, ct, running=None):
             )
 
         score_ct = spec.over_batch(
-            lambda out, rd: reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
+            lambda out, rd: spec.reduction.score_cotangent(out, rd, r_valid, c_valid, c_ids),
             lambda level: (0, 0),
         )
         out, vjp = jax.vjp(f, *primals)
-        return vjp(score_ct(out, row_data))
+        return vjp(score_ct(out, per_row_blk))
 
-    def row_side(k, rows_of=R):
+    def row_side(self, k, rows_of):
         """Row block ``k`` of ``rows_of``: its ids, validity, start, the block as sliced
         (its own layout), as the tile reads it, and its per-row data."""
+        nb = self.nb
         r_ids, r_valid = rows_of.chunk_ids(k)
         r0 = r_ids[0]
-        block = [rows_of.block(a, r0, axis=nb) for a in rows]
-        laid_out = spec.lay_out_rows(block, batched=True)
-        per_row_blk = [rows_of.block(a, r0, axis=nb) for a in per_row]
+        block = [rows_of.block(a, r0, axis=nb) for a in self.rows]
+        laid_out = self.spec.lay_out_rows(block, batched=True)
+        per_row_blk = [rows_of.block(a, r0, axis=nb) for a in self.per_row]
         return r_ids, r_valid, r0, block, laid_out, per_row_blk
 
-    def col_side(k, cols_of=C):
+    def col_side(self, k, cols_of):
         """Column block ``k`` of ``cols_of``: its ids, validity, start and the block."""
         c_ids, c_valid = cols_of.chunk_ids(k)
         c0 = c_ids[0]
-        return c_ids, c_valid, c0, [cols_of.block(a, c0, axis=ax) for a, ax in zip(cols, col_lead)]
+        blocks = [cols_of.block(a, c0, axis=ax) for a, ax in zip(self.cols, self.col_lead)]
+        return c_ids, c_valid, c0, blocks
 
-    def rows_back(block, d_row, fl):
+    def rows_back(self, block, d_row, fl):
         """A laid-out row block's cotangent in the block's own layout."""
+        spec = self.spec
         if spec.row_layout is None:
             return d_row
         # (at the accumulators' dtypes: the layout is linear)
@@ -164,49 +207,36 @@ def backward(spec, values, residual, flags, ct, running=None):
         )
         return list(pull(d_row))
 
-    def zeros(fl, own):
-        """The zero accumulators of the cotangents selected by ``fl`` (rows and columns
-        at their operands' shapes, pairs padded): the rows' (``own="rows"``) or the
-        columns' (``"cols"``) in their own dtype, each block stored once; the others in
-        at least float32, summed over blocks."""
-        row_f, col_f, pair_f, const_f = fl
-
-        def acc(a, mine):  # unpadded: blocks are stored (or added) by store_block
-            dtype = a.dtype if own == mine else accumulation_dtype(a.dtype)
-            return vary(jnp.zeros(a.shape, dtype), axes)
-
-        d_rows0 = [acc(a, "rows") for a in select(rows, row_f)]
-        d_cols0 = [acc(a, "cols") for a in select(cols, col_f)]
-        d_pairs0 = [
-            pair_accumulator(p, k) for p, k in zip(select(pairs, pair_f), select(lead, pair_f))
+    def add_pairs(self, d_pairs, dp, r0, c0, pair_f):
+        """A tile's pair cotangents added into the pairs' carries."""
+        return [
+            add_block(acc, g, (r0, c0), k)
+            for acc, g, k in zip(d_pairs, dp, select(self.lead, pair_f))
         ]
-        d_consts0 = accumulators(select(consts, const_f))
-        d_rows0, d_cols0, d_pairs0 = made_after((d_rows0, d_cols0, d_pairs0), last_read(per_row))
-        return d_rows0, d_cols0, d_pairs0, d_consts0
 
-    def rows_first(fl, init):
-        """Row blocks outer: a row block's cotangent is complete after its column tiles."""
+    def rows_first(self, fl, init, ring=False):
+        """Row blocks outer: a row block's cotangent is complete after its column tiles.
+        On a ``ring``, one column block's pass: the rows' cotangents add to the other
+        blocks' share."""
+        spec, R, C, nb = self.spec, self.R, self.C, self.nb
         row_f, col_f, pair_f, _ = fl
 
         def row_body(carry, inp):
             d_rows, d_cols, d_pairs, d_consts = carry
-            r_ids, r_valid, r0, block, row_blk, row_data = row_side(inp)
+            r_ids, r_valid, r0, block, row_blk, per_row_blk = self.row_side(inp, R)
             visits = spec.visits(C, r_ids)
 
             def col_body(carry2, inp2):
                 d_row, d_cols, d_pairs, d_consts = carry2
-                c_ids, c_valid, c0, col_blk = col_side(inp2, visits)
-                pblk = pair_blocks(R, visits, pairs, r0, c0, lead)
-                operands = (row_blk, row_data, r_valid, col_blk, pblk, c_valid)
-                dr, dc, dp, dk = tile_vjp(fl, r_ids, c_ids, operands)
+                c_ids, c_valid, c0, col_blk = self.col_side(inp2, visits)
+                pblk = pair_blocks(R, visits, self.pairs, r0, c0, self.lead)
+                operands = (row_blk, per_row_blk, r_valid, col_blk, pblk, c_valid)
+                dr, dc, dp, dk = self.tile_vjp(fl, r_ids, c_ids, operands)
                 d_cols = [
                     store_block(acc, g, visits, c0, k, add=True)
-                    for acc, g, k in zip(d_cols, dc, select(col_lead, col_f))
+                    for acc, g, k in zip(d_cols, dc, select(self.col_lead, col_f))
                 ]
-                d_pairs = [
-                    add_block(acc, g, (r0, c0), k)
-                    for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
-                ]
+                d_pairs = self.add_pairs(d_pairs, dp, r0, c0, pair_f)
                 return add(d_row, dr), d_cols, d_pairs, add(d_consts, dk)
 
             d_row, d_cols, d_pairs, d_consts = spec.over_live(
@@ -214,43 +244,39 @@ def backward(spec, values, residual, flags, ct, running=None):
                 (accumulators(select(row_blk, row_f)), d_cols, d_pairs, d_consts),
                 visits,
                 r_ids,
-                consts,
+                self.consts,
             )
-            d_row = rows_back(block, d_row, fl)
-            if running is None:
-                # A row block's cotangent is complete here: stored once, in its own dtype.
-                d_rows = [store_block(acc, g, R, r0, nb) for acc, g in zip(d_rows, d_row)]
-            else:  # one column block of a ring: add to the other blocks' share
-                d_rows = [store_block(acc, g, R, r0, nb, add=True) for acc, g in zip(d_rows, d_row)]
+            d_row = self.rows_back(block, d_row, fl)
+            # Off a ring a row block's cotangent is complete here: stored once, in its own
+            # dtype; on a ring, added to the other column blocks' share.
+            d_rows = [store_block(acc, g, R, r0, nb, add=ring) for acc, g in zip(d_rows, d_row)]
             return (d_rows, d_cols, d_pairs, d_consts), None
 
         # (the ring adds into its rows: any order)
-        return lax.scan(row_body, init, R.indices() if running is not None else store_order(R))[0]
+        return lax.scan(row_body, init, R.indices() if ring else store_order(R))[0]
 
-    def cols_first(fl, init):
+    def cols_first(self, fl, init):
         """Column blocks outer: a column block's cotangent is complete after its row
         tiles, stored once in its own dtype (the rows' are summed in float32)."""
-        row_f, col_f, pair_f, _ = fl
+        spec, R, C, nb = self.spec, self.R, self.C, self.nb
+        _, col_f, pair_f, _ = fl
 
         def col_body(carry, inp):
             d_rows, d_cols, d_pairs, d_consts = carry
-            c_ids, c_valid, c0, col_blk = col_side(inp)
+            c_ids, c_valid, c0, col_blk = self.col_side(inp, C)
             visits = spec.visits(R, c_ids, over="rows")
 
             def row_body(carry2, inp2):
                 d_rows, d_col, d_pairs, d_consts = carry2
-                r_ids, r_valid, r0, block, row_blk, row_data = row_side(inp2, visits)
-                pblk = pair_blocks(visits, C, pairs, r0, c0, lead)
-                operands = (row_blk, row_data, r_valid, col_blk, pblk, c_valid)
-                dr, dc, dp, dk = tile_vjp(fl, r_ids, c_ids, operands)
-                dr = rows_back(block, dr, fl)
+                r_ids, r_valid, r0, block, row_blk, per_row_blk = self.row_side(inp2, visits)
+                pblk = pair_blocks(visits, C, self.pairs, r0, c0, self.lead)
+                operands = (row_blk, per_row_blk, r_valid, col_blk, pblk, c_valid)
+                dr, dc, dp, dk = self.tile_vjp(fl, r_ids, c_ids, operands)
+                dr = self.rows_back(block, dr, fl)
                 d_rows = [
                     store_block(acc, g, visits, r0, nb, add=True) for acc, g in zip(d_rows, dr)
                 ]
-                d_pairs = [
-                    add_block(acc, g, (r0, c0), k)
-                    for acc, g, k in zip(d_pairs, dp, select(lead, pair_f))
-                ]
+                d_pairs = self.add_pairs(d_pairs, dp, r0, c0, pair_f)
                 return d_rows, add(d_col, dc), d_pairs, add(d_consts, dk)
 
             d_rows, d_col, d_pairs, d_consts = spec.over_live(
@@ -258,65 +284,71 @@ def backward(spec, values, residual, flags, ct, running=None):
                 (d_rows, accumulators(select(col_blk, col_f)), d_pairs, d_consts),
                 visits,
                 c_ids,
-                consts,
+                self.consts,
                 over="rows",
             )
             d_cols = [
                 store_block(acc, g, C, c0, k)
-                for acc, g, k in zip(d_cols, d_col, select(col_lead, col_f))
+                for acc, g, k in zip(d_cols, d_col, select(self.col_lead, col_f))
             ]
             return (d_rows, d_cols, d_pairs, d_consts), None
 
         return lax.scan(col_body, init, store_order(C))[0]
 
-    if running is not None:
-        d_rows, d_cols, d_pairs, d_consts = running
-        if d_pairs is None:  # a ring's pair cotangents: this block's, fresh
-            d_pairs = zeros(flags, "rows")[2]
-        d_rows, d_cols, d_pairs, d_consts = rows_first(flags, (d_rows, d_cols, d_pairs, d_consts))
-    elif spec.backward == "rows":
-        d_rows, d_cols, d_pairs, d_consts = rows_first(flags, zeros(flags, "rows"))
-    else:
-        # "split": the rows' cotangents row-major, the others column-major, each
-        # complete per block and stored once in its own dtype.
+    def split(self, flags):
+        """``backward="split"``: the rows' cotangents row-major, the others column-major,
+        each complete per block and stored once in its own dtype."""
+        row_f, col_f, pair_f, const_f = flags
         none = [[False] * len(f_) for f_ in flags]
         row_fl = (row_f, *none[1:])
         col_fl = (none[0], col_f, pair_f, const_f)
-        d_rows = rows_first(row_fl, zeros(row_fl, "rows"))[0] if any(row_f) else []
+        d_rows = self.rows_first(row_fl, self.zeros(row_fl, "rows"))[0] if any(row_f) else []
         if any(col_f) or any(pair_f) or any(const_f):
-            _, d_cols, d_pairs, d_consts = cols_first(col_fl, zeros(col_fl, "cols"))
+            _, d_cols, d_pairs, d_consts = self.cols_first(col_fl, self.zeros(col_fl, "cols"))
         else:
             d_cols, d_pairs, d_consts = [], [], []
-    if running is not None:
         return d_rows, d_cols, d_pairs, d_consts
 
-    def finish(cts, primal_group):
-        return [c.astype(p.dtype) for c, p in zip(psum_replicated(cts, primal_group), primal_group)]
+    def finish(self, flags, cts):
+        """The accumulators as the primals' cotangents: sliced to the operands' lengths,
+        all-reduced where an operand was replicated, in the primals' dtypes and shapes."""
+        spec, primals, nb = self.spec, self.primals, self.nb
+        row_f, col_f, pair_f, const_f = flags
+        d_rows, d_cols, d_pairs, d_consts = cts
 
-    d_rows = finish(
-        [lax.slice_in_dim(a, 0, R.length, axis=nb) for a in d_rows], select(primals[0], row_f)
-    )
-    primal_cols = select(primals[1], col_f)
-    d_cols = [
-        lax.slice_in_dim(a, 0, C.length, axis=k) for a, k in zip(d_cols, select(col_lead, col_f))
-    ]
-    d_cols = [
-        d.reshape(p.shape)
-        for d, p in zip(finish(d_cols, select(spec.squeeze_cols(primals[1]), col_f)), primal_cols)
-    ]
-    d_pairs = [
-        lax.slice(a, (0,) * a.ndim, p.shape[:k] + p.shape[k : k + 2] + a.shape[k + 2 :])
-        for a, p, k in zip(d_pairs, select(pairs, pair_f), select(lead, pair_f))
-    ]
-    primal_pairs = select(primals[2], pair_f)
-    d_pairs = [d.reshape(p.shape) for d, p in zip(finish(d_pairs, primal_pairs), primal_pairs)]
-    d_consts = finish(d_consts, select(primals[3], const_f))
-    return (
-        cotangents(row_f, d_rows),
-        cotangents(col_f, d_cols),
-        cotangents(pair_f, d_pairs),
-        cotangents(const_f, d_consts),
-    )
+        def finish(cts, primal_group):
+            return [
+                c.astype(p.dtype) for c, p in zip(psum_replicated(cts, primal_group), primal_group)
+            ]
+
+        d_rows = finish(
+            [lax.slice_in_dim(a, 0, self.R.length, axis=nb) for a in d_rows],
+            select(primals[0], row_f),
+        )
+        primal_cols = select(primals[1], col_f)
+        d_cols = [
+            lax.slice_in_dim(a, 0, self.C.length, axis=k)
+            for a, k in zip(d_cols, select(self.col_lead, col_f))
+        ]
+        d_cols = [
+            d.reshape(p.shape)
+            for d, p in zip(
+                finish(d_cols, select(spec.squeeze_cols(primals[1]), col_f)), primal_cols
+            )
+        ]
+        d_pairs = [
+            lax.slice(a, (0,) * a.ndim, p.shape[:k] + p.shape[k : k + 2] + a.shape[k + 2 :])
+            for a, p, k in zip(d_pairs, select(self.pairs, pair_f), select(self.lead, pair_f))
+        ]
+        primal_pairs = select(primals[2], pair_f)
+        d_pairs = [d.reshape(p.shape) for d, p in zip(finish(d_pairs, primal_pairs), primal_pairs)]
+        d_consts = finish(d_consts, select(primals[3], const_f))
+        return (
+            cotangents(row_f, d_rows),
+            cotangents(col_f, d_cols),
+            cotangents(pair_f, d_pairs),
+            cotangents(const_f, d_consts),
+        )
 
 
 def add_block(acc, g, starts, k):

@@ -62,8 +62,9 @@ IMPLEMENTATIONS = (None, "xla", "pallas")
 @dataclasses.dataclass(frozen=True)
 class Pattern:
     """What a tile function computes, for a kernel to recognise: ``name`` (e.g.
-    ``"dot_product_attention"``) and its static ``options`` (sorted ``(key, value)``
-    pairs: causal, soft-cap, which masks are present)."""
+    ``"dot_product_attention"``) and its static ``options`` (hashable ``(key, value)``
+    pairs: attention's ``Visibility``, from which a kernel builds its mask; which
+    operands are present)."""
 
     name: str
     options: tuple[tuple[str, Hashable], ...] = ()

@@ -128,7 +128,7 @@ def _declines(
         return "a ring (attention split over devices along the sequence)"
     if pattern.option("stripes") is not None:
         return "stripes (memwise.stripe's order)"
-    if pattern.option("dropout_rate"):
+    if pattern.option("visibility").dropout_rate:
         return "dropout"
     for name, tree, supported in (
         ("pairs", pairs, set()),
@@ -168,15 +168,17 @@ def _declines(
     return None
 
 
-def _mask(t: int, s: int, causal: bool, window: tuple[int, int] | None) -> Any:
+def _mask(t: int, s: int, offsets: tuple[int | None, int | None]) -> Any:
+    """Splash's mask object for the visibility's ``offsets``: key ``j`` visible to query
+    ``i`` where ``lo <= j - i <= hi`` (``Visibility.offsets``; ``None``: unbounded)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    if window is not None:
-        left, right = window
-        return sa.LocalMask((t, s), (left, min(right, 0) if causal else right), offset=0)
-    if causal:
+    lo, hi = offsets
+    if lo is None and hi is None:
+        return sa.FullMask((t, s))
+    if lo is None and hi == 0:
         return sa.CausalMask((t, s))
-    return sa.FullMask((t, s))
+    return sa.LocalMask((t, s), (None if lo is None else -lo, hi), offset=0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,8 +186,7 @@ def _splash(
     heads: int,
     t: int,
     s: int,
-    causal: bool,
-    window: Any,
+    offsets: tuple[int | None, int | None],
     softcap: Any,
     blocks: Blocks,
     interpret: bool,
@@ -204,7 +205,7 @@ def _splash(
         block_kv_dq=None if blocks.fused else blocks.kv_bwd,
         use_fused_bwd_kernel=blocks.fused,
     )
-    mask = sa.MultiHeadMask([_mask(t, s, causal, window)] * heads)
+    mask = sa.MultiHeadMask([_mask(t, s, offsets)] * heads)
     # Concrete block tables even when first asked for inside a trace (they are cached).
     with jax.ensure_compile_time_eval():
         return sa.make_splash_mha_single_device(
@@ -381,16 +382,8 @@ def _apply(
     blocks = _explicit_blocks(pattern.option("chunk_size")) or block_sizes(
         t, s, heads, q.shape[-1], q.dtype.itemsize
     )
-    kernel = _splash(
-        heads,
-        t,
-        s,
-        bool(pattern.option("causal")),
-        pattern.option("window"),
-        pattern.option("softcap"),
-        blocks,
-        interpret,
-    )
+    visibility = pattern.option("visibility")
+    kernel = _splash(heads, t, s, visibility.offsets, visibility.softcap, blocks, interpret)
     lse_unused = bool(pattern.option("lse_unused")) and seg is None
     out, lse = _attend(kernel, lse_unused, qh, kh_, vh, seg)
     del kh
