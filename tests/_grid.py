@@ -34,7 +34,7 @@ import random
 from collections.abc import Hashable, Sequence
 
 DEFAULT_FRACTION = 0.25
-SLOW_FRACTION = 0.25
+SLOW_FRACTION = 0.1
 _PLAIN = (str, int, float, bool, type(None))
 
 
