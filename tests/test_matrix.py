@@ -643,7 +643,9 @@ CASES = {
     # (at tau (0.8, 0.6) OTT's outer loop cycles with period 3 on these clouds; at (0.9,
     # 0.7) it converges, in 68 to 97 iterations)
     "gromov_wasserstein_unbalanced": Case(_gromov(False, (0.9, 0.7)), min_tolerance=1e-5),
-    "gromov_wasserstein_fused_semi_unbalanced": Case(_gromov(True, (1.0, 0.5)), min_tolerance=1e-5),
+    # (at tau_b 0.5 its outer loop creeps: float32 stops it at equal costs 1e-3 from the
+    # fixed point on the chunk>n clouds)
+    "gromov_wasserstein_fused_semi_unbalanced": Case(_gromov(True, (1.0, 0.9)), min_tolerance=1e-5),
     "low_rank_sinkhorn": Case(_low_rank("sqeuclidean"), min_tolerance=1e-5),
     "low_rank_sinkhorn_user_cost": Case(
         _low_rank(lambda u, v: jnp.sum(jnp.abs(u - v) ** 1.5), epsilon=0.1), min_tolerance=1e-5
