@@ -376,55 +376,93 @@ def _plan_operator(n, chunk, dtype):
     return f, dense, (x, y, z, v)
 
 
-def _dense_gromov(x, y, fx=None, fy=None, penalty=1.0, epsilon=2.0, outer=60, inner=400):
-    """Dense entropic (fused) Gromov-Wasserstein with uniform weights, OTT's conventions:
-    linearise at the plan (first at ``a b^T``), solve that linear problem (log-domain
-    Sinkhorn), repeat; the value is the last linear problem's ``<f, a> + <g, b>`` and
-    its gradient OTT's, ``<dC, P>`` with the plan held fixed (not the derivative of the
+def _dense_gromov(
+    x, y, fx=None, fy=None, penalty=1.0, epsilon=2.0, outer=60, inner=400, taus=(1.0, 1.0)
+):
+    """Dense entropic (fused, unbalanced) Gromov-Wasserstein with uniform weights, OTT's
+    conventions: linearise at the plan (first at ``a b^T``), solve that linear problem
+    (log-domain Sinkhorn, relaxed as ``_dense_unbalanced``), repeat; unbalanced, each
+    plan rescaled to the previous one's mass, epsilon times that mass and OTT's
+    correction constant added to the cost (Sejourne, Vialard, Peyre 2021). The value is
+    the last linear problem's ``reg_ot_cost`` and its gradient OTT's: the potentials
+    (OTT's, ours plus ``eps log w``) and the plan held fixed (not the derivative of the
     value: the plan's own dependence on the points is dropped)."""
     n, m = x.shape[0], y.shape[0]
-    log_a, log_b = jnp.full(n, -jnp.log(n)), jnp.full(m, -jnp.log(m))
+    a, b = jnp.full(n, 1.0 / n), jnp.full(m, 1.0 / m)
+    log_a, log_b = jnp.log(a), jnp.log(b)
+    relaxed = taus != (1.0, 1.0)
 
     def sq(u, v):
         return jnp.sum((u[:, None] - v[None]) ** 2, axis=-1)
 
-    def linearised(x, y, fx, fy, plan):
+    def linearised(x, y, fx, fy, plan, old_mass):
+        """The cost at ``plan`` and its epsilon; unbalanced, the plan rescaled."""
+        scale, eps, shift = 1.0, epsilon, 0.0
+        if relaxed:
+            scale = jnp.sqrt(old_mass / jax.lax.stop_gradient(plan.sum()))
+            plan = plan * scale
+            eps = epsilon * jax.lax.stop_gradient(plan.sum())
+            shift = eps * jnp.sum(jax.scipy.special.xlogy(plan, plan))
+            for tau, marginal, w in zip(taus, (plan.sum(1), plan.sum(0)), (a, b)):
+                if tau < 1.0:
+                    kl = jax.scipy.special.xlogy(marginal, marginal / w)
+                    shift = shift + eps * tau / (1.0 - tau) * jnp.sum(kl)
         cx, cy = sq(x, x), sq(y, y)
         p, q = plan.sum(1), plan.sum(0)
-        cost = (cx**2 @ p)[:, None] + (cy**2 @ q)[None] - 2 * cx @ plan @ cy
-        return cost if fx is None else cost + penalty * sq(fx, fy)
+        cost = (cx**2 @ p)[:, None] + (cy**2 @ q)[None] - 2 * cx @ plan @ cy + shift
+        return (cost if fx is None else cost + penalty * scale * sq(fx, fy)), eps
 
-    def solve(cost):
+    def solve(cost, eps):
+        def update(tau, t, log_w):
+            return tau * t - (1.0 - tau) * eps * log_w
+
         def step(fg, _):
             f, g = fg
-            f = -epsilon * jax.nn.logsumexp(log_b[None] + (g[None] - cost) / epsilon, axis=1)
-            g = -epsilon * jax.nn.logsumexp(log_a[:, None] + (f[:, None] - cost) / epsilon, axis=0)
-            return (f, g), None
+            f = update(
+                taus[0], -eps * jax.nn.logsumexp(log_b[None] + (g[None] - cost) / eps, 1), log_a
+            )
+            t = -eps * jax.nn.logsumexp(log_a[:, None] + (f[:, None] - cost) / eps, axis=0)
+            return (f, update(taus[1], t, log_b)), None
 
         (f, g), _ = jax.lax.scan(step, (jnp.zeros(n), jnp.zeros(m)), None, length=inner)
-        plan = jnp.exp(log_a[:, None] + log_b[None] + (f[:, None] + g[None] - cost) / epsilon)
+        plan = jnp.exp(log_a[:, None] + log_b[None] + (f[:, None] + g[None] - cost) / eps)
         return f, g, plan
 
+    def outer_step(carry, _):
+        plan, old_mass = carry
+        new = solve(*linearised(*held, plan, old_mass))[2]
+        return (new, jax.lax.stop_gradient(plan.sum())), None
+
     held = jax.lax.stop_gradient((x, y, fx, fy))
-    plan = jnp.exp(log_a[:, None] + log_b[None])
-    plan, _ = jax.lax.scan(lambda plan, _: (solve(linearised(*held, plan))[2], None), plan,
-                           None, length=outer)  # fmt: skip
-    cost = linearised(x, y, fx, fy, plan)
-    f, g, final = jax.lax.stop_gradient(solve(cost))
-    value = jnp.sum(jnp.exp(log_a) * f) + jnp.sum(jnp.exp(log_b) * g)
-    moved = jnp.sum(cost * final)
-    return value + moved - jax.lax.stop_gradient(moved)
+    (plan, old_mass), _ = jax.lax.scan(
+        outer_step, (jnp.exp(log_a[:, None] + log_b[None]), 1.0), None, length=outer
+    )
+    cost, eps = linearised(x, y, fx, fy, plan, old_mass)
+    f, g, _ = solve(*jax.lax.stop_gradient((cost, eps)))
+    # OTT's reg_ot_cost at its potentials f + eps log a, g + eps log b, held
+    big_f, big_g = jax.lax.stop_gradient((f + eps * log_a, g + eps * log_b))
+    f, g = big_f - eps * log_a, big_g - eps * log_b
+    value = eps * (
+        a.sum() * b.sum() - jnp.sum(jnp.exp((big_f[:, None] + big_g[None] - cost) / eps))
+    )
+    for tau, w, h in zip(taus, (a, b), (f, g)):
+        rho = eps * tau / (1.0 - tau) if tau < 1.0 else None
+        value = value + (w @ h if rho is None else -rho * jnp.sum(w * jnp.expm1(-h / rho)))
+    return value
 
 
-def _gromov(fused):
-    """Entropic Gromov-Wasserstein (fused: with features) of clouds of ``n + 2`` and
-    ``n + 3`` points, against the dense solver in float64."""
+def _gromov(fused, taus=(1.0, 1.0)):
+    """Entropic Gromov-Wasserstein (fused: with features; unbalanced: ``taus``) of clouds
+    of ``n + 2`` and ``n + 3`` points, against the dense solver in float64."""
+
+    outer = 60 if taus == (1.0, 1.0) else 200  # unbalanced, memwise stops after up to 97
 
     def build(n, chunk, dtype):
         x, y, fx, fy = _inputs(dtype, (n + 2, 2), (n + 3, 3), (n + 2, 2), (n + 3, 2), seed=2)
         options = dict(
             epsilon=2.0, threshold=1e-9, min_iterations=20, max_iterations=200,
             sinkhorn_options=dict(threshold=1e-9, max_iterations=5000), chunk_size=chunk + 1,
+            tau_a=taus[0], tau_b=taus[1],
         )  # fmt: skip
 
         if fused:
@@ -435,14 +473,14 @@ def _gromov(fused):
                 ).reg_gw_cost
 
             def dense(x, y, fx, fy):
-                return _dense_gromov(x, y, fx, fy, penalty=0.5)
+                return _dense_gromov(x, y, fx, fy, penalty=0.5, outer=outer, taus=taus)
 
             return f, dense, (x, y, fx, fy)
 
         def f(x, y):
             return mw.ot.gromov_wasserstein(x, y, **options).reg_gw_cost
 
-        return f, lambda x, y: _dense_gromov(x, y), (x, y)
+        return f, lambda x, y: _dense_gromov(x, y, outer=outer, taus=taus), (x, y)
 
     return build
 
@@ -603,6 +641,12 @@ CASES = {
     "ot_plan_operator": Case(_plan_operator, min_tolerance=1e-5),
     "gromov_wasserstein": Case(_gromov(fused=False), min_tolerance=1e-5),
     "gromov_wasserstein_fused": Case(_gromov(fused=True), min_tolerance=1e-5),
+    # (at tau (0.8, 0.6) OTT's outer loop cycles with period 3 on these clouds; at (0.9,
+    # 0.7) it converges, in 68 to 97 iterations)
+    "gromov_wasserstein_unbalanced": Case(_gromov(False, (0.9, 0.7)), min_tolerance=1e-5),
+    # (at tau_b 0.5 its outer loop creeps: float32 stops it at equal costs 1e-3 from the
+    # fixed point on the chunk>n clouds)
+    "gromov_wasserstein_fused_semi_unbalanced": Case(_gromov(True, (1.0, 0.9)), min_tolerance=1e-5),
     "low_rank_sinkhorn": Case(_low_rank("sqeuclidean"), min_tolerance=1e-5),
     "low_rank_sinkhorn_user_cost": Case(
         _low_rank(lambda u, v: jnp.sum(jnp.abs(u - v) ** 1.5), epsilon=0.1), min_tolerance=1e-5

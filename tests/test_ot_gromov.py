@@ -34,11 +34,11 @@ def _clouds(n, m, seed=0, features=False):
     return out
 
 
-def _ott(x, y, a, b, fx=None, fy=None, *, epsilon, penalty=1.0, **loop):
+def _ott(x, y, a, b, fx=None, fy=None, *, epsilon, penalty=1.0, tau_a=1.0, tau_b=1.0, **loop):
     geom_xy = None if fx is None else pointcloud.PointCloud(fx, fy)
     problem = quadratic_problem.QuadraticProblem(
         pointcloud.PointCloud(x), pointcloud.PointCloud(y), geom_xy, fused_penalty=penalty,
-        a=a, b=b,
+        a=a, b=b, tau_a=tau_a, tau_b=tau_b,
     )  # fmt: skip
     solver = ott_gw.GromovWasserstein(ott_sinkhorn.Sinkhorn(**INNER), epsilon=epsilon, **loop)
     return solver(problem)
@@ -52,19 +52,31 @@ def _memwise(x, y, a, b, fx=None, fy=None, *, epsilon, penalty=1.0, **loop):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
-def test_values_plans_and_gradients_equal_ott_at_500_points(fused):
+@pytest.mark.parametrize(
+    "fused, tau_a, tau_b, epsilon",
+    [(False, 1.0, 1.0, 0.5), (True, 1.0, 1.0, 0.5), (False, 0.9, 0.8, 2.0), (True, 1.0, 0.5, 2.0)],
+    ids=["plain", "fused", "plain-unbalanced", "fused-semi-unbalanced"],
+)
+def test_values_plans_and_gradients_equal_ott_at_500_points(fused, tau_a, tau_b, epsilon):
     # The outer loop at OTT's defaults (its stopping rule, its iteration count), the
-    # linear solves converged: everything equal to 1e-5 (measured: about 1e-10).
+    # linear solves converged: everything equal to 1e-5 (measured: about 1e-10;
+    # unbalanced, values and plans 1e-13, gradients 1e-11).
+    # Unbalanced (Sejourne, Vialard, Peyre 2021) as OTT has it: each plan rescaled to
+    # the previous one's mass, the solve's epsilon times that mass, a constant added to
+    # the cost; with both marginals relaxed the weights' totals differ (1.3 and 1). (At
+    # epsilon 0.5, or tau (0.8, 0.6), OTT's unbalanced outer loop does not settle on
+    # these clouds; here it stops by its criterion, after 28 and 9 iterations.)
     c = _clouds(500, 500, features=fused)
-    args = (c["x"], c["y"], c["a"], c["b"]) + ((c["fx"], c["fy"]) if fused else ())
-    argnums = (0, 1, 4, 5) if fused else (0, 1)
+    a = c["a"] * (1.3 if tau_a < 1 and tau_b < 1 else 1.0)
+    args = (c["x"], c["y"], epsilon) + ((c["fx"], c["fy"]) if fused else ())
+    taus = dict(tau_a=tau_a, tau_b=tau_b)
 
     def value(solve):
-        def cost(*args):
-            out = solve(*args, epsilon=0.5, penalty=0.7)
+        def cost(x, y, epsilon, *features):
+            out = solve(x, y, a, c["b"], *features, epsilon=epsilon, penalty=0.7, **taus)
             return out.reg_gw_cost, out
 
+        argnums = tuple(range(len(args)))
         return jax.jit(jax.value_and_grad(cost, argnums, has_aux=True))(*args)
 
     (ours, out), grads = value(_memwise)
@@ -102,9 +114,11 @@ def test_clouds_far_from_the_origin_are_solved_as_the_centred_clouds():
     np.testing.assert_allclose(fy, dy, rtol=1e-2, atol=1e-4)
 
 
-def test_memory_grows_with_the_points_not_their_pairs():
+@pytest.mark.parametrize("taus", [(1.0, 1.0), (0.8, 0.6)], ids=["balanced", "unbalanced"])
+def test_memory_grows_with_the_points_not_their_pairs(taus):
     # Compiled temporaries of the gradient at two sizes: what is added with the points
-    # is a sliver of what their pairs would add, never an n x m array.
+    # is a sliver of what their pairs would add, never an n x m array (unbalanced too:
+    # its correction is sums over the marginals and one pass over the plan).
     def temps(n):
         x = jax.ShapeDtypeStruct((n, 3), jnp.float64)
         y = jax.ShapeDtypeStruct((n, 2), jnp.float64)
@@ -112,14 +126,14 @@ def test_memory_grows_with_the_points_not_their_pairs():
         def cost(x, y):
             out = mw.ot.gromov_wasserstein(
                 x, y, epsilon=1.0, max_iterations=3, min_iterations=3, chunk_size=256,
-                sinkhorn_options=dict(max_iterations=20),
+                sinkhorn_options=dict(max_iterations=20), tau_a=taus[0], tau_b=taus[1],
             )  # fmt: skip
             return out.reg_gw_cost
 
         return compiled_memory(jax.grad(cost, (0, 1)), x, y).temp_bytes
 
-    # measured: 3.4 and 4.2 MB (tiles of 256 x 256 and O(n d) vectors), where one
-    # float64 matrix of the pairs is 34 and 134 MB
+    # measured: 1.5 and 2.3 MB, balanced and unbalanced alike (tiles of 256 x 256 and
+    # O(n d) vectors), where one float64 matrix of the pairs is 34 and 134 MB
     small, large = temps(2048), temps(4096)
     assert large < 8 * 4096**2 / 16, large
     assert large - small < 0.01 * 8 * (4096**2 - 2048**2), (small, large)
@@ -161,6 +175,10 @@ def test_bad_input_is_one_line():
         (dict(sinkhorn_options=dict(thresh=1e-3)), "mw.ot.sinkhorn does not take"),
         (dict(max_iterations=0), "max_iterations must be a positive int"),
         (dict(sinkhorn_options=dict(cost="euclidean")), "may not set .cost."),
+        (dict(tau_a=0.0), r"tau_a must be in \(0, 1\]"),
+        (dict(tau_b=1.5), r"tau_b must be in \(0, 1\]"),
+        (dict(tau_b=np.float32(-0.5)), r"tau_b must be in \(0, 1\]"),
+        (dict(sinkhorn_options=dict(tau_a=0.5)), "may not set .tau_a.: the solver sets it"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message) as info:

@@ -33,10 +33,11 @@ default ``use_danskin=True`` does). The plan is an operator on the result
 (:class:`memwise.ot.TransportPlan`: ``apply``, ``marginal``, ``transport_cost``, the
 entropic map ``transport`` of new points), each one or two chunked passes.
 
-Gromov-Wasserstein (:func:`gromov_wasserstein`, plain and fused): each outer iteration
-linearises the quadratic loss at the current plan into an inner-product cost of
-augmented points (the squared Euclidean distances within a cloud have rank ``d + 2``)
-and solves it with :func:`sinkhorn` (:mod:`memwise.ot.gromov`).
+Gromov-Wasserstein (:func:`gromov_wasserstein`, plain and fused, balanced or unbalanced):
+each outer iteration linearises the quadratic loss at the current plan into an
+inner-product cost of augmented points (the squared Euclidean distances within a cloud
+have rank ``d + 2``) and solves it with :func:`sinkhorn` (:mod:`memwise.ot.gromov`;
+unbalanced GW's rescaling and correction: :mod:`memwise.ot.gromov_unbalanced`).
 
 Low-rank Sinkhorn (:func:`low_rank_sinkhorn`): the plan ``Q diag(1/g) R^T`` of rank
 ``r`` by mirror descent on its factors (Scetbon, Cuturi and Peyré 2021; OTT-JAX's

@@ -22,12 +22,19 @@ a ``(d + 2) x (d' + 2)`` product. ``(Cx^2 p)_i`` is one chunked sum over pairs
 augmented points of dimension ``d' + 4`` (plus the features' for fused GW), which the
 chunked Sinkhorn tiles as any cost: per outer iteration, memory O((n + m) d) and a tile.
 
-Conventions: OTT-JAX 0.6's ``GromovWasserstein`` with its defaults (balanced, square
-loss, no cost rescaling): the first linearisation at the product plan ``a b^T``, an
-absolute ``epsilon`` (default 1), the outer loop run at least ``min_iterations`` times
-and stopped once two successive linear costs agree to ``threshold`` (relative), and the
-reported ``reg_gw_cost`` the regularised cost of the linearisation at the final plan,
-taken at the last solve's potentials. Its gradient is OTT's: the envelope theorem at
+Unbalanced GW (``tau_a``, ``tau_b`` < 1: Séjourné, Vialard, Peyré, NeurIPS 2021) relaxes
+the marginals by KL penalties, as :func:`memwise.ot.sinkhorn` does; OTT-JAX's form of it
+changes each linearisation (the plan rescaled to the previous plan's mass, the linear
+solve's epsilon times that mass, a constant added to the cost), all sums over the
+plan's marginals and one pass over it (:mod:`memwise.ot.gromov_unbalanced`).
+
+Conventions: OTT-JAX 0.6's ``GromovWasserstein`` with its defaults (square loss, no
+cost rescaling; unbalanced, ``QuadraticProblem(tau_a=..., tau_b=...)`` with its default
+``gw_unbalanced_correction=True``): the first linearisation at the product plan ``a
+b^T``, an absolute ``epsilon`` (default 1), the outer loop run at least
+``min_iterations`` times and stopped once two successive linear costs agree to
+``threshold`` (relative), and the reported ``reg_gw_cost`` the regularised cost of the
+linearisation at the final plan, taken at the last solve's potentials. Its gradient is OTT's: the envelope theorem at
 that linearisation, the plan held fixed (OTT stops the gradient through it). That is not
 the derivative of ``reg_gw_cost`` itself: the fixed point of these iterations is
 stationary for ``quadratic + 2 epsilon KL``, not for the reported cost, so the plan's
@@ -36,7 +43,13 @@ Each linear solve stops by :func:`memwise.ot.sinkhorn`'s rule (the marginal erro
 checked every iteration; OTT's checks it every tenth), so with both libraries' default
 inner thresholds (1e-3) the two agree to about that threshold (at 500 points: 1.5e-5
 relative in the value, 4e-3 in the gradients), and to 1e-6 with tight inner thresholds
-(``sinkhorn_options=dict(threshold=1e-9)``).
+(``sinkhorn_options=dict(threshold=1e-9)``). Unbalanced, the same holds (at 500 points
+a side, inner threshold 1e-12: values 1e-13, plans 1e-13, gradients 1e-11 relative);
+the plan returned is OTT's, the last solve's rescaled by ``sqrt(previous mass / its
+mass)``. Strongly relaxed marginals or a small epsilon can keep OTT's unbalanced outer
+loop from settling (the costs cycle, or the plan's mass and the cost grow without
+bound); memwise follows the same iterates: read ``converged`` and ``costs``, and
+raise epsilon or ``tau`` towards 1 where they do not settle.
 """
 
 from __future__ import annotations
@@ -52,10 +65,12 @@ import numpy as np
 from memwise._arguments import positive_int
 from memwise._dtypes import accumulation_dtype
 from memwise._jax_private import forbid_reverse_mode
+from memwise.ot import gromov_unbalanced as unbalanced
 from memwise.ot.api import sinkhorn
 from memwise.ot.gradients import reg_ot_cost, reverse_mode_only
+from memwise.ot.marginals import Side
 from memwise.ot.plan import TransportPlan
-from memwise.ot.problem import _check_points, _check_weights, check_scalar
+from memwise.ot.problem import _check_points, _check_tau, _check_weights, check_scalar, side_of
 from memwise.pairwise import pairwise_reduce
 
 _WEIGHTS_GRADIENT = (
@@ -68,7 +83,7 @@ _WEIGHTS_GRADIENT = (
 __all__ = ["GromovWassersteinResult", "gromov_wasserstein"]
 
 _SINKHORN_OPTIONS = frozenset(inspect.signature(sinkhorn).parameters)
-_SET_HERE = frozenset({"x", "y", "a", "b", "epsilon", "cost", "init"})
+_SET_HERE = frozenset({"x", "y", "a", "b", "epsilon", "cost", "init", "tau_a", "tau_b", "reach"})
 
 Array = jax.Array
 
@@ -87,7 +102,8 @@ class GromovWassersteinResult(NamedTuple):
       n_iterations: outer iterations run.
       converged: the outer loop stopped by its criterion (not ``max_iterations``) and
         every linear solve converged.
-      epsilon: the regularisation used.
+      epsilon: the regularisation given (unbalanced, each linear solve runs at it
+        times the rescaled plan's mass, as OTT-JAX's).
     """
 
     reg_gw_cost: Array
@@ -173,9 +189,10 @@ def _held_apply_bwd(plan, ct):
 _held_apply.defvjp(_held_apply_fwd, _held_apply_bwd)
 
 
-def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size):
+def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size, shift=0.0):
     """The augmented points whose inner products are the linearised cost at ``plan``
-    (marginals ``p = P 1``, ``q = P^T 1``; see the module docstring).
+    (marginals ``p = P 1``, ``q = P^T 1``; see the module docstring), plus the constant
+    ``shift`` (unbalanced GW's correction, :mod:`memwise.ot.gromov_unbalanced`).
 
     With ``Cx = A B^T``, ``A = [|x|^2, 1, -2x]``, ``B = [1, |x|^2, x]`` (and ``A'``,
     ``B'`` of ``y``): ``C_ij = u_i + v_j - 2 (A G)_i . B'_j`` with ``G = B^T P A'``,
@@ -188,7 +205,7 @@ def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size):
         applied = plan.apply(columns.T, axis=1).T
     else:
         applied = _held_apply(plan, columns)  # [P |y|^2, P y]: [n, d' + 1]
-    u = _squared_distances_applied(x, p, chunk_size)
+    u = _squared_distances_applied(x, p, chunk_size) + shift
     v = _squared_distances_applied(y, q, chunk_size)
     return _augmented(x, y, fx, fy, jnp.asarray(penalty, x.dtype), applied, p, u, v)
 
@@ -298,6 +315,8 @@ def gromov_wasserstein(
     x_features: Array | None = None,
     y_features: Array | None = None,
     fused_penalty: float = 1.0,
+    tau_a: float | Array = 1.0,
+    tau_b: float | Array = 1.0,
     max_iterations: int = 50,
     min_iterations: int = 5,
     threshold: float = 1e-3,
@@ -310,7 +329,8 @@ def gromov_wasserstein(
 
     The same problem and iterations as OTT-JAX's ``GromovWasserstein`` on
     ``QuadraticProblem(PointCloud(x), PointCloud(y), [PointCloud(x_features,
-    y_features)], fused_penalty=...)`` (see the module docstring for the conventions).
+    y_features)], fused_penalty=..., tau_a=..., tau_b=...)`` (see the module docstring
+    for the conventions).
 
     Args:
       x: ``[n, d]`` points; their squared Euclidean distances are one side's costs.
@@ -325,6 +345,14 @@ def gromov_wasserstein(
         ``quadratic + fused_penalty * linear`` (OTT's form; fused GW's ``alpha`` in
         ``(1 - alpha) quadratic + alpha linear`` is ``fused_penalty = alpha / (1 -
         alpha)`` with epsilon divided by ``1 - alpha``).
+      tau_a: the relaxation of the marginal ``a``, in (0, 1], as in
+        :func:`memwise.ot.sinkhorn` and OTT-JAX: ``1.0`` (the default) a hard
+        constraint, ``tau < 1`` a KL penalty of weight ``rho = eps tau / (1 - tau)``.
+        With either below 1 this is OTT-JAX's unbalanced GW (Séjourné, Vialard, Peyré
+        2021; see the module docstring): each linear solve runs at ``epsilon`` times the
+        rescaled plan's mass, with a constant added to its cost, and the weights'
+        totals may differ. A float (or a 0-d array; not differentiated).
+      tau_b: the same for ``b``.
       max_iterations: outer iterations at most.
       min_iterations: outer iterations at least.
       threshold: the outer loop stops when two successive linear costs agree to this
@@ -341,8 +369,9 @@ def gromov_wasserstein(
         of different widths, a negative ``fused_penalty`` or ``epsilon`` (Python, NumPy
         or concrete JAX numbers; a traced one is not checked), iteration counts that are
         not positive ints or ``min_iterations > max_iterations``, a threshold that is
-        not a positive finite float; ``TypeError`` for a gradient with respect to the
-        weights ``a`` or ``b`` (the outer loop is not differentiated), naming the fix.
+        not a positive finite float, ``tau_a`` or ``tau_b`` outside (0, 1];
+        ``TypeError`` for a gradient with respect to the weights ``a`` or ``b`` (the
+        outer loop is not differentiated), naming the fix.
 
     Example::
 
@@ -352,6 +381,17 @@ def gromov_wasserstein(
         >>> out = mw.ot.gromov_wasserstein(x, rotated, epsilon=0.05)
         >>> moved = out.plan.apply(rotated.T, axis=1).T * 60  # where each x_i is sent
         >>> bool(jax.numpy.mean(jax.numpy.sum((moved - rotated) ** 2, 1)) < 0.1)
+        True
+
+    Unbalanced, points that nothing in the other cloud resembles are left out of the
+    plan (a balanced plan must send the 8 outliers their weight, 8/38 of the mass):
+
+        >>> x = x[:30]
+        >>> outliers = 4.0 + jax.random.normal(jax.random.PRNGKey(1), (8, 2))
+        >>> y = jax.numpy.concatenate([x, outliers])
+        >>> out = mw.ot.gromov_wasserstein(x, y, epsilon=2.0, tau_a=0.9, tau_b=0.9)
+        >>> received = out.plan.marginal(0)  # P^T 1, the mass each y_j receives
+        >>> bool(received[30:].sum() < 1e-6 * received[:30].sum())
         True
     """
     x = _check_points("x", x)
@@ -384,6 +424,8 @@ def gromov_wasserstein(
             )
     check_scalar("epsilon", epsilon, 0.0, closed=False)
     check_scalar("fused_penalty", fused_penalty, 0.0, closed=True)
+    _check_tau("tau_a", tau_a)
+    _check_tau("tau_b", tau_b)
     max_iterations = positive_int(max_iterations, "max_iterations")
     min_iterations = positive_int(min_iterations, "min_iterations")
     if min_iterations > max_iterations:
@@ -409,26 +451,53 @@ def gromov_wasserstein(
                 f"{sorted(_SINKHORN_OPTIONS - _SET_HERE)}"
             )
     options.setdefault("chunk_size", chunk_size)
-    # The solves run on a constant epsilon: the loop is not differentiated; the final
+
+    # A traced tau is relaxed and held (not differentiated), as in mw.ot.sinkhorn.
+    def side(tau: Any) -> Side:
+        return side_of(
+            jax.lax.stop_gradient(tau) if isinstance(tau, jax.core.Tracer) else tau, work
+        )
+
+    sides = (side(tau_a), side(tau_b))
+    relaxed = sides[0].relaxed or sides[1].relaxed
+    taus = {name: side.tau for name, side in zip(("tau_a", "tau_b"), sides) if side.relaxed}
+    # The solves run on a held epsilon: the loop is not differentiated; the final
     # cost's envelope gradient reaches epsilon itself.
     held_eps = jax.lax.stop_gradient(jnp.asarray(epsilon, work))
 
-    def solve(points):
+    def solve(points, eps):
         px, qy = points
-        return sinkhorn(px, qy, a, b, epsilon=held_eps, cost=_inner, **options)
+        return sinkhorn(px, qy, a, b, epsilon=eps, cost=_inner, **taus, **options)
 
-    def linearise(plan, x, y, fx, fy):
-        p, q = plan.marginal(1), plan.marginal(0)
-        return _linearised(x, y, fx, fy, fused_penalty, plan, p, q, chunk_size)
+    def linearise(plan, old_mass, x, y, fx, fy, eps):
+        """The linearisation at ``plan``: its points, the solve's epsilon, the plan it
+        was taken at (rescaled when unbalanced) and that plan's mass before rescaling."""
+        if not relaxed:
+            p, q = plan.marginal(1), plan.marginal(0)
+            points = _linearised(x, y, fx, fy, fused_penalty, plan, p, q, chunk_size)
+            return points, eps, plan, old_mass
+        scale, p, q, mass = unbalanced.rescale(plan, old_mass)
+        plan = plan_of(plan.x, plan.y, plan.f + plan.eps * jnp.log(scale), plan.g, plan.eps,
+                       weights=(plan.a, plan.b))  # fmt: skip
+        eps = eps * jax.lax.stop_gradient(jnp.sum(p))
+        shift = unbalanced.correction(sides, eps, plan, p, q)
+        points = _linearised(x, y, fx, fy, fused_penalty * scale, plan, p, q, chunk_size, shift)
+        return points, eps, plan, mass
 
     sx, sy, sfx, sfy = jax.lax.stop_gradient((x, y, fx, fy))
-    # The first linearisation at the product plan a b^T: P A' = a (b^T A').
+    # The first linearisation at the product plan a b^T: P A' = a (b^T A'); unbalanced,
+    # at epsilon times its mass, with its correction (OTT's QuadraticInitializer).
     product = _Product(a, b)
-    first = solve(_linearised(sx, sy, sfx, sfy, fused_penalty, product, a, b, chunk_size))
+    mass = jnp.sum(a) * jnp.sum(b) if relaxed else jnp.asarray(1.0, work)
+    eps = held_eps * mass if relaxed else held_eps
+    shift = unbalanced.product_correction(sides, eps, a, b) if relaxed else 0.0
+    first = solve(
+        _linearised(sx, sy, sfx, sfy, fused_penalty, product, a, b, chunk_size, shift), eps
+    )
 
     template = first.plan  # the cost and tiling every solve shares
 
-    def plan_of(px, qy, f, g, eps=first.epsilon, weights=(a, b)):
+    def plan_of(px, qy, f, g, eps, weights=(a, b)):
         return TransportPlan(
             px, qy, weights[0], weights[1], f, g, eps, template.consts,
             cost=template.cost, chunk=template.chunk, dtype=template.dtype,
@@ -442,35 +511,41 @@ def gromov_wasserstein(
         return (i < max_iterations) & go_on
 
     def body(state):
-        i, costs, (points, f, g, all_converged) = state
-        new_points = linearise(plan_of(points[0], points[1], f, g), sx, sy, sfx, sfy)
-        new = solve(new_points)
+        i, costs, (points, f, g, eps, old_mass, all_converged) = state
+        plan = plan_of(points[0], points[1], f, g, eps)
+        new_points, new_eps, _, mass = linearise(plan, old_mass, sx, sy, sfx, sfy, held_eps)
+        new = solve(new_points, new_eps)
         costs = costs.at[i].set(new.reg_ot_cost)
-        return i + 1, costs, (new_points, new.f, new.g, all_converged & new.converged)
+        converged = all_converged & new.converged
+        return i + 1, costs, (new_points, new.f, new.g, new_eps, mass, converged)
 
     first_points = jax.lax.stop_gradient(first.plan.x), jax.lax.stop_gradient(first.plan.y)
     costs = -jnp.ones((max_iterations,), first.reg_ot_cost.dtype)
-    start = (jnp.asarray(0), costs, (first_points, first.f, first.g, first.converged))
-    n_iter, costs, (points, f, g, all_converged) = jax.lax.while_loop(cond, body, start)
+    loop = (first_points, first.f, first.g, eps, mass, first.converged)
+    n_iter, costs, loop = jax.lax.while_loop(cond, body, (jnp.asarray(0), costs, loop))
+    points, f, g, solved_eps, old_mass, all_converged = jax.lax.stop_gradient(loop)
 
     # OTT's output: the linearisation at the final plan (held fixed), its regularised
     # cost at the last potentials, differentiated by the envelope theorem.
-    f, g = jax.lax.stop_gradient((f, g))
     a, b = guarded
-    plan = plan_of(points[0], points[1], f, g, weights=guarded)
-    px, qy = linearise(plan, x, y, fx, fy)
-    eps = jnp.asarray(epsilon, work)
+    last = plan_of(points[0], points[1], f, g, solved_eps, weights=guarded)
+    (px, qy), eps, plan, _ = linearise(last, old_mass, x, y, fx, fy, jnp.asarray(epsilon, work))
+    if relaxed:
+        # OTT holds its potentials, ours plus eps log(weight), at the last solve's
+        # epsilon, and reads them at this linearisation's.
+        f = unbalanced.held_potential(f, a, solved_eps, eps)
+        g = unbalanced.held_potential(g, b, solved_eps, eps)
     at = plan_of(px, qy, f, g, eps, weights=guarded)
     mass = jax.lax.stop_gradient(jnp.sum(at.marginal(1)))
-    taus = (jnp.asarray(1.0, work), jnp.asarray(1.0, work))
     reg = reg_ot_cost(
-        template.cost, template.chunk, (False, False), px, qy, a, b, eps, template.consts,
-        taus, f, g, mass,
+        template.cost, template.chunk, (sides[0].relaxed, sides[1].relaxed), px, qy, a, b,
+        eps, template.consts, tuple(jnp.asarray(side.tau, work) for side in sides), f, g, mass,
     )  # fmt: skip
-    if isinstance(epsilon, jax.core.Tracer):
+    if isinstance(epsilon, jax.core.Tracer) and not relaxed:
         # OTT holds its own potentials, ours plus eps log(weight), fixed: off the
         # optimum of this last linearisation the choice shows in d/d eps, by
-        # -sum_i (a_i - (P 1)_i) log a_i and the same for b.
+        # -sum_i (a_i - (P 1)_i) log a_i and the same for b (a relaxed side's cost
+        # passes the potentials' cotangents on, through held_potential above).
         def drift(weights, marginal):
             safe = jnp.where(weights > 0, weights, 1.0)
             return jnp.sum(jnp.where(weights > 0, (weights - marginal) * jnp.log(safe), 0.0))
@@ -478,7 +553,9 @@ def gromov_wasserstein(
         slope = -drift(a, at.marginal(1)) - drift(b, at.marginal(0))
         reg = reg + (eps - jax.lax.stop_gradient(eps)) * jax.lax.stop_gradient(slope)
     converged = (n_iter < max_iterations) & all_converged
-    return GromovWassersteinResult(reg.astype(dtype), plan, costs, n_iter, converged, eps)
+    return GromovWassersteinResult(
+        reg.astype(dtype), plan, costs, n_iter, converged, jnp.asarray(epsilon, work)
+    )
 
 
 class _Product:

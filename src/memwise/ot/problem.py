@@ -264,12 +264,15 @@ def _sides(tau_a: Any, tau_b: Any, reach: Any, cost: Any, eps: Array, work: Any)
         tau = jax.lax.stop_gradient(rho / (rho + eps))
         return Side(True, tau), Side(True, tau)
 
-    def side(tau):
-        if _is_hard(tau):
-            return Side(False)
-        return Side(True, float(tau) if _is_concrete(tau) else jnp.asarray(tau, work))
+    return side_of(tau_a, work), side_of(tau_b, work)
 
-    return side(tau_a), side(tau_b)
+
+def side_of(tau: Any, work: Any) -> Side:
+    """The :class:`Side` of a checked ``tau``: hard at 1.0, relaxed otherwise (a traced
+    tau is relaxed, an array of ``work``'s dtype)."""
+    if _is_hard(tau):
+        return Side(False)
+    return Side(True, float(tau) if _is_concrete(tau) else jnp.asarray(tau, work))
 
 
 def check_scalar(name: str, value: Any, low: float, *, closed: bool) -> None:
