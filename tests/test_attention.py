@@ -648,7 +648,7 @@ def test_under_checkpoint():
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
-# One encoding of visibility (issue 55, item 14): the pairs a tile keeps, the tiles the
+# One encoding of visibility: the pairs a tile keeps, the tiles the
 # engine skips (live), the engine's band and the TPU kernel's splash mask are derived
 # from one Visibility, and each must agree with jax.nn's definition.
 _VISIBILITIES = [

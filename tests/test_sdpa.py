@@ -561,8 +561,8 @@ def test_every_option_on_8_devices_matches_one_device():
     assert out.count("ok") == 13
 
 
-# The attention path's functions, each short enough to hold in one's head (issue 55,
-# item 14): dot_product_attention is its stages in order, the engine's backward one
+# The attention path's functions, each short enough to hold in one's head:
+# dot_product_attention is its stages in order, the engine's backward one
 # function per loop order around a shared per-tile step.
 _ATTENTION_PATH = ("sdpa", "_sdpa_args", "_attention_tiles", "engine/backward")
 _LONGEST_BODY = 80  # lines, docstring excluded
