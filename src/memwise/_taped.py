@@ -16,7 +16,7 @@ the carry of the step it reverses (restored from a revolve slot by
   rule as one value;
 * :func:`replayed_cotangents`: a replaying backward rule's cotangents, refusing reverse
   mode (grad of grad) with the loop's own error;
-* slot reads and writes of stacked carries (:func:`take`, :func:`store`,
+* slot reads and writes of stacked carries (:func:`take`, :func:`put`, :func:`store`,
   :func:`entry`, :func:`entry_zeros`).
 
 A loop here is any object with ``step(carry, x, consts) -> (carry, y)`` on lists of
@@ -42,6 +42,7 @@ __all__ = [
     "TapedStep",
     "entry",
     "entry_zeros",
+    "put",
     "perturbed_carry",
     "replayed_cotangents",
     "store",
@@ -198,17 +199,15 @@ def take(tree: list, index: Any) -> list:
 
 
 def put(buffers: list, values: list, slot: Any) -> list:
+    """``values`` into entry ``slot`` of ``buffers``, unconditionally."""
     return [lax.dynamic_update_index_in_dim(b, v, slot, 0) for b, v in zip(buffers, values)]
 
 
 def store(buffers: list, values: list, slot: Any, do: Any) -> list:
-    # Read-select-write touches one slot per step instead of the whole buffer, and keeps
-    # the update in place inside XLA loops.
-    out = []
-    for buf, val in zip(buffers, values):
-        old = lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
-        out.append(lax.dynamic_update_index_in_dim(buf, jnp.where(do, val, old), slot, 0))
-    return out
+    """``values`` into entry ``slot`` of ``buffers`` where ``do``: a read-select-write of
+    one slot (in place inside XLA loops), for loops that write in few of their steps."""
+    kept = [jnp.where(do, v, old) for v, old in zip(values, take(buffers, slot))]
+    return put(buffers, kept, slot)
 
 
 class Perturbed(NamedTuple):
