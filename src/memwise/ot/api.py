@@ -19,7 +19,7 @@ from memwise._arguments import check_arrays
 from memwise.ot.costs import CostFn
 from memwise.ot.gradients import potentials, reg_ot_cost
 from memwise.ot.loops import solve, solve_symmetric
-from memwise.ot.marginals import Side
+from memwise.ot.marginals import Side, held_potential
 from memwise.ot.plan import TransportPlan
 from memwise.ot.problem import Problem, prepare
 from memwise.tiling import ChunkSize
@@ -298,13 +298,9 @@ def _differentiable(p, x, y, a, b, eps, f, g, mass, error, n_iterations, errors,
         # flows through the potentials' implicit vjp.
         reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, df, dg, mass)
     elif any(relaxed):
-        # OTT's Danskin gradient holds its own potentials f + eps log a fixed, so the
-        # weights and epsilon still move ours.
-        def held(h, w):
-            log_w = jnp.log(jnp.where(w > 0, w, 1.0))
-            return jax.lax.stop_gradient(h + eps * log_w) - eps * log_w
-
-        reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, held(f, a), held(g, b), mass)
+        # OTT's Danskin gradient holds its own potentials f + eps log a fixed
+        held_f, held_g = held_potential(f, a, eps, eps), held_potential(g, b, eps, eps)
+        reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, held_f, held_g, mass)
     else:
         reg = reg_ot_cost(p.cost, p.chunk, relaxed, *args, f, g, mass)
     plan = TransportPlan(

@@ -68,7 +68,7 @@ from memwise._jax_private import forbid_reverse_mode
 from memwise.ot import gromov_unbalanced as unbalanced
 from memwise.ot.api import sinkhorn
 from memwise.ot.gradients import reg_ot_cost, reverse_mode_only
-from memwise.ot.marginals import Side
+from memwise.ot.marginals import Side, held_potential
 from memwise.ot.plan import TransportPlan
 from memwise.ot.problem import _check_points, _check_tau, _check_weights, check_scalar, side_of
 from memwise.pairwise import pairwise_reduce
@@ -533,8 +533,8 @@ def gromov_wasserstein(
     if relaxed:
         # OTT holds its potentials, ours plus eps log(weight), at the last solve's
         # epsilon, and reads them at this linearisation's.
-        f = unbalanced.held_potential(f, a, solved_eps, eps)
-        g = unbalanced.held_potential(g, b, solved_eps, eps)
+        f = held_potential(f, a, solved_eps, eps)
+        g = held_potential(g, b, solved_eps, eps)
     at = plan_of(px, qy, f, g, eps, weights=guarded)
     mass = jax.lax.stop_gradient(jnp.sum(at.marginal(1)))
     reg = reg_ot_cost(

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import xlogy
 
-from memwise.ot.marginals import Side
+from memwise.ot.marginals import Side, log_weights
 from memwise.ot.plan import TransportPlan
 
-__all__ = ["correction", "held_potential", "product_correction", "rescale"]
+__all__ = ["correction", "product_correction", "rescale"]
 
 Array = jax.Array
 
@@ -59,8 +59,8 @@ def _entropy(plan: TransportPlan, p: Array, q: Array) -> Array:
     """``sum_ij P_ij log P_ij`` from the marginals and one pass (see the module)."""
 
     def term(marginal, weights, potential):
-        log_w = jnp.log(jnp.where(weights > 0, weights, 1.0))
-        return jnp.sum(jnp.where(marginal > 0, marginal * (log_w + potential / plan.eps), 0.0))
+        inner = log_weights(weights) + potential / plan.eps
+        return jnp.sum(jnp.where(marginal > 0, marginal * inner, 0.0))
 
     cost = plan.transport_cost().astype(p.dtype)
     return term(p, plan.a, plan.f) + term(q, plan.b, plan.g) - cost / plan.eps
@@ -82,11 +82,3 @@ def rescale(plan: TransportPlan, old_mass: Array) -> tuple[Array, Array, Array, 
     mass = jax.lax.stop_gradient(jnp.sum(p))
     scale = jnp.sqrt(old_mass / mass)
     return scale, scale * p, scale * q, mass
-
-
-def held_potential(potential: Array, weights: Array, solved_eps: Array, eps: Array) -> Array:
-    """A potential of the solve at ``solved_eps`` as the potential at ``eps`` that OTT
-    holds fixed: OTT's potentials are ours plus ``eps log w``, and its final cost reads
-    them at the final linearisation's epsilon, so ``eps`` still moves ours."""
-    log_w = jnp.log(jnp.where(weights > 0, weights, 1.0))
-    return jax.lax.stop_gradient(potential + solved_eps * log_w) - eps * log_w

@@ -23,7 +23,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HARD", "Side", "fit_gradient", "mass_term", "offset", "relaxed_target"]
+__all__ = [
+    "HARD",
+    "Side",
+    "fit_gradient",
+    "held_potential",
+    "log_weights",
+    "mass_term",
+    "offset",
+    "relaxed_target",
+]
 
 Array = jax.Array
 
@@ -43,16 +52,26 @@ class Side(NamedTuple):
 HARD = Side(False)
 
 
+def log_weights(weights: Array) -> Array:
+    """``log w`` where ``w > 0``, 0 where ``w = 0`` (a point that carries no mass)."""
+    return jnp.log(jnp.where(weights > 0, weights, 1.0))
+
+
+def held_potential(potential: Array, weights: Array, solved_eps: Array, eps: Array) -> Array:
+    """A potential of the solve at ``solved_eps`` as the potential at ``eps`` that OTT
+    holds fixed in its Danskin gradient: OTT's potentials are ours plus ``eps log w``, so
+    the weights and ``eps`` still move ours."""
+    log_w = log_weights(weights)
+    return jax.lax.stop_gradient(potential + solved_eps * log_w) - eps * log_w
+
+
 def offset(side: Side, weights: Array, eps: Array) -> Array:
     """``(1 - tau) eps log w`` where ``w > 0`` (0 where hard or ``w = 0``): the update is
     ``f = tau T(g) - offset``. A zero-weight point carries no mass: its potential is
     extended by ``tau T(g)``, finite."""
     if not side.relaxed:
         return jnp.zeros_like(weights)
-    positive = weights > 0
-    return jnp.where(
-        positive, (1.0 - side.tau) * eps * jnp.log(jnp.where(positive, weights, 1.0)), 0.0
-    )
+    return jnp.where(weights > 0, (1.0 - side.tau) * eps * log_weights(weights), 0.0)
 
 
 def update(side: Side, transform: Array, weights: Array, eps: Array) -> Array:
@@ -67,8 +86,7 @@ def relaxed_target(side: Side, weights: Array, potential: Array, eps: Array) -> 
     (0 when hard: the marginal is ``w`` itself)."""
     if not side.relaxed:
         return jnp.zeros_like(potential)
-    log_w = jnp.log(jnp.where(weights > 0, weights, 1.0))
-    return -(potential + eps * log_w) / side.rho(eps)
+    return -(potential + eps * log_weights(weights)) / side.rho(eps)
 
 
 def mass_term(side: Side, weights: Array, potential: Array, eps: Array) -> Array:
