@@ -379,7 +379,7 @@ def main(argv=None, quick: bool = False) -> int:
     parser.add_argument(
         "--suite",
         default="attention",
-        choices=("attention", "cross_entropy", "loops", "pairwise"),
+        choices=("attention", "cross_entropy", "loops", "pairwise", "ot"),
     )
     parser.add_argument("--cases", default="4k,16k,64k")
     parser.add_argument(
@@ -399,6 +399,14 @@ def main(argv=None, quick: bool = False) -> int:
         return _main_loops(args)
     if args.suite == "pairwise":
         return _main_pairwise(args)
+    if args.suite == "ot":
+        from benchmarks import tpu_ot
+
+        repeats = 1 if args.cpu else args.repeats
+        return _main_section(
+            args, "ot", tpu_ot.NOTES, tpu_ot.cases(_measure, cpu=args.cpu, repeats=repeats),
+            tpu_ot.tables,
+        )  # fmt: skip
     if args.cpu:
         cases = [(256, 8, 1, 128, True)]
     else:

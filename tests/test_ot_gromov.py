@@ -213,6 +213,11 @@ def test_half_precision_is_solved_in_float32_and_vmap_is_the_loop():
     rounded = cost(*(v.astype(jnp.bfloat16).astype(jnp.float64) for v in (x, y)))
     assert half.dtype == jnp.bfloat16
     np.testing.assert_allclose(float(half), float(rounded), rtol=1e-2)
+    # every result in the input's dtype, the plan's outputs too
+    out = jax.jit(mw.ot.gromov_wasserstein)(x.astype(jnp.bfloat16), y.astype(jnp.bfloat16))
+    moved = out.plan.apply(jnp.ones(40, jnp.bfloat16), axis=0)
+    for value in (out.reg_gw_cost, out.costs, out.epsilon, moved, out.plan.marginal(1)):
+        assert value.dtype == jnp.bfloat16
     batched = jax.jit(jax.vmap(cost, (0, None)))(jnp.stack([x, 2 * x]), y)
     for i, scale in enumerate((1.0, 2.0)):
         np.testing.assert_allclose(batched[i], cost(scale * x, y), rtol=1e-10)

@@ -174,7 +174,9 @@ def test_half_precision_is_solved_in_float32_and_vmap_is_the_loop():
         grad = jax.jit(jax.grad(lambda x: mw.ot.low_rank_sinkhorn(x, y32, rank=3).reg_ot_cost))
         for dtype in (jnp.bfloat16, jnp.float16):
             out = solve(x32.astype(dtype), y32.astype(dtype))
-            assert out.reg_ot_cost.dtype == dtype and out.q.dtype == jnp.float32
+            fields = (out.reg_ot_cost, out.q, out.r, out.g, out.costs, out.errors, out.epsilon)
+            assert all(v.dtype == dtype for v in fields)
+            assert out.apply(jnp.ones(40, dtype)).dtype == dtype
             assert grad(x32.astype(dtype)).dtype == dtype
             np.testing.assert_allclose(float(out.reg_ot_cost), float(want), rtol=3e-2)
         xs = jnp.stack([x32, x32 + 1.0])

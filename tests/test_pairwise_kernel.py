@@ -102,6 +102,42 @@ def test_sinkhorn_through_the_kernel_equals_the_tiles(small_blocks):
     assert_allclose(ds2, ds1, rtol=1e-4, atol=1e-6)
 
 
+def test_gromov_wasserstein_through_the_kernel_equals_the_tiles(small_blocks):
+    # Each linear solve's cost is an inner product of augmented points: the kernel
+    # serves its passes (the default on a TPU; asked for here), fused GW's too.
+    x, y = _clouds(300, 260, 3)
+    fx, fy = _clouds(300, 260, 2)
+    threshold = 1e-6 if ON_CPU else 1e-4
+
+    def cost(x, y, fx, fy, implementation):
+        out = mw.ot.gromov_wasserstein(
+            x,
+            y,
+            epsilon=2.0,
+            x_features=fx,
+            y_features=fy,
+            # a TPU's exponential leaves the marginals about 1e-5 off
+            sinkhorn_options=dict(implementation=implementation, threshold=threshold),
+        )
+        return out.reg_gw_cost, (out.plan.apply(jnp.arange(300.0), axis=0), out.converged)
+
+    results = {}
+    with jax.default_matmul_precision("highest"):
+        for impl in ("xla", "pallas"):
+            grad = jax.value_and_grad(cost, (0, 1, 2, 3), has_aux=True)
+            results[impl] = jax.jit(grad, static_argnums=4)(x, y, fx, fy, impl)
+    (v1, (p1, converged1)), d1 = results["xla"]
+    (v2, (p2, converged2)), d2 = results["pallas"]
+    assert converged1 and converged2
+    assert_allclose(v2, v1, rtol=1e-5)
+    assert_allclose(p2, p1, rtol=1e-4, atol=1e-6)
+    for a, b in zip(d2, d1):
+        assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # The kernel's pattern is the solves' own: the default traces it where a TPU is.
+    jaxpr = str(jax.make_jaxpr(lambda x: cost(x, y, fx, fy, "pallas")[0])(x))
+    assert "pallas_call" in jaxpr
+
+
 def test_zero_weights_on_a_whole_first_block_stay_finite(small_blocks):
     # A first column block of zero weights is a block of -inf scores: the kernel's
     # running log-sum-exp shifted by -inf there (NaN), on either side of the problem.
@@ -161,6 +197,10 @@ def test_pallas_names_what_the_kernel_cannot_serve():
     with jax.enable_x64(True), pytest.raises(ValueError, match="dtype float64"):
         mw.ot.sinkhorn(
             x.astype(jnp.float64), y.astype(jnp.float64), epsilon=1.0, implementation="pallas"
+        )
+    with jax.enable_x64(True), pytest.raises(ValueError, match="dtype float64"):
+        mw.ot.gromov_wasserstein(
+            x.astype(jnp.float64), y, sinkhorn_options=dict(implementation="pallas")
         )
 
 

@@ -30,7 +30,10 @@ scores are a large negative number there, not -inf), and queries past
 all values, as a fully masked one; ``jax.nn`` returns NaN when the bias hides every key,
 and the mean of the values at the keys the mask hides when mask and bias share the row
 (its large negative mask score beats ``-inf``). Matching that would take one more pass
-over the mask's tiles; a finite bias (``-1e9``) gives the same result in both.
+over the mask's tiles; a finite bias (``-1e9``) gives the same result in both in float32
+and below. In float64 memwise keeps the scores in float64 where ``jax.nn`` rounds them to
+float32 first: a row that ``-1e9`` hides entirely is then ``jax.nn``'s mean of the values
+(``s - 1e9`` rounds to ``-1e9``) and memwise's exact softmax of ``s``.
 """
 
 from __future__ import annotations

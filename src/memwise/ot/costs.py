@@ -28,10 +28,12 @@ from memwise._vjp import closure_convert
 __all__ = [
     "BUILTIN_COSTS",
     "CostFn",
+    "InnerProduct",
     "PNormP",
     "center",
     "cost_exponent",
     "cost_matrix",
+    "is_inner_product",
     "is_sqeuclidean",
     "middle",
     "resolve_cost",
@@ -78,6 +80,24 @@ class _SqEuclidean:
         return _sqeuclidean_score(xi, yj, eps)
 
 
+class InnerProduct:
+    """The cost ``C(x_i, y_j) = x_i . y_j``: the form in which another problem hands a
+    cost of low rank to the solver (Gromov-Wasserstein's linearisation,
+    :mod:`memwise.ot.gromov`). Recognised by the passes (:func:`is_inner_product`), so
+    that a fused kernel computes its scores on the matrix unit; not translation
+    invariant (no :func:`center`)."""
+
+    def __call__(self, xi: Array, yj: Array) -> Array:
+        return jnp.dot(xi, yj)
+
+    def __repr__(self) -> str:
+        return "InnerProduct()"
+
+    @staticmethod
+    def score(xi: Array, yj: Array, eps: Array) -> Array:
+        return jnp.dot(xi, yj) / -eps
+
+
 def middle(x: Array, y: Array) -> Array:
     """The point halfway between the means of two clouds, held (no derivative)."""
     return jax.lax.stop_gradient((jnp.mean(x, axis=0) + jnp.mean(y, axis=0)) / 2)
@@ -94,6 +114,11 @@ def is_sqeuclidean(cost: Callable) -> bool:
     """Whether ``cost`` is the built-in squared Euclidean cost (an inner product in
     disguise: ``|x|^2 + |y|^2 - 2 x . y``)."""
     return isinstance(cost, _SqEuclidean)
+
+
+def is_inner_product(cost: Callable) -> bool:
+    """Whether ``cost`` is :class:`InnerProduct` (its scores one matrix product)."""
+    return isinstance(cost, InnerProduct)
 
 
 def score(cost: Callable, consts: tuple, eps: Array) -> Callable:
@@ -195,6 +220,8 @@ def resolve_cost(cost: Any, x: Array, y: Array) -> tuple[Callable, tuple]:
             return _SqEuclidean(), ()
         fn = BUILTIN_COSTS[cost]
         return (lambda xi, yj: fn(xi, yj)), ()
+    if isinstance(cost, InnerProduct):
+        return cost, ()
     if not callable(cost):
         raise TypeError(f"cost must be one of {names} or a callable, got {type(cost)}")
     try:

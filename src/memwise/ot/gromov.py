@@ -67,6 +67,7 @@ from memwise._dtypes import accumulation_dtype
 from memwise._jax_private import forbid_reverse_mode
 from memwise.ot import gromov_unbalanced as unbalanced
 from memwise.ot.api import sinkhorn
+from memwise.ot.costs import InnerProduct
 from memwise.ot.gradients import reg_ot_cost, reverse_mode_only
 from memwise.ot.marginals import Side, held_potential
 from memwise.ot.plan import TransportPlan
@@ -118,9 +119,9 @@ class GromovWassersteinResult(NamedTuple):
         return self.plan.apply(v, axis=axis)
 
 
-def _inner(p: Array, q: Array) -> Array:
-    """The linearised cost: an inner product of augmented points (see the module)."""
-    return jnp.dot(p, q)
+# The linearised cost: an inner product of augmented points (see the module), which a
+# fused kernel serves on the matrix unit.
+_inner = InnerProduct()
 
 
 def _fourth(xi: Array, xk: Array) -> Array:
@@ -553,8 +554,16 @@ def gromov_wasserstein(
         slope = -drift(a, at.marginal(1)) - drift(b, at.marginal(0))
         reg = reg + (eps - jax.lax.stop_gradient(eps)) * jax.lax.stop_gradient(slope)
     converged = (n_iter < max_iterations) & all_converged
+    # Solved in the working dtype, returned in the input's (the plan's outputs too).
+    children, (cost, chunk, _) = plan.tree_flatten()
+    plan = TransportPlan.tree_unflatten((cost, chunk, dtype), children)
     return GromovWassersteinResult(
-        reg.astype(dtype), plan, costs, n_iter, converged, jnp.asarray(epsilon, work)
+        reg.astype(dtype),
+        plan,
+        costs.astype(dtype),
+        n_iter,
+        converged,
+        jnp.asarray(epsilon, work).astype(dtype),
     )
 
 

@@ -426,9 +426,10 @@ def low_rank_sinkhorn(
     # The balanced cost does not read the weights: a gradient in them would be silently
     # zero, so they enter at zero weight behind the guard that names the fix.
     value = value + 0.0 * sum(jnp.sum(w) for w in guarded)
-    return LowRankSinkhornResult(
-        value.astype(dtype), q, r, g, costs, errors, i, done, jnp.asarray(epsilon, work)
-    )
+    # Solved in the working dtype, returned in the input's.
+    q, r, g, costs, errors = (z.astype(dtype) for z in (q, r, g, costs, errors))
+    eps = jnp.asarray(epsilon, work).astype(dtype)
+    return LowRankSinkhornResult(value.astype(dtype), q, r, g, costs, errors, i, done, eps)
 
 
 def _initial(init, rng, a, b, rank, work):

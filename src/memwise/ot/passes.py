@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from memwise.engine.kernels import Pattern, may_serve
-from memwise.ot.costs import cost_matrix, is_sqeuclidean, score
+from memwise.ot.costs import cost_matrix, is_inner_product, is_sqeuclidean, score
 from memwise.pairwise import pairwise_reduce, reduce_pairs
 from memwise.sharding import devices, has_explicit_axes, row_sharding
 from memwise.tiling import Tiling
@@ -110,13 +110,13 @@ def softmin(
     """``-eps log sum_j exp(log_weights_j - C(x_i, y_j) / eps)`` for every ``i``.
 
     ``axis=0`` reduces over ``i`` instead (``log_weights`` then index ``x``). Where a
-    fused kernel may serve it (:func:`memwise.engine.kernels.may_serve`), the squared
-    Euclidean pass is given as the log-sum-exp of inner products it is:
-    ``-C_ij / eps = (2 x_i / eps) . y_j - |y_j|^2 / eps - |x_i|^2 / eps``, the last term
-    outside the sum (:func:`_inner_product_softmin`).
+    fused kernel may serve it (:func:`memwise.engine.kernels.may_serve`), a squared
+    Euclidean or inner-product pass is given as the log-sum-exp of inner products it is
+    (:func:`_inner_product_softmin`).
     """
-    if is_sqeuclidean(cost) and may_serve("dot_scores", "logsumexp", chunk_size.implementation):
-        return _inner_product_softmin(x, y, log_weights, eps, chunk_size, axis)
+    squared, inner = is_sqeuclidean(cost), is_inner_product(cost)
+    if (squared or inner) and may_serve("dot_scores", "logsumexp", chunk_size.implementation):
+        return _inner_product_softmin(x, y, log_weights, eps, chunk_size, axis, squared)
     return -eps * pairwise_reduce(
         score(cost, consts, eps),
         x,
@@ -128,18 +128,21 @@ def softmin(
     )
 
 
-def _inner_product_softmin(x, y, log_weights, eps, where, axis):
-    """:func:`softmin` of the squared Euclidean cost as a ``"dot_scores"`` log-sum-exp.
-    The points are about the clouds' middle (:func:`memwise.ot.costs.center`), so the
-    terms ``|y_j|^2 / eps``, to which each pass adds the potentials in the weights, stay
-    small (about the origin, clouds far from it kept only the potentials' high bits: a
-    solve that did not converge, 3.5% off)."""
+def _inner_product_softmin(x, y, log_weights, eps, where, axis, squared):
+    """:func:`softmin` as a ``"dot_scores"`` log-sum-exp. The squared Euclidean cost's
+    ``-C_ij / eps = (2 x_i / eps) . y_j - |y_j|^2 / eps - |x_i|^2 / eps``, the last term
+    outside the sum; the inner product's ``-C_ij / eps = (-x_i / eps) . y_j``. The
+    squared Euclidean points are about the clouds' middle (:func:`memwise.ot.costs.center`),
+    so the terms ``|y_j|^2 / eps``, to which each pass adds the potentials in the
+    weights, stay small (about the origin, clouds far from it kept only the potentials'
+    high bits: a solve that did not converge, 3.5% off)."""
     kept, reduced = (x, y) if axis == 1 else (y, x)
     inv = 1.0 / eps
-    scaled = kept * (2.0 * inv).astype(kept.dtype)
-    shift = log_weights - inv * jnp.sum(jnp.square(reduced.astype(jnp.float32)), axis=1).astype(
-        log_weights.dtype
-    )
+    scaled = kept * ((2.0 if squared else -1.0) * inv).astype(kept.dtype)
+    shift = log_weights
+    if squared:
+        norms = jnp.sum(jnp.square(reduced.astype(jnp.float32)), axis=1)
+        shift = log_weights - inv * norms.astype(log_weights.dtype)
     rows, cols = (scaled, reduced) if axis == 1 else (reduced, scaled)
     lse = reduce_pairs(
         jnp.dot,
@@ -152,6 +155,8 @@ def _inner_product_softmin(x, y, log_weights, eps, where, axis):
         implementation=where.implementation,
         **_placed(where),
     )
+    if not squared:
+        return (-eps * lse).astype(lse.dtype)
     own = jnp.sum(jnp.square(kept.astype(jnp.float32)), axis=1)
     return (own.astype(lse.dtype) - eps * lse).astype(lse.dtype)
 
