@@ -115,6 +115,8 @@ def _cases():
     return out
 
 
+# 160 cases: 5% (8) in `make test`.
+@pytest.mark.grid(fraction=0.05)
 @pytest.mark.parametrize(
     "train_size, test_size, input_shape, network, kernel_type, batch_size", _cases()
 )

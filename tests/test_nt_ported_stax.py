@@ -85,6 +85,8 @@ def test_pool(ref, case):
     _compare(ref, "pool/" + cases.case_id(case), kernel_fn, x1, x2)
 
 
+# 576 cases: 3% (18, the stratified minimum is 8) in `make test`, all in `make test-full`.
+@pytest.mark.grid(fraction=0.03)
 @pytest.mark.parametrize("same", [True, False])
 @pytest.mark.parametrize("case", cases.linear_cases(), ids=cases.case_id)
 def test_linear(ref, case, same):
@@ -93,6 +95,8 @@ def test_linear(ref, case, same):
     _compare(ref, f"linear/{cases.case_id(case)}-same={same}", kernel_fn, x1, x2)
 
 
+# 180 cases: 5% (9) in `make test`.
+@pytest.mark.grid(fraction=0.05)
 @pytest.mark.parametrize("case", cases.nonlinear_cases(), ids=cases.case_id)
 def test_nonlinear(ref, case):
     (_, _, kernel_fn), shape = cases.build_net(stax, **case)
