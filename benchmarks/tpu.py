@@ -689,10 +689,8 @@ def run_softmin(
     return rows
 
 
-def _dense_sinkhorn(x, y, eps, iterations):
-    c = jnp.sum(x * x, 1)[:, None] + jnp.sum(y * y, 1)[None] - 2 * x @ y.T
-    log_a = jnp.full(x.shape[0], -jnp.log(x.shape[0]), x.dtype)
-    log_b = jnp.full(y.shape[0], -jnp.log(y.shape[0]), y.dtype)
+def dense_potentials(c, log_a, log_b, eps, iterations):
+    """``iterations`` log-domain Sinkhorn iterations on a held cost matrix ``c``."""
 
     def step(_, fg):
         f, g = fg
@@ -700,7 +698,14 @@ def _dense_sinkhorn(x, y, eps, iterations):
         g = -eps * jax.nn.logsumexp(log_a[:, None] + (f[:, None] - c) / eps, axis=0)
         return f, g
 
-    f, g = jax.lax.fori_loop(0, iterations, step, (jnp.zeros_like(log_a), jnp.zeros_like(log_b)))
+    return jax.lax.fori_loop(0, iterations, step, (jnp.zeros_like(log_a), jnp.zeros_like(log_b)))
+
+
+def _dense_sinkhorn(x, y, eps, iterations):
+    c = jnp.sum(x * x, 1)[:, None] + jnp.sum(y * y, 1)[None] - 2 * x @ y.T
+    log_a = jnp.full(x.shape[0], -jnp.log(x.shape[0]), x.dtype)
+    log_b = jnp.full(y.shape[0], -jnp.log(y.shape[0]), y.dtype)
+    f, g = dense_potentials(c, log_a, log_b, eps, iterations)
     return jnp.sum(jnp.exp(log_a) * f) + jnp.sum(jnp.exp(log_b) * g)
 
 
