@@ -724,6 +724,7 @@ def _memwise_sinkhorn(x, y, eps, iterations, chunk_size, implementation):
 
 def run_sinkhorn(n, d, *, repeats, only=(), iterations=100, dense=True, xla=True, sweep=()):
     from memwise.engine import tpu_cross_entropy as tce
+    from memwise.engine import tpu_dot_scores as tds
 
     kx, ky = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (n, d), jnp.float32) / d**0.5
@@ -750,7 +751,7 @@ def run_sinkhorn(n, d, *, repeats, only=(), iterations=100, dense=True, xla=True
 
     variants["memwise pallas, highest precision"] = highest
     rows = []
-    original = tce.pair_block_sizes
+    original = tds.pair_block_sizes
     configs = [(name, None) for name in variants] + [
         (f"memwise pallas {r}x{c}", (r, c)) for r, c in sweep
     ]
@@ -760,11 +761,11 @@ def run_sinkhorn(n, d, *, repeats, only=(), iterations=100, dense=True, xla=True
         # a new function for each configuration: jit would reuse another's program
         fn = functools.partial(variants.get(name, variants["memwise pallas"]))
         if blocks is not None:
-            tce.pair_block_sizes = lambda *a, b=blocks: tce.Blocks(*b, *b)
+            tds.pair_block_sizes = lambda *a, b=blocks: tce.Blocks(*b, *b)
         try:
             r = _measure(fn, (x, y), 0.0, repeats if name == "memwise pallas" else 1)
         finally:
-            tce.pair_block_sizes = original
+            tds.pair_block_sizes = original
         r.pop("tflops", None)
         row = {"variant": name, "mode": "forward", **r}
         if "ms" in r:

@@ -1,5 +1,5 @@
-"""The fused log-sum-exp of inner products (memwise.engine.tpu_cross_entropy's kernels
-on the ``"dot_scores"`` pattern) behind ``mw.ot.sinkhorn(implementation="pallas")``.
+"""The fused log-sum-exp of inner products (memwise.engine.tpu_dot_scores: the
+cross-entropy's kernels on the ``"dot_scores"`` pattern) behind ``mw.ot.sinkhorn(implementation="pallas")``.
 
 On CPU the kernel runs in Pallas's interpret mode at small shapes, with blocks small
 enough that both axes have a ragged last block, and is held to the XLA tiles and to the
@@ -15,7 +15,7 @@ from _close import ON_CPU, assert_allclose
 from jax import export
 
 import memwise as mw
-from memwise.engine import kernels, tpu_cross_entropy
+from memwise.engine import kernels, tpu_cross_entropy, tpu_dot_scores
 from memwise.ot import passes
 
 RNG = np.random.default_rng(0)
@@ -25,7 +25,7 @@ RNG = np.random.default_rng(0)
 def small_blocks(monkeypatch):
     """64 x 128 blocks: 300 x 260 points have a ragged last block on both axes."""
     blocks = tpu_cross_entropy.Blocks(64, 128, 64, 128)
-    monkeypatch.setattr(tpu_cross_entropy, "pair_block_sizes", lambda *a: blocks)
+    monkeypatch.setattr(tpu_dot_scores, "pair_block_sizes", lambda *a: blocks)
 
 
 def _clouds(n=300, m=260, d=5):

@@ -55,6 +55,7 @@ from memwise._dtypes import accumulation_dtype, promote, sum_dtype
 from memwise.engine import (
     tpu_attention,  # noqa: F401, E402  (registers its kernel)
     tpu_cross_entropy,  # noqa: F401, E402  (registers its kernels)
+    tpu_dot_scores,  # noqa: F401, E402  (registers its kernel)
 )
 from memwise.engine.api import tiled_reduce
 from memwise.engine.reductions import REDUCTIONS, Reduction

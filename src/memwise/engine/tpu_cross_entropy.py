@@ -29,13 +29,8 @@ The default on a TPU (``implementation=None``): measured on a TPU v5e at 8,192 x
 figures: ``BENCHMARKS.md``). Its code paths are checked on CPU in interpret mode and its
 Mosaic lowering by exporting for the TPU (``tests/test_cross_entropy_kernel.py``).
 
-The same kernels serve the engine's ``"dot_scores"`` pattern: the log-sum-exp over ``j``
-of ``x_i . y_j + w_j``, which a Sinkhorn pass of the squared Euclidean cost is
-(:func:`memwise.ot.passes.softmin`): the cross-entropy's log-sum-exp with the points ``y``
-as a ``(V, d)`` output layer and the column terms ``w`` as its bias, without a label.
-Measured on a TPU v5e, 100 Sinkhorn iterations at 50,000 x 50,000 points in 64
-dimensions take 1.1-1.2 s against the XLA tiles' 9.52 s (``BENCHMARKS.md``); its blocks are
-:func:`pair_block_sizes`.
+The same kernels serve the engine's ``"dot_scores"`` pattern
+(:mod:`memwise.engine.tpu_dot_scores`), through :class:`Config` and :func:`statistics`.
 
 Blocks: :func:`block_sizes`, sized for the v5e's 128 MiB of VMEM; a ragged last block
 (tokens or words that no block size divides) is masked by row and column id, never
@@ -56,9 +51,9 @@ from jax import lax
 
 from memwise.engine import kernels
 
-__all__ = ["block_sizes", "pair_block_sizes"]
+__all__ = ["LANES", "Blocks", "Config", "block_sizes", "fit_block", "statistics"]
 
-_LANES = 128
+LANES = 128
 _VMEM_LIMIT = 100 * 2**20  # of the v5e's 128 MiB per core
 _VMEM_TARGET = 72 * 2**20  # what a block choice may use, double buffers included
 
@@ -78,7 +73,7 @@ class Blocks:
     words_bwd: int
 
 
-def _fit(total: int, target: int, unit: int, least: float = 0.5) -> int:
+def fit_block(total: int, target: int, unit: int, least: float = 0.5) -> int:
     """The block for an axis of ``total``: the whole axis when it is at most ``target``,
     else the largest multiple of ``unit`` at most ``target`` dividing ``total`` (no
     ragged block) and at least ``least * target``, else ``target`` rounded to ``unit``
@@ -107,9 +102,9 @@ def block_sizes(tokens: int, words: int, d: int, itemsize: int) -> Blocks:
         >>> block_sizes(8192, 128256, 4096, 2)
         Blocks(tokens=1024, words=768, tokens_bwd=256, words_bwd=1024)
     """
-    words_fwd = _fit(words, 1024 if d <= 2048 else 768, _LANES)
+    words_fwd = fit_block(words, 1024 if d <= 2048 else 768, LANES)
     weights = 2**23 // (d * itemsize)  # 8 MiB of w per backward word block
-    words_bwd = _fit(words, min(2048, max(_LANES, weights // _LANES * _LANES)), _LANES, 0.875)
+    words_bwd = fit_block(words, min(2048, max(LANES, weights // LANES * LANES)), LANES, 0.875)
     unit = 16 if itemsize == 2 else 8
 
     def forward_bytes(t):
@@ -129,11 +124,13 @@ def block_sizes(tokens: int, words: int, d: int, itemsize: int) -> Blocks:
     t_bwd = 256
     while t_bwd > unit and backward_bytes(t_bwd) > _VMEM_TARGET:
         t_bwd //= 2
-    return Blocks(_fit(tokens, t_fwd, unit), words_fwd, _fit(tokens, t_bwd, unit), words_bwd)
+    return Blocks(
+        fit_block(tokens, t_fwd, unit), words_fwd, fit_block(tokens, t_bwd, unit), words_bwd
+    )
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
     """The static description of one kernel: the mode, the layout, the options."""
 
     mode: str  # "logsumexp_pick", "logsumexp", "sum" or "max"
@@ -146,7 +143,7 @@ class _Config:
     interpret: bool
 
 
-def _w_spec(cfg: _Config, d: int, words: int, word_index: Any) -> Any:
+def _w_spec(cfg: Config, d: int, words: int, word_index: Any) -> Any:
     from jax.experimental import pallas as pl
 
     if cfg.layout == "dv":
@@ -154,7 +151,7 @@ def _w_spec(cfg: _Config, d: int, words: int, word_index: Any) -> Any:
     return pl.BlockSpec((words, d), lambda *ids: (word_index(*ids), 0))
 
 
-def _scores(cfg: _Config, x: Any, w: Any, b: Any) -> Any:
+def _scores(cfg: Config, x: Any, w: Any, b: Any) -> Any:
     """One block's float32 scores ``x W + b``, soft-capped."""
     dims = (((1,), (0,)), ((), ())) if cfg.layout == "dv" else (((1,), (1,)), ((), ()))
     s = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
@@ -169,12 +166,12 @@ def _lanes(v: Any, width: int) -> Any:
     """A ``(rows, 128)`` lane-replicated column as ``(rows, width)``: whole vregs tiled
     where ``width`` is a multiple of the lanes (as Pallas's flash attention), else one
     lane broadcast (a vocabulary smaller than a block, not a multiple of 128)."""
-    if width % _LANES == 0:
-        return jnp.tile(v, (1, width // _LANES))
+    if width % LANES == 0:
+        return jnp.tile(v, (1, width // LANES))
     return jnp.broadcast_to(v[:, :1], (v.shape[0], width))
 
 
-def _forward_kernel(cfg: _Config, *refs: Any) -> None:
+def _forward_kernel(cfg: Config, *refs: Any) -> None:
     from jax.experimental import pallas as pl
 
     it = iter(refs)
@@ -233,7 +230,7 @@ def _forward_kernel(cfg: _Config, *refs: Any) -> None:
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
-        lane = lax.broadcasted_iota(jnp.int32, (bt, _LANES), 1)
+        lane = lax.broadcasted_iota(jnp.int32, (bt, LANES), 1)
         if cfg.mode == "sum":
             out_ref[...] = l_ref[...]
         elif cfg.mode == "max":
@@ -243,7 +240,7 @@ def _forward_kernel(cfg: _Config, *refs: Any) -> None:
             out_ref[...] = jnp.where(lane == 0, lse, p_ref[...])
 
 
-def _forward(cfg: _Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
+def _forward(cfg: Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
     """``(tokens, 128)`` float32: lane 0 the log-sum-exp (the sum, the max), lane 1 the
     label's score (the argmax)."""
     from jax.experimental import pallas as pl
@@ -252,7 +249,7 @@ def _forward(cfg: _Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
     n, d = x.shape
     bt, bv = cfg.blocks.tokens, cfg.blocks.words
     grid = (pl.cdiv(n, bt), pl.cdiv(cfg.words, bv))
-    per_token = pl.BlockSpec((bt, _LANES), lambda i, j: (i, 0))
+    per_token = pl.BlockSpec((bt, LANES), lambda i, j: (i, 0))
     in_specs = [pl.BlockSpec((bt, d), lambda i, j: (i, 0)), _w_spec(cfg, d, bv, lambda i, j: j)]
     args = [x, w]
     if cfg.has_bias:
@@ -260,15 +257,15 @@ def _forward(cfg: _Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
         args.append(bias.reshape(1, -1))
     if cfg.mode == "logsumexp_pick":
         in_specs.append(per_token)
-        args.append(jnp.broadcast_to(labels.astype(jnp.int32)[:, None], (n, _LANES)))
+        args.append(jnp.broadcast_to(labels.astype(jnp.int32)[:, None], (n, LANES)))
     with kernels.trace_config(x.dtype):
         return pl.pallas_call(
             functools.partial(_forward_kernel, cfg),
             grid=grid,
             in_specs=in_specs,
             out_specs=per_token,
-            out_shape=jax.ShapeDtypeStruct((n, _LANES), jnp.float32),
-            scratch_shapes=[pltpu.VMEM((bt, _LANES), jnp.float32)] * 3,
+            out_shape=jax.ShapeDtypeStruct((n, LANES), jnp.float32),
+            scratch_shapes=[pltpu.VMEM((bt, LANES), jnp.float32)] * 3,
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "arbitrary"),
                 vmem_limit_bytes=_VMEM_LIMIT,
@@ -278,7 +275,7 @@ def _forward(cfg: _Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
         )(*args)
 
 
-def _backward_kernel(cfg: _Config, *refs: Any) -> None:
+def _backward_kernel(cfg: Config, *refs: Any) -> None:
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -401,7 +398,7 @@ def _backward_kernel(cfg: _Config, *refs: Any) -> None:
 
 
 def _backward(
-    cfg: _Config, x: Any, w: Any, bias: Any, labels: Any, stats: Any, cots: Any
+    cfg: Config, x: Any, w: Any, bias: Any, labels: Any, stats: Any, cots: Any
 ) -> tuple[Any, Any, Any]:
     """``(dx, dW, db)``: one pass over word blocks, each over every token block.
 
@@ -418,7 +415,7 @@ def _backward(
     bt, bv = cfg.blocks.tokens_bwd, cfg.blocks.words_bwd
     nt = pl.cdiv(n, bt)
     grid = (pl.cdiv(cfg.words, bv), nt)
-    per_token = pl.BlockSpec((bt, _LANES), lambda j, i: (i, 0))
+    per_token = pl.BlockSpec((bt, LANES), lambda j, i: (i, 0))
     x_spec = pl.BlockSpec((bt, d), lambda j, i: (i, 0))
     in_specs = [x_spec, _w_spec(cfg, d, bv, lambda j, i: j)]
     args = [x, w]
@@ -427,7 +424,7 @@ def _backward(
         args.append(bias.reshape(1, -1))
 
     def lanes(v, dtype=jnp.float32):
-        return jnp.broadcast_to(v.astype(dtype)[:, None], (n, _LANES))
+        return jnp.broadcast_to(v.astype(dtype)[:, None], (n, LANES))
 
     if cfg.mode == "logsumexp_pick":
         dlse, dpick = cots
@@ -474,7 +471,7 @@ def _backward(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _statistics(cfg: _Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
+def statistics(cfg: Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
     return _statistics_fwd(cfg, x, w, bias, labels)[0]
 
 
@@ -492,7 +489,7 @@ def _statistics_bwd(cfg, residual, ct):
     return dx, dw, db, None
 
 
-_statistics.defvjp(_statistics_fwd, _statistics_bwd)
+statistics.defvjp(_statistics_fwd, _statistics_bwd)
 
 
 def _operands(call: kernels.KernelCall, rows: Any, cols: Any) -> tuple[Any, Any, Any, Any]:
@@ -526,10 +523,10 @@ def _declines(
         n, words = x.shape[0], w.shape[1 if call.pattern.option("layout") == "dv" else 0]
         unit = 16 if x.dtype.itemsize == 2 else 8
         t, v = blocks.tokens, blocks.words
-        if not ((t % unit == 0 or t == n) and (v % _LANES == 0 or v == words)):
+        if not ((t % unit == 0 or t == n) and (v % LANES == 0 or v == words)):
             return (
                 f"chunk_size {(t, v)} (its token block must be a multiple of {unit} and its "
-                f"word block a multiple of {_LANES}, or the whole axis)"
+                f"word block a multiple of {LANES}, or the whole axis)"
             )
     return None
 
@@ -548,7 +545,7 @@ def _apply(
     else:  # an explicit tile larger than an axis is that axis
         t, v = min(blocks.tokens, n), min(blocks.words, words)
         blocks = Blocks(t, v, t, v)
-    cfg = _Config(
+    cfg = Config(
         call.reduce,
         layout,
         call.pattern.option("cap"),
@@ -561,7 +558,7 @@ def _apply(
     if call.reduce == "max":
         stats = _forward(cfg, lax.stop_gradient(x), lax.stop_gradient(w), bias, labels)
         return stats[:, 0], stats[:, 1].astype(jnp.int32)
-    return _statistics(cfg, x, w, bias, labels)
+    return statistics(cfg, x, w, bias, labels)
 
 
 KERNELS = tuple(
@@ -576,83 +573,4 @@ KERNELS = tuple(
         )
     )
     for reduce in ("logsumexp_pick", "sum", "max")
-)
-
-
-# -- The same kernels for pairwise log-sum-exps of inner products -------------------------
-#
-# ``log sum_j exp(x_i . y_j + w_j)`` is the cross-entropy's log-sum-exp with y as the
-# (V, d) output layer and w as its bias. The squared Euclidean cost of a Sinkhorn pass is
-# one: -|x_i - y_j|^2 / eps = (2 x_i / eps) . y_j - |y_j|^2 / eps - |x_i|^2 / eps, the
-# last term outside the log-sum-exp (:func:`memwise.ot.passes.softmin`).
-
-
-def _dot_operands(rows: Any, cols: Any) -> tuple[Any, Any, Any]:
-    return rows, cols["y"], cols.get("w")
-
-
-def _dot_declines(
-    call: kernels.KernelCall, rows: Any, cols: Any, pairs: Any, consts: Any
-) -> str | None:
-    if call.ring is not None:
-        return "points split over devices (it runs on one device)"
-    if call.batch:
-        return "batch dims"
-    if pairs or jax.tree.leaves(consts):
-        return "pair or constant operands"
-    x, y, w = _dot_operands(rows, cols)
-    if x.ndim != 2 or y.ndim != 2 or (w is not None and w.ndim != 1):
-        return "points other than (n, d) and (m, d) arrays with (m,) weights"
-    if x.dtype != y.dtype or x.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        return f"dtype {x.dtype} and {y.dtype} points (it takes bfloat16 or float32, both alike)"
-    return None
-
-
-def _dot_apply(
-    call: kernels.KernelCall, rows: Any, cols: Any, pairs: Any, consts: Any, *, interpret: bool
-) -> Any:
-    del pairs, consts
-    x, y, w = _dot_operands(rows, cols)
-    (n, d), m = x.shape, y.shape[0]
-    cfg = _Config(
-        "logsumexp",
-        "vd",
-        None,
-        w is not None,
-        n,
-        m,
-        pair_block_sizes(n, m, d, x.dtype.itemsize),
-        interpret,
-    )
-    return _statistics(cfg, x, y, w, None).astype(x.dtype)
-
-
-def pair_block_sizes(n: int, m: int, d: int, itemsize: int = 4) -> Blocks:
-    """Blocks for a log-sum-exp over ``n x m`` pairs of ``d`` features: about ``1024 x
-    1024`` forward and backward where the features are few (each step is mostly the
-    vector unit's exponentials), the cross-entropy's blocks (:func:`block_sizes`) where
-    they are many. Measured on a TPU v5e (100 Sinkhorn iterations, 50,000 points, d =
-    64, float32): 1,000 x 1,024 blocks 1.12 s, 2,000 x 2,048 1.20 s, 1,000 x 2,048 1.23 s,
-    512 x 2,048 1.28 s, 1,000 x 4,096 1.35 s.
-
-    Example::
-
-        >>> pair_block_sizes(50_000, 50_000, 64)
-        Blocks(tokens=1000, words=1024, tokens_bwd=1000, words_bwd=1024)
-    """
-    if d > 256:
-        return block_sizes(n, m, d, itemsize)
-    rows, cols = _fit(n, 1024, 16 if itemsize == 2 else 8), _fit(m, 1024, _LANES)
-    return Blocks(rows, cols, rows, cols)
-
-
-DOT_KERNEL = kernels.register(
-    kernels.Kernel(
-        "fused log-sum-exp of inner products (Pallas, TPU)",
-        "dot_scores",
-        "logsumexp",
-        ("tpu",),
-        apply=_dot_apply,
-        declines=_dot_declines,
-    )
 )
