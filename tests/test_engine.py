@@ -1,6 +1,8 @@
 """Tests for memwise.engine: the tile engine's reductions against dense JAX, the backward
 pass on its own explicit tile, skipped tiles, and its input checks."""
 
+import functools
+
 import _draw
 import jax
 import jax.numpy as jnp
@@ -539,7 +541,12 @@ def test_forward_mode_through_the_engine_names_the_public_function(name, transfo
     # instead (and under the next custom_vjp a bare NotImplementedError).
     with pytest.raises(TypeError, match=f"{name} supports reverse mode.*not forward mode"):
         jax.block_until_ready(_FORWARD[transform](_TILED_PUBLIC[name]))
-    assert np.isfinite(jax.hessian(_TILED_PUBLIC[name])(0.5))
+    assert np.isfinite(_compiled_hessian(name)(0.5))
+
+
+@functools.cache  # one program per function for its cases (eager, each operation of the
+def _compiled_hessian(name):  # tile loops and their derivatives was compiled alone)
+    return jax.jit(jax.hessian(_TILED_PUBLIC[name]))
 
 
 def _softmax_tile(r, c, _p, _k, _ri, _ci):
