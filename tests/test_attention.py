@@ -1,6 +1,7 @@
 """Tests for memwise.attention: values and gradients against dense softmax attention and
 jax.nn.dot_product_attention; compiled gradient memory at two sequence lengths."""
 
+import _draw
 import _grid
 import jax
 import jax.numpy as jnp
@@ -44,11 +45,11 @@ def dense_attention(q, k, v, mask=None, bias=None, causal=False):
 @pytest.mark.slow
 def test_matches_dense(lq, lk, rows, cols, causal, use_mask, use_bias, dtype, seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-    q = jax.random.normal(keys[0], (2, 2, lq, 3), dtype)
-    k = jax.random.normal(keys[1], (2, 2, lk, 3), dtype)
-    v = jax.random.normal(keys[2], (2, 2, lk, 4), dtype)
-    mask = jax.random.bernoulli(keys[3], 0.7, (lq, lk)) if use_mask else None
-    bias = jax.random.normal(keys[4], (2, 1, lq, lk), dtype) if use_bias else None
+    q = _draw.normal(keys[0], (2, 2, lq, 3), dtype)
+    k = _draw.normal(keys[1], (2, 2, lk, 3), dtype)
+    v = _draw.normal(keys[2], (2, 2, lk, 4), dtype)
+    mask = _draw.bernoulli(keys[3], 0.7, (lq, lk)) if use_mask else None
+    bias = _draw.normal(keys[4], (2, 1, lq, lk), dtype) if use_bias else None
     tol = 1e-10 if dtype == jnp.float64 else 3e-5
 
     def ours(q, k, v, bias):
@@ -70,7 +71,7 @@ def test_matches_dense(lq, lk, rows, cols, causal, use_mask, use_bias, dtype, se
 @pytest.mark.slow
 def test_matches_jax_dot_product_attention():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(kk, (2, 4, 37, 8), jnp.float32) for kk in keys)
+    q, k, v = (_draw.normal(kk, (2, 4, 37, 8), jnp.float32) for kk in keys)
     # jax.nn.dot_product_attention takes (batch, length, heads, dim)
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
     # both compiled (eager, each operation of the tile loops was compiled alone)
@@ -111,9 +112,9 @@ def test_causal_skips_tiles_above_the_diagonal():
     # One row block, 4 column tiles: the skipped tiles must not change values or
     # gradients, including a ragged last tile and Lq != Lk.
     keys = jax.random.split(jax.random.PRNGKey(7), 3)
-    q = jax.random.normal(keys[0], (2, 13, 4))
-    k = jax.random.normal(keys[1], (2, 17, 4))
-    v = jax.random.normal(keys[2], (2, 17, 3))
+    q = _draw.normal(keys[0], (2, 13, 4))
+    k = _draw.normal(keys[1], (2, 17, 4))
+    v = _draw.normal(keys[2], (2, 17, 3))
     f = lambda q, k, v: jnp.sum(
         mw.attention(
             q,
@@ -298,11 +299,11 @@ def test_ring_carries_masks_and_biases_on_4_devices():
 
 def _striped_inputs():
     ks = jax.random.split(jax.random.PRNGKey(3), 5)
-    q = jax.random.normal(ks[0], (2, 3, 12, 8))
-    k = jax.random.normal(ks[1], (2, 3, 12, 8))
-    v = jax.random.normal(ks[2], (2, 3, 12, 5))
-    mask = jax.random.bernoulli(ks[3], 0.8, (12, 12))
-    bias = jax.random.normal(ks[4], (1, 3, 12, 12))
+    q = _draw.normal(ks[0], (2, 3, 12, 8))
+    k = _draw.normal(ks[1], (2, 3, 12, 8))
+    v = _draw.normal(ks[2], (2, 3, 12, 5))
+    mask = _draw.bernoulli(ks[3], 0.8, (12, 12))
+    bias = _draw.normal(ks[4], (1, 3, 12, 12))
     return q, k, v, mask, bias
 
 
@@ -472,11 +473,11 @@ B, H, LQ, LK = 2, 3, 7, 9
 @pytest.mark.slow
 def test_mask_and_bias_broadcast_shapes_match_dense(mask_shape, bias_shape):
     keys = jax.random.split(jax.random.PRNGKey(11), 5)
-    q = jax.random.normal(keys[0], (B, H, LQ, 4))
-    k = jax.random.normal(keys[1], (B, H, LK, 4))
-    v = jax.random.normal(keys[2], (B, H, LK, 3))
-    mask = jax.random.bernoulli(keys[3], 0.7, mask_shape)
-    bias = jax.random.normal(keys[4], bias_shape)
+    q = _draw.normal(keys[0], (B, H, LQ, 4))
+    k = _draw.normal(keys[1], (B, H, LK, 4))
+    v = _draw.normal(keys[2], (B, H, LK, 3))
+    mask = _draw.bernoulli(keys[3], 0.7, mask_shape)
+    bias = _draw.normal(keys[4], bias_shape)
 
     def loss(f):
         return lambda q, k, v, bias: jnp.sum(jnp.sin(f(q, k, v, bias)))
@@ -545,7 +546,7 @@ def test_low_precision_error_no_worse_than_jax_nn(dtype, causal):
     # the exact answer to the same problem: the errors are the computation's own.
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     shape = (2, 4, 128, 32)
-    q, k, v, ct = (jax.random.normal(kk, shape).astype(dtype) for kk in keys)
+    q, k, v, ct = (_draw.normal(kk, shape).astype(dtype) for kk in keys)
     q = q * 2  # sharper softmax (exact: a power of two)
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  (jax.nn takes (B, L, H, d))
     fns = {
@@ -606,7 +607,7 @@ def test_empty_queries_or_keys_return_the_dense_result():
 @pytest.mark.slow
 def test_traced_scale_gets_a_gradient():
     keys = jax.random.split(jax.random.PRNGKey(3), 3)
-    q, k, v = (jax.random.normal(kk, (2, 6, 4)) for kk in keys)
+    q, k, v = (_draw.normal(kk, (2, 6, 4)) for kk in keys)
 
     def ours(q, k, v, temperature):
         return jnp.sum(
@@ -635,7 +636,7 @@ def test_under_checkpoint():
     # Under jax.checkpoint a constant scale reaches the engine as a typed Python float
     # (no .astype); the backward then promoted it and raised AttributeError.
     keys = jax.random.split(jax.random.PRNGKey(5), 3)
-    q, k, v = (jax.random.normal(kk, (2, 8, 4)) for kk in keys)
+    q, k, v = (_draw.normal(kk, (2, 8, 4)) for kk in keys)
 
     def loss(q, k, v):
         return jnp.sum(mw.attention(q, k, v, causal=True, chunk_size=4) ** 2)
@@ -724,13 +725,13 @@ def test_the_tiles_skipped_hold_no_visible_pair(causal, window, extra):
     )
 
     B, L, H, tile = 2, 12, 4, 3
-    x = jax.random.normal(jax.random.key(0), (B, L, H))
+    x = _draw.normal(jax.random.key(0), (B, L, H))
     ids = jnp.array([[0] * 5 + [1] * 7, [0] * 3 + [1] * 3 + [2] * 6], jnp.int32)
     lengths = jnp.array([7, 10])
     keep = jnp.arange(L)[None] < lengths[:, None]
     stripes = (3, L, L) if extra == "stripes" else None
     kw = dict(
-        mask=jax.random.bernoulli(jax.random.key(1), 0.3, (B, L, L)) if extra == "mask" else None,
+        mask=_draw.bernoulli(jax.random.key(1), 0.3, (B, L, L)) if extra == "mask" else None,
         bias=None,
         q_segments=ids if extra == "segments" else None,
         kv_segments=ids if extra == "segments" else None,

@@ -5,6 +5,7 @@ matrix products in the compiled program, and the gradient's memory at two sizes.
 
 import re
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,9 +25,9 @@ TILE = (4, 8)
 
 def _data(dtype=jnp.float32, seed=0, tokens=T, vocab=V):
     k = jax.random.split(jax.random.PRNGKey(seed), 4)
-    x = jax.random.normal(k[0], (tokens, D), jnp.float32).astype(dtype)
-    w = (jax.random.normal(k[1], (D, vocab), jnp.float32) * 0.7).astype(dtype)
-    b = jax.random.normal(k[2], (vocab,), jnp.float32).astype(dtype)
+    x = _draw.normal(k[0], (tokens, D), jnp.float32).astype(dtype)
+    w = (_draw.normal(k[1], (D, vocab), jnp.float32) * 0.7).astype(dtype)
+    b = _draw.normal(k[2], (vocab,), jnp.float32).astype(dtype)
     y = jax.random.randint(k[3], (tokens,), 0, vocab)
     return x, w, b, y
 

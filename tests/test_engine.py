@@ -1,6 +1,9 @@
 """Tests for memwise.engine: the tile engine's reductions against dense JAX, the backward
 pass on its own explicit tile, skipped tiles, and its input checks."""
 
+import functools
+
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,8 +35,8 @@ def _compiled_value_and_grad(fn, n_args):
 @pytest.mark.parametrize("backward", [None, (2, 3), (7, 11)])
 @pytest.mark.slow
 def test_reductions_and_gradients_match_dense_on_any_backward_tile(reduce, backward):
-    x = jax.random.normal(jax.random.PRNGKey(0), (13, 2))
-    y = jax.random.normal(jax.random.PRNGKey(1), (11, 2))
+    x = _draw.normal(jax.random.PRNGKey(0), (13, 2))
+    y = _draw.normal(jax.random.PRNGKey(1), (11, 2))
     tiles = tiling(13, 11, (4, 5), backward=backward)
     dense_reduce = jnp.sum if reduce == "sum" else jax.nn.logsumexp
 
@@ -57,8 +60,8 @@ def test_logsumexp_pick_is_the_log_sum_exp_and_the_picked_score(backward):
     # A cross-entropy's two numbers: the log-sum-exp of each row's scores and its score
     # at one column (-inf, and no gradient, where that column is not among them), on
     # ragged tiles, values, gradients and forward-over-reverse.
-    x = jax.random.normal(jax.random.PRNGKey(0), (13, 2))
-    y = jax.random.normal(jax.random.PRNGKey(1), (11, 2))
+    x = _draw.normal(jax.random.PRNGKey(0), (13, 2))
+    y = _draw.normal(jax.random.PRNGKey(1), (11, 2))
     k = jnp.array([0, 10, 5, 11, 3, 3, -1, 7, 8, 2, 1, 10, 4], jnp.int32)
     tiles = tiling(13, 11, (4, 5), backward=backward)
     weights = jnp.array([0.7, -1.3])
@@ -104,8 +107,8 @@ def test_logsumexp_pick_is_the_log_sum_exp_and_the_picked_score(backward):
 def test_logsumexp_pick_over_a_batch_of_problems():
     # Batch dims lead the statistics: the residual log-sum-exp is their last channel's
     # first entry (it was sliced along the batch, and the gradient was off by 300).
-    a = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 3))
-    c = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 3))
+    a = _draw.normal(jax.random.PRNGKey(0), (2, 4, 3))
+    c = _draw.normal(jax.random.PRNGKey(1), (2, 5, 3))
     k = jnp.array([[0, 1, 2, 3], [4, 3, 2, 1]], jnp.int32)
 
     def tile(rb, cb, _p, _k, _ri, _ci):
@@ -152,9 +155,9 @@ def test_a_nan_score_propagates_through_logsumexp_like_jnp():
 
 @pytest.mark.slow
 def test_softmax_reduction_is_attention_with_skipped_tiles():
-    q = jax.random.normal(jax.random.PRNGKey(2), (10, 4))
-    k = jax.random.normal(jax.random.PRNGKey(3), (10, 4))
-    v = jax.random.normal(jax.random.PRNGKey(4), (10, 3))
+    q = _draw.normal(jax.random.PRNGKey(2), (10, 4))
+    k = _draw.normal(jax.random.PRNGKey(3), (10, 4))
+    v = _draw.normal(jax.random.PRNGKey(4), (10, 3))
     tiles = tiling(10, 10, (3, 4), backward=(5, 2))
 
     def tile_fn(qb, kv, _pairs, _consts, rids, cids):
@@ -188,9 +191,9 @@ def test_softmax_tile_heads_share_values(shared):
     last ones (a group of query heads per K/V head: merged with the rows in one matmul)
     or the first (summed over by the general rule); dense softmax per head."""
     heads = (2, 3)
-    q = jax.random.normal(jax.random.PRNGKey(2), (9, *heads, 4))
-    k = jax.random.normal(jax.random.PRNGKey(3), (7, *shared, 4))
-    v = jax.random.normal(jax.random.PRNGKey(4), (7, *shared, 5))
+    q = _draw.normal(jax.random.PRNGKey(2), (9, *heads, 4))
+    k = _draw.normal(jax.random.PRNGKey(3), (7, *shared, 4))
+    v = _draw.normal(jax.random.PRNGKey(4), (7, *shared, 5))
 
     def tile_fn(qb, kv, _pairs, _consts, _rids, _cids):
         s = jnp.einsum("rabh,cabh->abrc", qb, jnp.broadcast_to(kv["k"], (len(kv["k"]), *heads, 4)))
@@ -236,9 +239,9 @@ def _counted_attention(tiles, visible, **kw):
 @pytest.mark.parametrize("backward", ["rows", "split"])
 def test_dead_tiles_are_never_visited(backward):
     """Block sparsity: each pass evaluates the tiles ``live`` keeps and no others."""
-    q = jax.random.normal(jax.random.PRNGKey(2), (10, 4))
-    k = jax.random.normal(jax.random.PRNGKey(3), (10, 4))
-    v = jax.random.normal(jax.random.PRNGKey(4), (10, 3))
+    q = _draw.normal(jax.random.PRNGKey(2), (10, 4))
+    k = _draw.normal(jax.random.PRNGKey(3), (10, 4))
+    v = _draw.normal(jax.random.PRNGKey(4), (10, 3))
     attend, visited = _counted_attention(
         tiling(10, 10, (3, 4), backward=(5, 2)),
         lambda rids, cids: cids[None, :] <= rids[:, None],
@@ -276,9 +279,9 @@ def test_a_band_visits_the_tiles_from_where_it_starts(backward, m):
     and in the column-major backward each column block the row tiles of its band;
     values and gradients are the dense ones."""
     n = 23
-    q = jax.random.normal(jax.random.PRNGKey(2), (n, 4))
-    k = jax.random.normal(jax.random.PRNGKey(3), (m, 4))
-    v = jax.random.normal(jax.random.PRNGKey(4), (m, 3))
+    q = _draw.normal(jax.random.PRNGKey(2), (n, 4))
+    k = _draw.normal(jax.random.PRNGKey(3), (m, 4))
+    v = _draw.normal(jax.random.PRNGKey(4), (m, 3))
 
     def seen(rids, cids):
         d = cids[None, :] - rids[:, None]
@@ -348,7 +351,7 @@ def test_engine_checks_its_tiles():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_statistics_accumulate_in_float32(dtype):
     # One row, 65,536 columns in tiles of 8: a bfloat16 running sum stalls at 2,048.
-    y = jax.random.uniform(jax.random.PRNGKey(5), (65_536,)).astype(dtype)
+    y = _draw.uniform(jax.random.PRNGKey(5), (65_536,)).astype(dtype)
     x = jnp.ones((1,), dtype)
     tiles = tiling(1, 65_536, (1, 8))
     tile = lambda xb, yb, *_: xb[:, None] * yb[None, :]  # noqa: E731
@@ -365,10 +368,10 @@ def test_batched_problems_with_broadcast_pairs_match_dense():
     # Two batch dims; a pair broadcast over the second batch dim and one broadcast over
     # the first batch dim and the rows (a key-padding-like (1, m) operand per head).
     keys = jax.random.split(jax.random.PRNGKey(6), 4)
-    x = jax.random.normal(keys[0], (2, 3, 7, 2))
-    y = jax.random.normal(keys[1], (2, 3, 5, 2))
-    a = jax.random.normal(keys[2], (2, 1, 7, 5))
-    b = jax.random.normal(keys[3], (1, 3, 1, 5))
+    x = _draw.normal(keys[0], (2, 3, 7, 2))
+    y = _draw.normal(keys[1], (2, 3, 5, 2))
+    a = _draw.normal(keys[2], (2, 1, 7, 5))
+    b = _draw.normal(keys[3], (1, 3, 1, 5))
     tiles = tiling(7, 5, (3, 2), backward=(2, 3))
 
     def tile(xb, yb, p, _k, _r, _c):
@@ -399,7 +402,7 @@ def test_a_unit_batch_dim_costs_no_memory_and_changes_no_value():
     # and two buffers (one tile more at the peak). It is squeezed instead.
     L, d = 2048, 64
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(key, (L, d)) for key in keys)
+    q, k, v = (_draw.normal(key, (L, d)) for key in keys)
 
     def loss(q, k, v):
         out = mw.attention(q, k, v, causal=True, chunk_size=(256, 512))
@@ -538,7 +541,12 @@ def test_forward_mode_through_the_engine_names_the_public_function(name, transfo
     # instead (and under the next custom_vjp a bare NotImplementedError).
     with pytest.raises(TypeError, match=f"{name} supports reverse mode.*not forward mode"):
         jax.block_until_ready(_FORWARD[transform](_TILED_PUBLIC[name]))
-    assert np.isfinite(jax.hessian(_TILED_PUBLIC[name])(0.5))
+    assert np.isfinite(_compiled_hessian(name)(0.5))
+
+
+@functools.cache  # one program per function for its cases (eager, each operation of the
+def _compiled_hessian(name):  # tile loops and their derivatives was compiled alone)
+    return jax.jit(jax.hessian(_TILED_PUBLIC[name]))
 
 
 def _softmax_tile(r, c, _p, _k, _ri, _ci):
@@ -570,8 +578,8 @@ def test_each_reduction_merges_two_column_blocks_as_one_pass_over_both(reduce):
     # The reduction table's combine (what a ring merges) against one pass over all
     # columns; the arg-extreme's indices made global by the block's offset.
     k = jax.random.split(jax.random.PRNGKey(3), 3)
-    x, y = jax.random.normal(k[0], (7, 2)), jax.random.normal(k[1], (10, 2))
-    v = jax.random.normal(k[2], (10, 3))
+    x, y = _draw.normal(k[0], (7, 2)), _draw.normal(k[1], (10, 2))
+    v = _draw.normal(k[2], (10, 3))
     whole = _engine_result(reduce, x, y, v)
     red = REDUCTIONS[reduce]
     a = _engine_result(reduce, x, y[:4], v[:4])
@@ -613,10 +621,10 @@ def test_split_backward_and_columns_along_axis_1_match_the_dense_gradient(reduce
     const and ragged tiles both ways; a bfloat16 column's cotangent is stored in its own
     dtype."""
     keys = jax.random.split(jax.random.PRNGKey(3), 5)
-    x = jax.random.normal(keys[0], (2, 13, 3))
-    y = jax.random.normal(keys[1], (2, 3, 11))  # columns along axis 1 (after the batch)
-    v = jax.random.normal(keys[2], (2, 11, 2))
-    bias = jax.random.normal(keys[3], (1, 13, 11))
+    x = _draw.normal(keys[0], (2, 13, 3))
+    y = _draw.normal(keys[1], (2, 3, 11))  # columns along axis 1 (after the batch)
+    v = _draw.normal(keys[2], (2, 11, 2))
+    bias = _draw.normal(keys[3], (1, 13, 11))
     tiles = tiling(13, 11, (4, 5), backward=(3, 4))
 
     def tile_fn(xb, cb, pb, k, _r, _c):

@@ -4,6 +4,7 @@ import functools
 import importlib
 import re
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +33,7 @@ def three_knobs(w, xs):
 @pytest.fixture(scope="module")
 def data():
     w = jnp.linspace(0.0, 1.0, 64)
-    xs = jax.random.normal(jax.random.PRNGKey(0), (1024, 64)) / 8
+    xs = _draw.normal(jax.random.PRNGKey(0), (1024, 64)) / 8
     return w, xs
 
 
@@ -431,7 +432,7 @@ def test_verbose_prints_each_compiled_plan(capsys):
 
 @pytest.mark.slow
 def test_tune_searches_the_chosen_plans_neighbours_by_measurement():
-    x = jax.random.normal(jax.random.PRNGKey(1), (600, 2))
+    x = _draw.normal(jax.random.PRNGKey(1), (600, 2))
     fitted = mw.fit(_pair_loss, budget="1MiB", tune=True, policies=False)
     plan = fitted.plan_for(x, x)
     tiles = fitted._latest().layout[0].candidates
@@ -497,7 +498,7 @@ def test_a_leanest_plan_a_little_larger_than_the_next_does_not_hide_a_plan_that_
 def test_a_tuned_fit_composes_with_jit_and_grad():
     # Tuning runs programs: under jax.jit (and jax.grad) it runs them outside the trace,
     # on random arrays of the traced arguments' shapes, then returns the planned program.
-    x = jax.random.normal(jax.random.PRNGKey(2), (300, 2))
+    x = _draw.normal(jax.random.PRNGKey(2), (300, 2))
     value = mw.fit(_pair_loss, budget="1MiB", tune=True, grad=False, policies=False)
     np.testing.assert_allclose(jax.jit(value)(x, x), _pair_loss(x, x), rtol=1e-5)
     assert value.plan.timed

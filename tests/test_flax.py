@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import _draw
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,7 @@ def test_broadcast_inputs_and_split_rngs_match_nn_scan():
         )
 
     flax_step, our_step = build(nn.scan), build(functools.partial(memwise.flax.scan, checkpoints=2))
-    x = jax.random.normal(jax.random.PRNGKey(1), (3, 17, 4))
+    x = _draw.normal(jax.random.PRNGKey(1), (3, 17, 4))
     carry = jnp.zeros((3, 6))
     rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(2)}
     variables = flax_step().init(rngs, carry, x, 2.0)
@@ -100,7 +101,7 @@ def test_broadcast_inputs_and_split_rngs_match_nn_scan():
 def test_nnx_scan_module_gradients():
     cell = nnx.OptimizedLSTMCell(3, 8, rngs=nnx.Rngs(0))
     carry = (jnp.zeros((2, 8)), jnp.zeros((2, 8)))
-    xs = jax.random.normal(jax.random.PRNGKey(1), (30, 2, 3))
+    xs = _draw.normal(jax.random.PRNGKey(1), (30, 2, 3))
 
     def ours(cell):
         _, ys = memwise.flax.scan_module(lambda m, c, x: m(c, x), cell, carry, xs, checkpoints=4)

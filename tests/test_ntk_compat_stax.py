@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,7 +116,7 @@ def test_kernels_match_neural_tangents_in_float64(reference, key):
 
 def test_conv_pads_valid_by_default_as_neural_tangents():
     # memwise.ntk.kernels.Conv pads SAME; the compatibility layer keeps stax's VALID.
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 6, 1))
+    x = _draw.normal(jax.random.PRNGKey(0), (2, 6, 6, 1))
     _, _, kernel_fn = stax.serial(stax.Conv(8, (3, 3)), stax.Relu(), stax.Flatten(), stax.Dense(1))
     valid = k.serial(k.Conv((3, 3), padding="VALID"), k.Relu(), k.Flatten(), k.Dense())
     same = k.serial(k.Conv((3, 3)), k.Relu(), k.Flatten(), k.Dense())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +23,9 @@ def _mlp(params, x):
 def _params(key, d_in=3, width=8, d_out=4):
     k1, k2, k3 = jax.random.split(key, 3)
     return {
-        "w": jax.random.normal(k1, (d_in, width)) / math.sqrt(d_in),
-        "b": jax.random.normal(k2, (width,)),
-        "v": jax.random.normal(k3, (width, d_out)) / math.sqrt(width),
+        "w": _draw.normal(k1, (d_in, width)) / math.sqrt(d_in),
+        "b": _draw.normal(k2, (width,)),
+        "v": _draw.normal(k3, (width, d_out)) / math.sqrt(width),
     }
 
 
@@ -46,8 +47,8 @@ def _dense_ntk(f, params, x1, x2):
 @pytest.fixture(scope="module")
 def problem():
     params = _params(jax.random.PRNGKey(0))
-    x1 = jax.random.normal(jax.random.PRNGKey(1), (7, 3))
-    x2 = jax.random.normal(jax.random.PRNGKey(2), (5, 3))
+    x1 = _draw.normal(jax.random.PRNGKey(1), (7, 3))
+    x2 = _draw.normal(jax.random.PRNGKey(2), (5, 3))
     return params, x1, x2, jax.jit(lambda p: _dense_ntk(_mlp, p, x1, x2))(params)
 
 
@@ -93,7 +94,7 @@ def test_pseudo_ntk_is_gradient_of_logit_sum(problem):
 def test_scalar_outputs_and_self_kernel():
     params = _params(jax.random.PRNGKey(3), d_out=1)
     f = lambda p, x: _mlp(p, x)[:, 0]
-    x = jax.random.normal(jax.random.PRNGKey(4), (6, 3))
+    x = _draw.normal(jax.random.PRNGKey(4), (6, 3))
     dense = _dense_ntk(lambda p, x: f(p, x)[:, None], params, x, x)[..., 0, 0]
     for method in ("jacobian", "vjp", "pseudo"):
         got = jax.jit(lambda p: ntk.empirical(f, p, x, method=method, chunk_size=4))(params)
@@ -111,7 +112,7 @@ def test_flax_model():
             return flax.Dense(3)(jnp.tanh(flax.Dense(6)(x)))
 
     model = Net()
-    x = jax.random.normal(jax.random.PRNGKey(5), (4, 2))
+    x = _draw.normal(jax.random.PRNGKey(5), (4, 2))
     variables = model.init(jax.random.PRNGKey(6), x)
     got = jax.jit(lambda v: ntk.empirical(model.apply, v, x, method="vjp", chunk_size=2))(variables)
     np.testing.assert_allclose(got, _dense_ntk(model.apply, variables, x, x), rtol=1e-4, atol=1e-5)
@@ -166,8 +167,8 @@ def test_dtypes(dtype, method, trace):
     # Sums over the parameters accumulate in at least float32; the result keeps the dtype.
     cast = lambda t: jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), t)
     params = cast(_params(jax.random.PRNGKey(8), width=16))
-    x1 = cast(jax.random.normal(jax.random.PRNGKey(9), (5, 3)))
-    x2 = cast(jax.random.normal(jax.random.PRNGKey(10), (4, 3)))
+    x1 = cast(_draw.normal(jax.random.PRNGKey(9), (5, 3)))
+    x2 = cast(_draw.normal(jax.random.PRNGKey(10), (4, 3)))
 
     def dense(p, x1, x2):
         full = _dense_ntk(_mlp, p, x1, x2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,8 +84,8 @@ def _forced_full(*layers):
 )
 @pytest.mark.slow
 def test_full_and_diagonal_covariances_agree(conv):
-    x1 = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 6, 2))
-    x2 = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 6, 2))
+    x1 = _draw.normal(jax.random.PRNGKey(0), (3, 7, 6, 2))
+    x2 = _draw.normal(jax.random.PRNGKey(1), (2, 7, 6, 2))
     layers = (
         k.Conv(**conv),
         k.Relu(),
@@ -103,8 +104,8 @@ def test_full_and_diagonal_covariances_agree(conv):
 def test_conv_window_matches_reduce_window():
     # One conv layer: nngp = W^2 * (mean over the window of the per-pixel input
     # covariance), zero padding included; checked against XLA's windowed average.
-    x1 = jax.random.normal(jax.random.PRNGKey(2), (2, 9, 8, 3))
-    x2 = jax.random.normal(jax.random.PRNGKey(3), (4, 9, 8, 3))
+    x1 = _draw.normal(jax.random.PRNGKey(2), (2, 9, 8, 3))
+    x2 = _draw.normal(jax.random.PRNGKey(3), (4, 9, 8, 3))
     for strides, padding in [((1, 1), "SAME"), ((2, 3), "SAME"), ((2, 2), "VALID")]:
         kernel_fn = k.serial(k.Conv((3, 2), strides=strides, padding=padding, W_std=2.0))
         got = _jit(kernel_fn, "nngp")(x1, x2)
@@ -122,7 +123,7 @@ def test_conv_window_matches_reduce_window():
 def test_gradient_is_finite_on_the_diagonal():
     # theta = 0 on the diagonal of a self-kernel: sqrt(1 - cos^2) must not give inf/nan.
     kernel_fn = ARCHITECTURES["conv_relu2_flatten"]()
-    x = jax.random.normal(jax.random.PRNGKey(4), (3, 4, 4, 1))
+    x = _draw.normal(jax.random.PRNGKey(4), (3, 4, 4, 1))
     grad = jax.jit(jax.grad(lambda x: jnp.sum(kernel_fn(x))))(x)
     assert np.all(np.isfinite(grad))
     with jax.enable_x64(True):
@@ -160,8 +161,8 @@ def test_bad_inputs():
 
 def test_composes_with_jit_and_vmap():
     kernel_fn = ARCHITECTURES["fc_relu_erf"]()
-    x = jax.random.normal(jax.random.PRNGKey(5), (4, 5))
-    y = jax.random.normal(jax.random.PRNGKey(6), (3, 5))
+    x = _draw.normal(jax.random.PRNGKey(5), (4, 5))
+    y = _draw.normal(jax.random.PRNGKey(6), (3, 5))
     expected = jax.jit(kernel_fn)(x, y)
     rows = jax.jit(jax.vmap(lambda xi: kernel_fn(xi[None], y)[0]))(x)
     np.testing.assert_allclose(rows, expected, rtol=1e-5)
@@ -332,8 +333,8 @@ def test_more_layers_self_kernel_is_symmetric_psd_and_equals_cross(more_referenc
 
 @pytest.mark.slow
 def test_pooling_over_the_whole_image_is_global_average_pooling():
-    x1 = jax.random.normal(jax.random.PRNGKey(20), (3, 6, 5, 2))
-    x2 = jax.random.normal(jax.random.PRNGKey(21), (2, 6, 5, 2))
+    x1 = _draw.normal(jax.random.PRNGKey(20), (3, 6, 5, 2))
+    x2 = _draw.normal(jax.random.PRNGKey(21), (2, 6, 5, 2))
     head = (k.Conv((3, 3), b_std=0.2), k.Gelu(), k.Conv((2, 2), strides=(2, 1)), k.Relu())
     pooled = _jit(k.serial(*head, k.AvgPool((3, 5)), k.Flatten(), k.Dense()))(x1, x2)
     global_ = _jit(k.serial(*head, k.GlobalAvgPool(), k.Dense()))(x1, x2)
@@ -345,8 +346,8 @@ def test_pooling_over_the_whole_image_is_global_average_pooling():
 def test_pooling_a_single_pixel_keeps_the_kernel():
     # AvgPool((1, 1)) changes no value but makes every earlier layer pixel-by-pixel; after
     # the last pool the covariance is per-pixel again.
-    x1 = jax.random.normal(jax.random.PRNGKey(22), (3, 5, 5, 2))
-    x2 = jax.random.normal(jax.random.PRNGKey(23), (2, 5, 5, 2))
+    x1 = _draw.normal(jax.random.PRNGKey(22), (3, 5, 5, 2))
+    x2 = _draw.normal(jax.random.PRNGKey(23), (2, 5, 5, 2))
     layers = (k.Conv((3, 3)), k.LeakyRelu(0.2), k.Conv((3, 3), strides=(2, 2)), k.LayerNorm())
     tail = (k.Conv((2, 2)), k.Sin(b=0.5), k.Flatten(), k.Dense())
     plain = _jit(k.serial(*layers, *tail))(x1, x2)
@@ -359,8 +360,8 @@ def test_pooling_a_single_pixel_keeps_the_kernel():
 def test_residual_branches_add_their_kernels():
     # FanOut + parallel + FanInSum adds the branches' kernels (neural-tangents'
     # convention for independent branches), wherever the branches pool.
-    x1 = jax.random.normal(jax.random.PRNGKey(24), (3, 6, 6, 2))
-    x2 = jax.random.normal(jax.random.PRNGKey(25), (2, 6, 6, 2))
+    x1 = _draw.normal(jax.random.PRNGKey(24), (3, 6, 6, 2))
+    x2 = _draw.normal(jax.random.PRNGKey(25), (2, 6, 6, 2))
     stem = k.Conv((3, 3), b_std=0.1)
     branch_a = k.serial(k.Relu(), k.Conv((3, 3)), k.AvgPool((2, 2), (2, 2)))
     branch_b = k.serial(k.Erf(), k.Conv((2, 2), strides=(2, 2), padding="VALID"))
@@ -405,7 +406,7 @@ def test_more_layers_bad_inputs():
 @pytest.mark.slow
 def test_pooling_kernel_gradient_is_finite_and_correct():
     kernel_fn = _myrtle()
-    x = jax.random.normal(jax.random.PRNGKey(26), (3, 4, 4, 2))
+    x = _draw.normal(jax.random.PRNGKey(26), (3, 4, 4, 2))
     grad = jax.jit(jax.grad(lambda x: jnp.sum(kernel_fn(x))))(x)
     assert np.all(np.isfinite(grad))
     with jax.enable_x64(True):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,10 +34,10 @@ OTT_COSTS = {
 
 def clouds(seed, n=100, m=80, d=2, zeros=0):
     k = jax.random.split(jax.random.key(seed), 4)
-    x = jax.random.normal(k[0], (n, d))
-    y = 0.7 * jax.random.normal(k[1], (m, d)) + 1.0
-    a = jax.random.uniform(k[2], (n,), minval=0.2)
-    b = jax.random.uniform(k[3], (m,), minval=0.2).at[:zeros].set(0.0)
+    x = _draw.normal(k[0], (n, d))
+    y = 0.7 * _draw.normal(k[1], (m, d)) + 1.0
+    a = _draw.uniform(k[2], (n,), minval=0.2)
+    b = _draw.uniform(k[3], (m,), minval=0.2).at[:zeros].set(0.0)
     return x, y, a / a.sum(), b / b.sum()
 
 
@@ -125,7 +126,7 @@ def test_divergence_matches_ott_dense_value_and_gradient():
 @pytest.mark.slow
 def test_potential_gradients_match_ott_implicit_differentiation():
     x, y, a, b = clouds(15, n=30, m=25)
-    u, v = jax.random.normal(jax.random.key(16), (2, 30))
+    u, v = _draw.normal(jax.random.key(16), (2, 30))
     v = v[:25] - v[:25].mean() + u.sum() / 25  # sum(u) == sum(v): blind to the gauge
 
     def ours(x, y):
@@ -149,7 +150,7 @@ def test_potential_gradients_match_finite_differences_in_float64():
     with jax.enable_x64(True):
         x, y, a, b = (v.astype("float64") for v in clouds(17, n=12, m=10, zeros=2))
         keys = jax.random.split(jax.random.key(18), 6)
-        u, v = jax.random.normal(keys[0], (12,)), jax.random.normal(keys[1], (10,))
+        u, v = _draw.normal(keys[0], (12,)), _draw.normal(keys[1], (10,))
         tight = {"chunk_size": 4, "threshold": 1e-13, "max_iterations": 20_000}
 
         @jax.jit
@@ -171,10 +172,10 @@ def test_potential_gradients_match_finite_differences_in_float64():
         grads = jax.jit(jax.grad(lambda *args: loss(*args)[0], range(5)))(*args)
         on_b = b > 0
         directions = [
-            jax.random.normal(keys[2], x.shape),
-            jax.random.normal(keys[3], y.shape),
-            jax.random.normal(keys[4], a.shape),
-            jax.random.normal(keys[5], b.shape),
+            _draw.normal(keys[2], x.shape),
+            _draw.normal(keys[3], y.shape),
+            _draw.normal(keys[4], a.shape),
+            _draw.normal(keys[5], b.shape),
             jnp.asarray(1.0),
         ]
         directions[2] -= directions[2].mean()  # weights move keeping their totals
@@ -568,8 +569,8 @@ def test_public_names():
 @pytest.mark.parametrize("epsilon", [-1.0, 0.0])
 @pytest.mark.slow
 def test_traced_nonpositive_epsilon_gives_nan_not_a_number_that_looks_right(epsilon):
-    x = jax.random.normal(jax.random.PRNGKey(0), (6, 2))
-    y = jax.random.normal(jax.random.PRNGKey(1), (4, 2))
+    x = _draw.normal(jax.random.PRNGKey(0), (6, 2))
+    y = _draw.normal(jax.random.PRNGKey(1), (4, 2))
     out = jax.jit(lambda e: mw.ot.sinkhorn(x, y, epsilon=e))(epsilon)
     assert not bool(out.converged) and bool(jnp.isnan(out.reg_ot_cost))
     div = jax.jit(lambda e: mw.ot.sinkhorn_divergence(x, y, epsilon=e))(epsilon)

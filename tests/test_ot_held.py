@@ -8,6 +8,7 @@ iterations; the held matrix's memory by compiling at two sizes.
 
 from __future__ import annotations
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,10 +24,10 @@ TOL = {jnp.float32: 2e-5, jnp.float64: 1e-12}
 
 def clouds(seed, n=60, m=45, d=3, dtype=jnp.float32):
     k = jax.random.split(jax.random.key(seed), 4)
-    x = jax.random.normal(k[0], (n, d), dtype)
-    y = 0.7 * jax.random.normal(k[1], (m, d), dtype) + 0.5
-    a = jax.random.uniform(k[2], (n,), dtype, minval=0.2)
-    b = jax.random.uniform(k[3], (m,), dtype, minval=0.2)
+    x = _draw.normal(k[0], (n, d), dtype)
+    y = 0.7 * _draw.normal(k[1], (m, d), dtype) + 0.5
+    a = _draw.uniform(k[2], (n,), dtype, minval=0.2)
+    b = _draw.uniform(k[3], (m,), dtype, minval=0.2)
     return x, y, a / a.sum(), b / b.sum()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +30,10 @@ _OPTIONS = ("tau_a", "tau_b", "reach", "cost", "chunk_size")
 @functools.partial(jax.jit, static_argnames=("n", "m", "d", "mass_a"))
 def clouds(seed, n=500, m=500, d=2, mass_a=1.3):
     k = jax.random.split(jax.random.key(seed), 4)
-    x = jax.random.normal(k[0], (n, d))
-    y = 0.7 * jax.random.normal(k[1], (m, d)) + 1.0
-    a = jax.random.uniform(k[2], (n,), minval=0.2)
-    b = jax.random.uniform(k[3], (m,), minval=0.2)
+    x = _draw.normal(k[0], (n, d))
+    y = 0.7 * _draw.normal(k[1], (m, d)) + 1.0
+    a = _draw.uniform(k[2], (n,), minval=0.2)
+    b = _draw.uniform(k[3], (m,), minval=0.2)
     return x, y, mass_a * a / a.sum(), b / b.sum()
 
 
@@ -106,7 +107,7 @@ def test_unbalanced_gradient_is_the_derivative_in_float64(tau_a, tau_b):
         value = jax.jit(fn)  # the finite differences' six evaluations, compiled once
         h = 1e-5
         for i, (arg, grad) in enumerate(zip((x, a, b), grads)):
-            direction = jax.random.normal(jax.random.key(i), arg.shape, jnp.float64)
+            direction = _draw.normal(jax.random.key(i), arg.shape, jnp.float64)
             args = [x, a, b]
             plus, minus = list(args), list(args)
             plus[i], minus[i] = arg + h * direction, arg - h * direction
@@ -169,8 +170,8 @@ def _plan_operations(out, v):
 @pytest.mark.slow
 def test_plan_operator_and_entropic_map_match_ott_dense():
     x, y, a, b = clouds(4)
-    v = jax.random.normal(jax.random.key(5), (3, 500))
-    z = jax.random.normal(jax.random.key(6), (40, 2))
+    v = _draw.normal(jax.random.key(5), (3, 500))
+    z = _draw.normal(jax.random.key(6), (40, 2))
     uniform_weights = jnp.full(500, 1 / 500)
 
     # Each side's operations in one compiled program (eager, each operation of each
@@ -216,8 +217,8 @@ def test_plan_operator_and_entropic_map_match_ott_dense():
 @pytest.mark.slow
 def test_plan_operations_are_differentiable_like_dense_jax():
     x, y, a, b = clouds(7, n=40, m=30)
-    z = jax.random.normal(jax.random.key(8), (5, 2))
-    v = jax.random.normal(jax.random.key(9), (30,))
+    z = _draw.normal(jax.random.key(8), (5, 2))
+    v = _draw.normal(jax.random.key(9), (30,))
     kw = dict(epsilon=EPS, tau_a=0.8, tau_b=0.7, **TIGHT)
 
     def ours(x, z):

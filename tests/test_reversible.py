@@ -8,6 +8,7 @@ every carry; values and gradients must agree to 1e-5 in float32 and 1e-10 in flo
 
 from __future__ import annotations
 
+import _draw
 import jax
 import jax.numpy as jnp
 import pytest
@@ -50,11 +51,11 @@ def revnet(params):
 
 def revnet_inputs(n, dtype, seed=0):
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-    w_f = (jax.random.normal(keys[0], (WIDTH, WIDTH)) / WIDTH).astype(dtype)
-    w_g = (jax.random.normal(keys[1], (WIDTH, WIDTH)) / WIDTH).astype(dtype)
-    xs = (0.3 * jax.random.normal(keys[2], (n, WIDTH))).astype(dtype)
-    x1 = jax.random.normal(keys[3], (WIDTH,)).astype(dtype)
-    x2 = jax.random.normal(keys[4], (WIDTH,)).astype(dtype)
+    w_f = (_draw.normal(keys[0], (WIDTH, WIDTH)) / WIDTH).astype(dtype)
+    w_g = (_draw.normal(keys[1], (WIDTH, WIDTH)) / WIDTH).astype(dtype)
+    xs = (0.3 * _draw.normal(keys[2], (n, WIDTH))).astype(dtype)
+    x1 = _draw.normal(keys[3], (WIDTH,)).astype(dtype)
+    x2 = _draw.normal(keys[4], (WIDTH,)).astype(dtype)
     return (w_f, w_g, jnp.asarray(0.5, dtype)), (x1, x2), xs
 
 
@@ -145,7 +146,7 @@ def heun_loss(scan, n, **options):
         step, inverse = heun(vector_field, noise)
         dt = jnp.full((n,), 1.0 / n, y0.dtype)
         t = jnp.cumsum(dt) - dt
-        dw = jnp.sqrt(dt)[:, None] * jax.random.normal(key, (n,) + y0.shape, y0.dtype)
+        dw = jnp.sqrt(dt)[:, None] * _draw.normal(key, (n,) + y0.shape, y0.dtype)
         init = (y0, y0, vector_field(0.0, y0), noise(0.0, y0))
         if scan is mw.scan:
             options["inverse"] = inverse

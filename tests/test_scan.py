@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import _draw
 import equinox as eqx
 import equinox.internal as eqxi
 import hypothesis
@@ -35,9 +36,9 @@ def make_body(w):
 
 def make_inputs(n, seed=0):
     key1, key2, key3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-    w = 0.6 * jax.random.normal(key1, (H, H))
-    xa = jax.random.normal(key2, (n, H))
-    h0 = jax.random.normal(key3, (H,))
+    w = 0.6 * _draw.normal(key1, (H, H))
+    xa = _draw.normal(key2, (n, H))
+    h0 = _draw.normal(key3, (H,))
     return w, xa, h0
 
 
@@ -432,7 +433,7 @@ def test_nested_under_jvp_and_grad_of_grad():
 @pytest.mark.slow
 def test_equinox_module_params_get_gradients():
     cell = eqx.nn.GRUCell(3, 5, key=jax.random.PRNGKey(0))
-    xs = jax.random.normal(jax.random.PRNGKey(1), (40, 3))
+    xs = _draw.normal(jax.random.PRNGKey(1), (40, 3))
 
     def loss(cell, fn, **kw):
         h, _ = fn(lambda h, x: (cell(x, h), None), jnp.zeros(5), xs, **kw)

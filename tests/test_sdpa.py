@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,9 +24,9 @@ pytestmark = pytest.mark.usefixtures("float64_module")
 def _qkv(B=2, T=13, S=11, N=4, K=2, H=8, dtype=jnp.float64, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
     return (
-        jax.random.normal(ks[0], (B, T, N, H), dtype),
-        jax.random.normal(ks[1], (B, S, K, H), dtype),
-        jax.random.normal(ks[2], (B, S, K, H), dtype),
+        _draw.normal(ks[0], (B, T, N, H), dtype),
+        _draw.normal(ks[1], (B, S, K, H), dtype),
+        _draw.normal(ks[2], (B, S, K, H), dtype),
     )
 
 
@@ -93,8 +94,8 @@ def test_one_array_of_segment_ids_adds_no_buffer_of_the_queries_size():
 
 
 def test_soft_cap_with_bias_and_mask():
-    bias = jax.random.normal(jax.random.PRNGKey(3), (1, 4, 13, 11))
-    mask = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (2, 1, 13, 11))
+    bias = _draw.normal(jax.random.PRNGKey(3), (1, 4, 13, 11))
+    mask = _draw.bernoulli(jax.random.PRNGKey(4), 0.7, (2, 1, 13, 11))
     _check({"logit_soft_cap": 0.7, "mask": mask}, extra={"bias": bias})
 
 
@@ -108,9 +109,12 @@ def test_sinks_get_their_gradient_also_on_fully_masked_rows():
 def test_fully_masked_queries_average_the_values_as_jax_nn():
     q, k, v = _qkv(K=4)
     lengths = jnp.array([0, 5], jnp.int32)
-    out = mw.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, chunk_size=4)
+    # compiled (eager, each operation of the tile loops was compiled alone)
+    out = jax.jit(functools.partial(mw.dot_product_attention, chunk_size=4))(
+        q, k, v, key_value_seq_lengths=lengths
+    )
     np.testing.assert_allclose(out[0], jnp.broadcast_to(v[0].mean(0), out[0].shape), atol=1e-12)
-    ref = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+    ref = jax.jit(jax.nn.dot_product_attention)(q, k, v, key_value_seq_lengths=lengths)
     np.testing.assert_allclose(out, ref, atol=1e-6)  # jax.nn's softmax is float32
 
 
@@ -138,7 +142,7 @@ def test_striped_inputs_give_the_unstriped_result_striped():
     s, T = 4, 16
     q, k, v = _qkv(T=T, S=T)
     seg = jnp.array([[0] * 6 + [1] * 10, [2] * 16])
-    bias = jax.random.normal(jax.random.PRNGKey(5), (2, 1, T, T))
+    bias = _draw.normal(jax.random.PRNGKey(5), (2, 1, T, T))
     kw = dict(
         is_causal=True,
         local_window_size=(5, 0),
@@ -208,9 +212,12 @@ def test_residual_is_the_log_sum_exp_and_optionally_differentiable():
 
 def test_unbatched_layout_and_broadcast_mask():
     q, k, v = _qkv(B=1)
-    mask = jax.random.bernoulli(jax.random.PRNGKey(5), 0.6, (13, 11))  # 2-D: (T, S)
-    out = mw.dot_product_attention(q[0], k[0], v[0], mask=mask, chunk_size=3)
-    ref = jax.nn.dot_product_attention(q[0], k[0], v[0], mask=mask)
+    mask = _draw.bernoulli(jax.random.PRNGKey(5), 0.6, (13, 11))  # 2-D: (T, S)
+    # compiled (eager, each operation of the tile loops was compiled alone)
+    out = jax.jit(functools.partial(mw.dot_product_attention, chunk_size=3))(
+        q[0], k[0], v[0], mask=mask
+    )
+    ref = jax.jit(jax.nn.dot_product_attention)(q[0], k[0], v[0], mask=mask)
     assert out.shape == (13, 4, 8)
     np.testing.assert_allclose(out, ref, atol=1e-6)  # jax.nn's softmax is float32
 
@@ -328,10 +335,10 @@ def test_low_precision_error_no_worse_than_jax_nn(dtype):
     # GQA 4:1 with a bias, a window and padding lengths; inputs and cotangent exactly
     # representable in dtype, so the float64 reference is the exact answer.
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
-    q = (jax.random.normal(keys[0], (2, 128, 4, 32)) * 2).astype(dtype)
-    k, v = (jax.random.normal(kk, (2, 128, 1, 32)).astype(dtype) for kk in keys[1:3])
-    ct = jax.random.normal(keys[3], (2, 128, 4, 32)).astype(dtype)
-    bias = jax.random.normal(keys[4], (1, 4, 128, 128)).astype(dtype)
+    q = (_draw.normal(keys[0], (2, 128, 4, 32)) * 2).astype(dtype)
+    k, v = (_draw.normal(kk, (2, 128, 1, 32)).astype(dtype) for kk in keys[1:3])
+    ct = _draw.normal(keys[3], (2, 128, 4, 32)).astype(dtype)
+    bias = _draw.normal(keys[4], (1, 4, 128, 128)).astype(dtype)
     kw = {
         "is_causal": True,
         "local_window_size": (48, 0),
@@ -370,8 +377,8 @@ def test_low_precision_error_no_worse_than_jax_nn(dtype):
 def test_a_row_hidden_by_the_bias_is_a_masked_row():
     # A bias of -inf over a whole row: the values' mean, as for a row the mask hides,
     # whether or not a (no-op) mask is passed; an empty key set's log-sum-exp is -inf.
-    q = jax.random.normal(jax.random.PRNGKey(1), (1, 4, 2, 8))
-    k, v = jax.random.normal(jax.random.PRNGKey(2), (2, 1, 5, 1, 8))
+    q = _draw.normal(jax.random.PRNGKey(1), (1, 4, 2, 8))
+    k, v = _draw.normal(jax.random.PRNGKey(2), (2, 1, 5, 1, 8))
     bias = jnp.zeros((4, 5)).at[1].set(-jnp.inf)
     alone = mw.dot_product_attention(q, k, v, bias)
     masked = mw.dot_product_attention(q, k, v, bias, jnp.ones((4, 5), bool))

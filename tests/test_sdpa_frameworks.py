@@ -4,6 +4,7 @@ step of a transformer block with dropout."""
 
 from __future__ import annotations
 
+import _draw
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ def _close_trees(a, b, atol):
 
 @pytest.mark.slow
 def test_linen_attention_fn_matches_flax_and_trains():
-    x = jax.random.normal(jax.random.key(0), (2, 37, 16))
+    x = _draw.normal(jax.random.key(0), (2, 37, 16))
     mask = nn.make_causal_mask(jnp.ones((2, 37)))
 
     def layer(fn, rate=0.0):
@@ -74,7 +75,7 @@ def test_linen_attention_fn_matches_flax_and_trains():
 
 @pytest.mark.slow
 def test_nnx_attention_fn_matches_flax_and_trains():
-    x = jax.random.normal(jax.random.key(0), (2, 29, 16))
+    x = _draw.normal(jax.random.key(0), (2, 29, 16))
 
     def layer(fn, rate=0.0):
         return nnx.MultiHeadAttention(
@@ -123,7 +124,7 @@ def test_segment_ids_bound_to_a_flax_layer_match_flax_with_the_segment_mask():
     # attention gives with the B x T x T mask the ids stand for.
     import functools
 
-    x = jax.random.normal(jax.random.key(1), (2, 23, 16))
+    x = _draw.normal(jax.random.key(1), (2, 23, 16))
     ids = jnp.array([[0] * 9 + [1] * 14, [0] * 4 + [1] * 10 + [2] * 9])
     mask = nn.make_attention_mask(ids, ids, jnp.equal)
     bound = functools.partial(mw.flax_attention_fn, q_segment_ids=ids)
