@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 
+import _draw
 import numpy as np
 
 BATCH_SIZE = 4
@@ -383,6 +384,6 @@ def fan_in_inputs(model):
 
     key = random.PRNGKey(1)
     shape = (4, 3) if model == "fc" else (2, 5, 6, 3)
-    x1 = random.normal(key, shape)
-    x2 = random.normal(key, ((8,) + shape[1:]) if model == "fc" else (3,) + shape[1:])
+    x1 = _draw.normal(key, shape)
+    x2 = _draw.normal(key, ((8,) + shape[1:]) if model == "fc" else (3,) + shape[1:])
     return (jnp.cos(x1) if model == "fc" else x1), x2

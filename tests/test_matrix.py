@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,8 +50,7 @@ class Case:
 def _inputs(dtype, *shapes, seed=0):
     keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
     return tuple(
-        (jax.random.uniform(k, s, jnp.float64, -1.0, 1.0)).astype(dtype)
-        for k, s in zip(keys, shapes)
+        (_draw.uniform(k, s, jnp.float64, -1.0, 1.0)).astype(dtype) for k, s in zip(keys, shapes)
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,8 +123,8 @@ def _cases():
 )
 def test_automatic(train_size, test_size, input_shape, network, kernel_type, batch_size):
     _, self_split, other_split = random.split(random.PRNGKey(0), 3)
-    data_self = random.normal(self_split, (train_size, *input_shape))
-    data_other = random.normal(other_split, (test_size, *input_shape))
+    data_self = _draw.normal(self_split, (train_size, *input_shape))
+    data_other = _draw.normal(other_split, (test_size, *input_shape))
     kernel_fn = _kernel(kernel_type, input_shape, network)
     # upstream: both x2 (None and the other set) under store_on_device True and False;
     # store_on_device changes nothing here, so one x2 each.

@@ -15,6 +15,7 @@ import functools
 import operator
 import os
 
+import _draw
 import _nt_ported_cases as cases
 import jax
 import jax.numpy as jnp
@@ -124,12 +125,12 @@ def _f_2_exact(x0, x, params, do_alter, do_shift_x=True):
 def _init_data(shape):
     key = random.PRNGKey(0)
     key, s1, s2, s3 = random.split(key, 4)
-    w1 = random.normal(s1, shape)
+    w1 = _draw.normal(s1, shape)
     w1 = 0.5 * (w1 + w1.T)
-    w2 = random.normal(s2, shape)
-    b = random.normal(s3, (1,) * (len(shape) - 1) + (shape[-1],))
+    w2 = _draw.normal(s2, shape)
+    b = _draw.normal(s3, (1,) * (len(shape) - 1) + (shape[-1],))
     key, split = random.split(key)
-    x0 = random.normal(split, (shape[-1], 1))
+    x0 = _draw.normal(split, (shape[-1], 1))
     return key, (w1, w2, b), x0
 
 

@@ -17,6 +17,7 @@ import functools
 import itertools
 import os
 
+import _draw
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,11 +58,11 @@ def _build_network(input_shape, out_logits):
 def _inputs(out_logits, test_shape, train_shape):
     key = random.PRNGKey(0)
     key, split = random.split(key)
-    x_train = random.normal(split, train_shape)
+    x_train = _draw.normal(split, train_shape)
     key, split = random.split(key)
     y_train = jnp.array(random.bernoulli(split, shape=(train_shape[0], out_logits)), jnp.float32)
     key, split = random.split(key)
-    x_test = random.normal(split, test_shape)
+    x_test = _draw.normal(split, test_shape)
     return key, x_test, x_train, y_train
 
 
