@@ -93,10 +93,6 @@ class InnerProduct:
     def __repr__(self) -> str:
         return "InnerProduct()"
 
-    @staticmethod
-    def score(xi: Array, yj: Array, eps: Array) -> Array:
-        return jnp.dot(xi, yj) / -eps
-
 
 def middle(x: Array, y: Array) -> Array:
     """The point halfway between the means of two clouds, held (no derivative)."""
