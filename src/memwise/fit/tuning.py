@@ -19,7 +19,6 @@ then returns to the trace with the chosen plan.
 from __future__ import annotations
 
 import math
-
 import time
 from collections.abc import Callable
 from typing import Any
