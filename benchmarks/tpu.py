@@ -33,7 +33,14 @@ times that with gradients (the fused kernel does four).
 batch 10, hidden 128, input 32, float32, mean squared error of every step's output,
 value_and_grad in the parameters) at 10,000 and 100,000 steps: ``lax.scan``,
 ``lax.scan(jax.checkpoint(step))`` (the baseline), ``mw.scan`` at 16 and 100
-checkpoints and ``mw.while_loop`` at 16 on the same body.
+checkpoints, ``schedule="nested"`` with and without ``offload="host"`` and
+``mw.while_loop`` at 16 on the same body; then an adaptive Dormand-Prince solve (the
+loop of unknown length of ``benchmarks/while_loop.py``, float32) through
+``mw.while_loop`` against the same steps in a checkpointed ``lax.scan`` whose length is
+the trip count, known in advance. Beside the compiled temporaries (device and host) each
+row gives the device's peak bytes in use while it ran (``memory_stats()``; the variants
+run in increasing order of compiled temporaries, and a peak below an earlier variant's
+cannot be read: shown as an upper bound).
 
 ``--suite pairwise``: the squared Euclidean soft c-transform (one pass of
 ``mw.ot.sinkhorn``: ``-eps log sum_j exp(-|x_i - y_j|^2 / eps)``, float32) at 20,000 x
@@ -544,18 +551,87 @@ def run_loops(t, *, repeats, only=()):
         "mw.scan, checkpoints=100, schedule='nested'": scanned(
             functools.partial(mw.scan, checkpoints=100, schedule="nested")
         ),
+        "mw.scan, schedule='nested'": scanned(functools.partial(mw.scan, schedule="nested")),
+        "mw.scan, schedule='nested', offload='host'": scanned(
+            functools.partial(mw.scan, schedule="nested", offload="host")
+        ),
         "mw.while_loop, checkpoints=16": while_loss,
     }
-    rows = []
-    for name, loss in variants.items():
-        if only and not name.startswith(tuple(only)):
-            continue
-        if name.startswith("mw.while_loop") and t > 10_000:
-            continue  # 10x its time at 10,000 steps, below
-        row = {"variant": name, **_measure(jax.value_and_grad(loss), (p, xs, ys), 0.0, repeats)}
-        row.pop("tflops", None)
-        rows.append(row)
+    variants = {
+        name: loss
+        for name, loss in variants.items()
+        if not (only and not name.startswith(tuple(only)))
+        and not (name.startswith("mw.while_loop") and t > 10_000)  # 10x, at 10,000 steps
+    }
+    rows = _measure_loops(
+        {n: jax.value_and_grad(loss) for n, loss in variants.items()}, (p, xs, ys), repeats
+    )
+    for row in rows:
         print(json.dumps({"T": t, **row}), flush=True)
+    return rows
+
+
+def _measure_loops(variants: dict, args: tuple, repeats: int) -> list[dict]:
+    """Each variant compiled, then run in increasing order of compiled temporaries:
+    time, device and host temporaries, and the device's peak bytes in use (exact where
+    it rose above the earlier variants' peak, else an upper bound)."""
+    compiled, rows = {}, {}
+    for name, f in variants.items():
+        try:
+            compiled[name] = jax.jit(f).lower(*args).compile()
+        except Exception as error:  # noqa: BLE001 - a variant that does not fit
+            rows[name] = {"variant": name, "error": f"{type(error).__name__}: {error}"[:200]}
+    device = jax.devices()[0]
+
+    def temp(name):
+        return compiled[name].memory_analysis().temp_size_in_bytes
+
+    for name in sorted(compiled, key=temp):
+        analysis = compiled[name].memory_analysis()
+        before = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
+        try:
+            seconds = _time(compiled[name], args, repeats)
+        except Exception as error:  # noqa: BLE001 - ran out of memory at run time
+            rows[name] = {"variant": name, "error": f"{type(error).__name__}: {error}"[:200]}
+            continue
+        peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
+        rows[name] = {
+            "variant": name,
+            "ms": 1e3 * seconds,
+            "temp_mib": analysis.temp_size_in_bytes / 2**20,
+            "host_temp_mib": getattr(analysis, "host_temp_size_in_bytes", 0) / 2**20,
+            "peak_mib": peak / 2**20,
+            "peak_exact": peak > before,
+        }
+    return [rows[name] for name in variants if name in rows]
+
+
+def run_dormand_prince(*, repeats, t1=200.0, tol=1e-6):
+    """The adaptive Dormand-Prince gradient of ``benchmarks/while_loop.py`` in float32:
+    ``mw.while_loop`` (length unknown to it) against ``lax.scan(jax.checkpoint(step))``
+    over the trip count, measured beforehand (what a user does who knows it)."""
+    import while_loop as dopri
+
+    theta, y0 = jnp.array([1.1, 0.4, 0.4, 0.1]), jnp.array([10.0, 5.0])
+    trips = int(jax.jit(lambda: dopri.solve(jax.lax.while_loop, theta, y0, t1, tol)[3])())
+
+    def scanned(cond, body, init):  # the same body, a fixed number of steps
+        step = jax.checkpoint(lambda s, _: (jax.lax.cond(cond(s), body, lambda s: s, s), None))
+        return jax.lax.scan(step, init, length=trips)[0]
+
+    loops = {
+        "lax.scan(jax.checkpoint(step)), the trip count known": scanned,
+        "mw.while_loop, checkpoints=16": functools.partial(mw.while_loop, checkpoints=16),
+    }
+    grads = {
+        name: jax.grad(
+            lambda theta, y0, loop=loop: jnp.sum(dopri.solve(loop, theta, y0, t1, tol)[1])
+        )
+        for name, loop in loops.items()
+    }
+    rows = _measure_loops(grads, (theta, y0), repeats)
+    for row in rows:
+        print(json.dumps({"case": f"Dormand-Prince, {trips} steps", **row}), flush=True)
     return rows
 
 
@@ -574,7 +650,17 @@ LOOPS_NOTES = (
     "schedule='nested' (levels of lax.scan segments under jax.checkpoint: three at "
     "10,000 steps, 66 carries, four at 100,000, 72 carries; its leanest plans need 27 and "
     "33, so no row at 16) differentiates each innermost segment with lax.scan's own "
-    "backward: fewer, longer loops."
+    "backward: fewer, longer loops. schedule='nested' without checkpoints= is two "
+    "levels (segments of about sqrt(T) steps: 100 at 10,000, 317 at 100,000); with "
+    "offload='host' the same segments' starting carries live in pinned host memory (the "
+    "host temp column) and XLA fetches each back for its segment's backward, overlapped "
+    "with compute: 1.03x and 1.01x the on-device time. The device's peak bytes in use "
+    "(memory_stats()) counts the arrays the runtime allocates (arguments, outputs: xs "
+    "and ys, about 14 and 137 MiB here) and not the program's temporaries, so it does not "
+    "show them. Dormand-Prince: the adaptive solve of benchmarks/while_loop.py in float32 "
+    "from t = 0 to 200 at tolerance 1e-6, gradient of the final state's sum in the "
+    "parameters; mw.while_loop decides its checkpoints online at every "
+    "step, which the chip pays for."
 )
 
 
@@ -584,6 +670,8 @@ def loops_tables(cases: dict) -> list[dict]:
         ["ms", "value_and_grad ms"],
         ["x", "/ lax.scan(jax.checkpoint(step))"],
         ["temp", "temp"],
+        ["host", "host temp"],
+        ["peak", "device peak in use"],
     ]
     out = []
     for case, rows in cases.items():
@@ -600,11 +688,18 @@ def loops_tables(cases: dict) -> list[dict]:
                     "ms": f"{r['ms']:.1f}",
                     "x": ratio,
                     "temp": f"{r['temp_mib']:.1f} MiB",
+                    "host": f"{r.get('host_temp_mib', 0.0):.1f} MiB",
+                    "peak": "-"
+                    if "peak_mib" not in r
+                    else f"{'' if r['peak_exact'] else '<= '}{r['peak_mib']:.1f} MiB",
                 }
             )
+        title = f"LSTM gradient on one TPU v5e, {case}"
+        if case.startswith("Dormand"):
+            title = "adaptive Dormand-Prince gradient on one TPU v5e (float32, t1 200, tol 1e-6)"
         out.append(
             {
-                "title": f"LSTM gradient on one TPU v5e, {case}",
+                "title": title,
                 "columns": columns,
                 "rows": table_rows,
             }
@@ -618,6 +713,12 @@ def _main_loops(args) -> int:
         (f"T = {t:,}", lambda only, t=t: run_loops(t, repeats=repeats, only=only))
         for t in ([200] if args.cpu else [10_000, 100_000])
     ]
+    cases.append(
+        (
+            "Dormand-Prince",
+            lambda only: run_dormand_prince(repeats=repeats, **({"t1": 5.0} if args.cpu else {})),
+        )
+    )
     return _main_section(args, "loops", LOOPS_NOTES, cases, loops_tables)
 
 

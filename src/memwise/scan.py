@@ -41,6 +41,7 @@ they live below all three in :mod:`memwise._loop_inputs`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from memwise import _binomial
 from memwise import schedule as schedule_lib
@@ -148,6 +150,7 @@ def scan(
     unroll: int | bool = 1,
     inverse: Callable[[Any, Any], Any] | None = None,
     drift: DriftLog | None = None,
+    offload: str | None = None,
 ) -> tuple[Any, Any]:
     """``jax.lax.scan`` whose gradient keeps at most ``checkpoints`` carries.
 
@@ -182,6 +185,15 @@ def scan(
         keeps that many carries (default one), evenly spaced, to bound the drift.
       drift: a :class:`memwise.DriftLog` (with ``inverse``) that records, when the
         gradient runs, how far the rebuilt carries drift from the kept ones.
+      offload: ``"host"`` (with ``schedule="nested"``) keeps the carries that start the
+        loop's segments in the accelerator's host memory (``pinned_host``) and fetches
+        each back when the backward pass reaches its segment, overlapped with compute by
+        XLA (JAX's offloading ``jax.checkpoint`` policy): the loop runs as segments of
+        ``checkpoints`` steps (default about sqrt(n)), each replayed and differentiated
+        by ``lax.scan``'s own backward, so the device holds one segment's steps whatever
+        the length, the host ``ceil(n / checkpoints)`` carries, and the body is evaluated
+        2n times. On a CPU, where host and device memory are the same, it warns and runs
+        the same segments on the device.
 
     Returns:
       ``(final_carry, ys)`` exactly as ``jax.lax.scan``.
@@ -210,6 +222,7 @@ def scan(
     _check_flags(reverse, unroll)
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {_SCHEDULES}")
+    _check_offload(offload, schedule, inverse)
     n = _scan_length(xs, length)
     init, read_only = strong_carry(f, init, first_items(xs))
     if inverse is not None or drift is not None:
@@ -228,18 +241,68 @@ def scan(
         return lax.scan(body, init, xs, length=n, reverse=reverse, unroll=unroll)
     if n == 0:  # nothing to checkpoint; lax.scan returns init and empty ys
         if schedule == "nested":
-            _nested_plan(1, checkpoints)
+            _nested_plan(1, checkpoints, offload)
         elif checkpoints != "auto":
             resolve_checkpoints(checkpoints, 1)
         return lax.scan(f, init, xs, length=0, reverse=reverse)
     if schedule == "nested":
-        plan = _nested_plan(n, checkpoints)
-        return _nested_scan(f, init, xs, plan, reverse, unroll)
+        plan = _nested_plan(n, checkpoints, offload)
+        return _nested_scan(f, init, xs, plan, reverse, unroll, _to_host(offload))
     c = resolve_checkpoints(checkpoints, n)
     return _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only)
 
 
-def _nested_plan(n: int, checkpoints: Any) -> schedule_lib.NestedSchedule:
+def _check_offload(offload: Any, schedule: str, inverse: Any) -> None:
+    if offload is None:
+        return
+    if offload != "host":
+        raise ValueError(f"offload must be None or 'host', got {offload!r}")
+    if inverse is not None:
+        raise ValueError(
+            "offload='host' has nothing to offload with inverse=: the gradient rebuilds "
+            "each carry from the next instead of keeping it; drop offload="
+        )
+    if schedule != "nested":
+        raise ValueError(
+            f"offload='host' runs with schedule='nested' (segments whose starting carries "
+            f"live in host memory), not schedule={schedule!r}: binomial's backward pass "
+            "stores carries again as it goes; pass schedule='nested'"
+        )
+
+
+def _to_host(offload: str | None) -> bool:
+    """Whether the segment carries go to host memory: not on a CPU, where host and
+    device memory are the same (warned once); an error on a backend without host
+    memory addressable by XLA."""
+    if offload is None:
+        return False
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        warnings.warn(
+            "memwise.scan(offload='host') on a CPU: host and device memory are the same "
+            "there, so the segments' carries stay where they are (the same segmented "
+            "schedule runs)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(
+            f"offload='host' needs pinned host memory, which {device.platform} devices do "
+            f"not expose to XLA (memory kinds: {sorted(kinds)}); drop offload="
+        )
+    return True
+
+
+def _nested_plan(n: int, checkpoints: Any, offload: Any = None) -> schedule_lib.NestedSchedule:
+    if offload is not None:
+        if checkpoints is None:
+            return schedule_lib.segmented(n, schedule_lib.nested(n, 2).chunk)
+        steps = positive_int(
+            checkpoints, "checkpoints", accepts=" (steps per segment with offload='host')"
+        )
+        return schedule_lib.segmented(n, steps)
     if checkpoints is None:
         return schedule_lib.nested(n, 2)
     positive_int(checkpoints, "checkpoints", accepts=" or None with schedule='nested'")
@@ -256,31 +319,50 @@ def _nested_plan(n: int, checkpoints: Any) -> schedule_lib.NestedSchedule:
     )
 
 
-def _nested_scan(f, init, xs, plan, reverse, unroll):
-    def run(carry, xs, plan):
+_HOST_CARRY = "memwise.scan.host_carry"
+
+
+def _nested_scan(f, init, xs, plan, reverse, unroll, to_host=False):
+    def run(carry, xs, plan, name=None):
         if plan.levels == 1:
             return lax.scan(f, carry, xs, length=plan.n_steps, reverse=reverse, unroll=unroll)
         q, k = plan.n_chunks, plan.chunk
         main = jax.tree_util.tree_map(lambda a: a[: q * k].reshape((q, k) + a.shape[1:]), xs)
         rest = jax.tree_util.tree_map(lambda a: a[q * k :], xs)
         chunk_fn = jax.checkpoint(lambda c, x: run(c, x, plan.inner), prevent_cse=False)
-        rest_fn = (
-            jax.checkpoint(lambda c, x: run(c, x, plan.remainder_inner), prevent_cse=False)
-            if plan.remainder_inner is not None
-            else None
-        )
+        rest_fn = None
+        if plan.remainder_inner is not None:
+            rest_fn = lambda c, x: run(c, x, plan.remainder_inner)
+            # Under the offloading policy the remainder is replayed once for its
+            # residuals; a checkpoint of its own would replay it a second time.
+            rest_fn = rest_fn if name else jax.checkpoint(rest_fn, prevent_cse=False)
+        name = name or (lambda c: c)
         ys_rest = None
         if reverse and rest_fn is not None:
-            carry, ys_rest = rest_fn(carry, rest)
-        carry, ys_main = lax.scan(chunk_fn, carry, main, length=q, reverse=reverse)
+            carry, ys_rest = rest_fn(name(carry), rest)
+        step = lambda c, x: chunk_fn(name(c), x)
+        carry, ys_main = lax.scan(step, carry, main, length=q, reverse=reverse)
         if not reverse and rest_fn is not None:
-            carry, ys_rest = rest_fn(carry, rest)
+            carry, ys_rest = rest_fn(name(carry), rest)
         ys_main = jax.tree_util.tree_map(lambda a: a.reshape((q * k,) + a.shape[2:]), ys_main)
         if ys_rest is None:
             return carry, ys_main
         return carry, jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), ys_main, ys_rest)
 
-    return run(init, xs, plan)
+    if not to_host or plan.levels == 1:
+        return run(init, xs, plan)
+    # The carry entering each segment is named; under a policy that saves nothing else
+    # and offloads that name, JAX stores those carries in host memory and XLA fetches
+    # each back (asynchronously) for its segment's backward; everything else is replayed.
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[_HOST_CARRY],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    name = lambda c: jax.tree_util.tree_map(lambda a: checkpoint_name(a, _HOST_CARRY), c)
+    offloaded = jax.checkpoint(lambda c, x: run(c, x, plan, name), policy=policy, prevent_cse=False)
+    return offloaded(init, xs)
 
 
 def _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only):

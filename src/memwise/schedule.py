@@ -58,6 +58,7 @@ __all__ = [
     "revolve_advances",
     "min_checkpoints",
     "nested",
+    "segmented",
     "reversal_advances",
     "OnlineCheckpointer",
     "online_positions",
@@ -394,6 +395,36 @@ class NestedSchedule:
     remainder_inner: NestedSchedule | None
     evaluations: int
     carries: int
+
+
+def segmented(n: int, steps: int) -> NestedSchedule:
+    """Two levels: segments of ``steps`` steps (the last one shorter), each replayed and
+    differentiated by ``lax.scan``'s own backward: ``ceil(n / steps)`` segment carries,
+    ``steps`` steps' residuals, 2n body evaluations. The plan of ``memwise.scan(...,
+    schedule="nested", offload="host")``, whose segment carries live in host memory, so
+    the device holds one segment whatever n is.
+
+    Example::
+
+        >>> plan = segmented(1_000, 300)  # 3 segments of 300 steps, one of 100
+        >>> plan.n_chunks, plan.remainder_inner.n_steps, plan.evaluations
+        (3, 100, 2000)
+    """
+    _check_counts(n, 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    steps = min(steps, n)
+    n_chunks, rest = divmod(n, steps)
+    return NestedSchedule(
+        n_steps=n,
+        levels=2,
+        chunk=steps,
+        n_chunks=n_chunks,
+        inner=nested(steps, 1),
+        remainder_inner=nested(rest, 1) if rest else None,
+        evaluations=2 * n,
+        carries=n_chunks + (1 if rest else 0) + steps,
+    )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,0 +1,146 @@
+"""``memwise.scan(..., schedule="nested", offload="host")``: segment carries in host memory.
+
+On an accelerator these run the real offload (``make test-accelerator``); on a CPU, where
+the option only warns, the offloading program is forced (``_to_host`` patched), so its
+gradients are still checked here, and the warning is checked as the CPU's behaviour.
+"""
+
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _close import ON_CPU, assert_tree_close
+
+import memwise as mw
+from memwise import schedule
+
+SCAN = sys.modules["memwise.scan"]  # the module (``memwise.scan`` is the function)
+
+
+@pytest.fixture
+def offloading(monkeypatch):
+    """The offloading program on every backend: on a CPU the option would only warn."""
+    if ON_CPU:
+        monkeypatch.setattr(SCAN, "_to_host", lambda offload: offload is not None)
+
+
+def loss_with(scan_fn, reverse=False, **kwargs):
+    def loss(w, xs, h0):
+        def body(h, x):
+            h = jnp.tanh(w @ h + x)
+            return h, jnp.sum(h**2)
+
+        h, ys = scan_fn(body, h0, xs, reverse=reverse, **kwargs)
+        return jnp.sum(h**2) + jnp.sum(jnp.sin(ys))
+
+    return loss
+
+
+def inputs(n, hidden=8):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w = 0.6 * jax.random.normal(k1, (hidden, hidden)) / hidden**0.5
+    return w, jax.random.normal(k2, (n, hidden)), jax.random.normal(k3, (hidden,))
+
+
+def offloaded(f, init, xs, reverse, checkpoints=None):
+    return mw.scan(
+        f, init, xs, reverse=reverse, schedule="nested", offload="host", checkpoints=checkpoints
+    )
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("checkpoints", [None, 7])
+def test_values_and_gradients_equal_lax_scan(offloading, reverse, checkpoints):
+    # A reversed scan too: an XLA report (2026) found silently wrong gradients when a
+    # scan's residuals were offloaded on GPU. 103 steps: segments of 11 (the default,
+    # about sqrt(n)) or 7, and a shorter last one.
+    args = inputs(103)
+    ours = loss_with(lambda *a, **k: offloaded(*a, **k, checkpoints=checkpoints), reverse)
+    ref = loss_with(jax.lax.scan, reverse)
+    got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(*args)
+    want = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2)))(*args)
+    assert_tree_close(got, want)
+    # the carries do go to host memory and back: one device_put each way per segment loop
+    jaxpr = jax.make_jaxpr(jax.grad(ours))(*args)
+    assert str(jaxpr).count("device_put") >= 2
+
+
+def test_body_evaluations_are_the_segmented_plans(offloading):
+    n, calls = 101, []
+
+    def loss(w, xs, h0):
+        def body(h, x):
+            jax.debug.callback(lambda h: calls.append(1), h)
+            return jnp.tanh(w @ h + x), None
+
+        h, _ = mw.scan(body, h0, xs, schedule="nested", offload="host", checkpoints=10)
+        return jnp.sum(h)
+
+    jax.block_until_ready(jax.jit(jax.grad(loss))(*inputs(n)))
+    plan = schedule.segmented(n, 10)
+    assert (plan.n_chunks, plan.remainder_inner.n_steps) == (10, 1)
+    assert len(calls) == plan.evaluations == 2 * n
+
+
+@pytest.mark.skipif(ON_CPU, reason="a CPU has no separate host memory")
+def test_device_memory_does_not_grow_with_length_or_host_carries():
+    # The device holds one segment of 100 steps; the host one carry per segment.
+    hidden = 256
+
+    def compiled(n):
+        def loss(w, h0):
+            h, _ = mw.scan(
+                lambda h, _: (jnp.tanh(h @ w), None),
+                h0,
+                length=n,
+                schedule="nested",
+                offload="host",
+                checkpoints=100,
+            )
+            return jnp.sum(h)
+
+        w, h0 = jnp.eye(hidden) * 0.5, jnp.ones((8, hidden))
+        return jax.jit(jax.grad(loss)).lower(w, h0).compile().memory_analysis()
+
+    small, large = compiled(2_000), compiled(20_000)
+    carry = 8 * hidden * 4
+    assert large.temp_size_in_bytes <= small.temp_size_in_bytes + 2 * carry
+    assert large.host_temp_size_in_bytes >= 200 * carry  # the 200 segment carries
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the CPU's behaviour")
+def test_on_a_cpu_it_warns_and_runs_the_same_segments_on_the_device():
+    args = inputs(50)
+    ref = jax.grad(loss_with(jax.lax.scan))(*args)
+    with pytest.warns(UserWarning, match="offload='host'.* on a CPU"):
+        got = jax.grad(loss_with(lambda *a, **k: offloaded(*a, **k, checkpoints=5)))(*args)
+    assert_tree_close(got, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the option is checked, not silently ignored: a
+        with pytest.raises(ValueError, match="offload must be None or 'host'"):  # typo
+            mw.scan(lambda h, x: (h, None), jnp.zeros(2), jnp.ones(3), offload="disk")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"offload": "cpu"}, "offload must be None or 'host', got 'cpu'"),
+        ({"offload": "host"}, "offload='host' runs with schedule='nested'"),
+        ({"offload": "host", "schedule": "per_step"}, "not schedule='per_step'"),
+        (
+            {"offload": "host", "schedule": "nested", "inverse": lambda h, x: h},
+            "nothing to offload with inverse=",
+        ),
+        (
+            {"offload": "host", "schedule": "nested", "checkpoints": 0},
+            "checkpoints.*steps per segment with offload='host'",
+        ),
+    ],
+)
+def test_bad_options_name_the_fix(kwargs, message):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU's notice
+        with pytest.raises(ValueError, match=message):
+            mw.scan(lambda h, x: (h, None), jnp.zeros(2), jnp.ones(3), **kwargs)
