@@ -41,7 +41,11 @@ def ref():
 
 def _compare(ref, prefix, kernel_fn, x1, x2):
     with jax.enable_x64(True):
-        got = kernel_fn(jnp.asarray(x1), None if x2 is None else jnp.asarray(x2), ("nngp", "ntk"))
+        # compiled: one program (eagerly, 100-180 of the kernel's operations each compiled
+        # on its own)
+        got = jax.jit(kernel_fn, static_argnums=2)(
+            jnp.asarray(x1), None if x2 is None else jnp.asarray(x2), ("nngp", "ntk")
+        )
         for g in ("nngp", "ntk"):
             np.testing.assert_allclose(got[g == "ntk"], ref[f"{prefix}/{g}"], rtol=1e-6, atol=1e-12)
 
