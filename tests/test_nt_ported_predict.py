@@ -189,13 +189,15 @@ def test_zero_time_agreement(sizes):
     _, x_test, x_train, y_train = _inputs(out_logits, test_shape, (train_size, *input_shape))
     _, _, ker_fun = _build_network(input_shape, out_logits)
     predictor = predict.gradient_descent_mse_ensemble(ker_fun, x_train, y_train, diag_reg=1e-7)
+    # the reference kernel compiled (eagerly, each of its operations compiled on its own)
+    nngp = jax.jit(lambda x: ker_fun(x, None, get="nngp"))
     for x in (None, x_test):
         zero = predictor(t=0.0, x_test=x, get=("NTK", "NNGP"), compute_cov=True)
         if x is None:
-            k = ker_fun(x_train, None, get="nngp")
+            k = nngp(x_train)
             ref = (jnp.zeros_like(y_train, k.dtype), k)
         else:
-            ref = (jnp.zeros((test_shape[0], out_logits)), ker_fun(x_test, None, get="nngp"))
+            ref = (jnp.zeros((test_shape[0], out_logits)), nngp(x_test))
         close((ref,) * 2, zero, 5e-3, 5e-3)
         if x is None:
             close(
