@@ -38,8 +38,9 @@ demo: $(VENV)/.installed
 # adjoint tests, about a hundred compilations of their own, crashed a worker of the first).
 # The conformance grids (tests marked `grid`: the matrix, the ported neural-tangents and
 # Diffrax tests) run a stratified sample, and of the other `slow` tests a tenth of each
-# file's (at least one), chosen by a seed the header prints (tests/_grid.py): every file
-# runs, every slow test runs in some runs. `make test-full` runs every test and case.
+# file's on average (at least one where the file has no other test), chosen by a seed the
+# header prints (tests/_grid.py): every file runs, every slow test runs in some runs.
+# `make test-full` runs every test and case.
 PORTED := $(wildcard tests/test_nt_ported_*.py)
 OWN_PROCESS := tests/test_matrix.py tests/test_diffrax_adjoint.py $(PORTED)
 test: $(VENV)/.installed-test

@@ -6,13 +6,16 @@ matrix, the ported neural-tangents and Diffrax suites) runs a deterministic, str
 sample of its cases in ``make test`` and every case under ``make test-full``. Of the other
 tests marked ``slow`` (larger compilations: memory at two sizes, peers at their own sizes,
 several devices in a subprocess, the documentation's examples), ``make test`` runs a
-seeded :data:`SLOW_FRACTION` of each file's, at least one per file (:func:`sample_slow`),
-so every file runs in CI and every slow test runs in some CI runs; ``make test-full``
-runs them all. The fast lane (``-m "not slow"``) and every doctest always run.
+seeded :data:`SLOW_FRACTION` of each file's on average (:func:`sample_slow`: of ``n``,
+``floor(0.1 n)`` and one more with probability ``frac(0.1 n)``, so a file's few heavy
+slow tests do not run one every time), and at least one where the file has no other
+test: every file runs in CI and every slow test has a chance in every run;
+``make test-full`` runs them all. The fast lane (``-m "not slow"``) and every doctest
+always run.
 
 - ``MEMWISE_TEST_GRID=full`` runs every case; ``sample`` (the default) runs a sample.
 - ``MEMWISE_TEST_SEED`` chooses the sample. Unset, the suite draws one and prints it in
-  the run's header (``grids: sampled, seed ...``), so a failing sample is reproduced by
+  the run's header (``grids and slow tests: sampled, seed ...``), so a failing sample is reproduced by
   setting it; the workers of one run read the seed the controller drew.
 
 The sample is stratified: each value of each parameter of a test appears in at least one
@@ -124,13 +127,24 @@ def sample_product(
     return [product[i] for i in sample(cases, fraction, key)]
 
 
-def sample_slow(names: Sequence[str], key: str, fraction: float = SLOW_FRACTION) -> list[int]:
+def sample_slow(
+    names: Sequence[str], key: str, fraction: float = SLOW_FRACTION, *, at_least_one: bool = False
+) -> list[int]:
     """Positions of the chosen tests among one file's slow tests (``names``, their node
-    ids, in collection order): ``ceil(fraction * len(names))`` of them, at least one,
-    in an order seeded by the run's seed and ``key`` (the file), returned sorted. Every
-    test is as likely to be chosen, so across runs every slow test runs in CI."""
+    ids, in collection order), returned sorted: ``floor(fraction * n)`` of the ``n``, and
+    one more with probability ``frac(fraction * n)`` (so ``fraction * n`` on average: a
+    file of few slow tests runs one in some runs, not in every run); at least one when
+    ``at_least_one`` (a file with no other test, so that every file runs in CI). Both the
+    extra one and the order are drawn from the run's seed and ``key`` (the file). Every
+    test is as likely to be chosen, with a positive chance in each run, so across runs
+    every slow test runs in CI."""
     if not names:
         return []
+    rng = random.Random(f"{seed()}:slow:{key}")
     order = list(range(len(names)))
-    random.Random(f"{seed()}:slow:{key}").shuffle(order)
-    return sorted(order[: max(1, math.ceil(fraction * len(names)))])
+    rng.shuffle(order)
+    expected = fraction * len(names)
+    count = math.floor(expected) + (rng.random() < expected - math.floor(expected))
+    if at_least_one:
+        count = max(1, count)
+    return sorted(order[:count])

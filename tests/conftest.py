@@ -72,8 +72,10 @@ def pytest_report_header(config):
     if _grid.mode() == "full":
         return "grids: full (MEMWISE_TEST_GRID=full)"
     return (
-        f"grids and slow tests: sampled, seed {_grid.seed()} (MEMWISE_TEST_SEED={_grid.seed()}"
-        " repeats this sample; MEMWISE_TEST_GRID=full runs every case)"
+        f"grids and slow tests: sampled, seed {_grid.seed()} (a tenth of each file's slow"
+        " tests on average, at least one where the file has no other test;"
+        f" MEMWISE_TEST_SEED={_grid.seed()} repeats this sample; MEMWISE_TEST_GRID=full runs"
+        " every case)"
     )
 
 
@@ -99,8 +101,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") and id(item) not in sampled:
             slow.setdefault(item.nodeid.split("::")[0], []).append(item)
+    files: dict = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        files[path] = files.get(path, 0) + 1
     for path, group in slow.items():
-        keep = set(_grid.sample_slow([i.nodeid for i in group], path))
+        # a file whose every test is in this tier runs at least one of them
+        alone = files[path] == len(group)
+        keep = set(_grid.sample_slow([i.nodeid for i in group], path, at_least_one=alone))
         dropped += [item for i, item in enumerate(group) if i not in keep]
     if dropped:
         drop = set(map(id, dropped))

@@ -7,6 +7,8 @@ On CPU it runs in Pallas's interpret mode at small shapes and is held to the XLA
 (``make test-accelerator``) the same cases run compiled.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,11 +119,15 @@ def test_the_kernel_in_interpret_mode_equals_the_xla_tiles_and_optax(case):
         return total
 
     argnums = (0, 1, 2) if b is not None else (0, 1)
+    # compiled (eagerly, each operation of the tiles' loops and of the interpreted
+    # kernel compiled on its own: 2-3x the time)
+    forward = jax.jit(run, static_argnums=3)
+    gradient = jax.jit(jax.grad(loss, argnums), static_argnums=3)
     with jax.default_matmul_precision("highest"):
-        fused = run(x, w, b, "pallas")
-        tiles = run(x, w, b, "xla")
-        grads = jax.grad(loss, argnums)(x, w, b, "pallas")
-        expected = jax.grad(loss, argnums)(x, w, b, "xla")
+        fused = forward(x, w, b, "pallas")
+        tiles = forward(x, w, b, "xla")
+        grads = gradient(x, w, b, "pallas")
+        expected = gradient(x, w, b, "xla")
         dense = _optax(x, w, b, labels, mask, c["layout"], kw)
     for got, want in zip(fused, tiles):
         if jnp.issubdtype(want.dtype, jnp.integer):
@@ -145,8 +151,9 @@ def test_bfloat16_through_the_kernel_is_within_bfloat16_rounding_of_the_tiles():
             implementation=implementation,
         )  # fmt: skip
 
-    value, grads = jax.value_and_grad(loss, (0, 1, 2))(x, w, b, "pallas")
-    ref_value, ref_grads = jax.value_and_grad(loss, (0, 1, 2))(x, w, b, "xla")
+    value_and_grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2)), static_argnums=3)  # compiled
+    value, grads = value_and_grad(x, w, b, "pallas")
+    ref_value, ref_grads = value_and_grad(x, w, b, "xla")
     assert value.dtype == jnp.bfloat16
     assert_allclose(value.astype(np.float32), ref_value.astype(np.float32), rtol=1e-2)
     for got, want in zip(grads, ref_grads):
@@ -191,7 +198,7 @@ def test_a_first_word_block_of_minus_infinity_stays_finite():
         loss = lambda x, w: mw.linear_cross_entropy(  # noqa: E731
             x, w, labels, bias=bias, chunk_size=(64, 128), implementation=impl
         )
-        return jax.value_and_grad(loss, (0, 1))(x, w)
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)  # compiled: one program
 
     with jax.default_matmul_precision("highest"):
         (got, dgot), (want, dwant) = run("pallas"), run("xla")
@@ -211,9 +218,9 @@ def test_vmap_of_grad_through_the_kernel():
         )
         return jax.grad(loss)(x)
 
-    with jax.default_matmul_precision("highest"):
-        got = jax.vmap(lambda x: grad(x, "pallas"))(xs)
-        want = jax.vmap(lambda x: grad(x, "xla"))(xs)
+    with jax.default_matmul_precision("highest"):  # compiled: one program each
+        got = jax.jit(jax.vmap(lambda x: grad(x, "pallas")))(xs)
+        want = jax.jit(jax.vmap(lambda x: grad(x, "xla")))(xs)
         assert_allclose(got, want, rtol=1e-5, atol=1e-7)
         # both operands batched, and the weights' gradient
         ws = jnp.stack([w, -w])
@@ -221,8 +228,8 @@ def test_vmap_of_grad_through_the_kernel():
             lambda x, w: mw.linear_cross_entropy(x, w, labels, layout="vd", implementation=impl),
             (0, 1),
         )(x, w)
-        got = jax.vmap(lambda x, w: both(x, w, "pallas"))(xs, ws)
-        want = jax.vmap(lambda x, w: both(x, w, "xla"))(xs, ws)
+        got = jax.jit(jax.vmap(lambda x, w: both(x, w, "pallas")))(xs, ws)
+        want = jax.jit(jax.vmap(lambda x, w: both(x, w, "xla")))(xs, ws)
     for a, b in zip(got, want):
         assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
@@ -234,6 +241,7 @@ def test_vmap_over_an_empty_batch_through_the_kernel_returns_empty_results():
     _, w, _, labels, _ = _inputs(64, 8, 256, "vd", ignore=False)
     xs, ws = jnp.zeros((0, 64, 8)), jnp.zeros((0, *w.shape))
 
+    @functools.partial(jax.jit, static_argnums=0)  # compiled: one program each
     def run(impl):
         loss = lambda x, w: mw.linear_cross_entropy(  # noqa: E731
             x, w, labels, layout="vd", implementation=impl

@@ -13,6 +13,7 @@ from _multidevice import run_sections_on_devices
 
 import memwise as mw
 from memwise.engine import REDUCTIONS, tiled_reduce
+from memwise.measure import compile_measured
 from memwise.tiling import tiling
 
 
@@ -411,9 +412,10 @@ def test_a_unit_batch_dim_costs_no_memory_and_changes_no_value():
     temps, grads = [], []
     for lead in ((), (1,), (1, 1)):
         args = [a.reshape(lead + a.shape) for a in (q, k, v)]
-        report = mw.memory_report(loss, *args, grad=True, argnums=(0, 1, 2))
-        temps.append(report.temp_bytes)
-        grads.append([g.reshape(L, d) for g in jax.jit(jax.grad(loss, (0, 1, 2)))(*args)])
+        # one compilation both measured and run
+        compiled, memory = compile_measured(loss, *args, grad=True, argnums=(0, 1, 2))
+        temps.append(memory.temp_bytes)
+        grads.append([g.reshape(L, d) for g in compiled(*args)])
     for lead, temp in zip(((1,), (1, 1)), temps[1:]):
         # To one 64-byte alignment of XLA:CPU's buffers (the unit dim changes which small
         # buffers share an allocation); the regression this guards was a tile, 512 KiB.

@@ -36,7 +36,9 @@ def test_a_registered_kernel_replaces_the_loops_and_matches_them():
 
     q = _normal((2, 9, 4))
     loss = lambda q: jnp.sum(jnp.sin(mw.attention(q, q, q, chunk_size=4)))  # noqa: E731
-    plain, plain_grad = jax.value_and_grad(loss)(q)
+    # compiled, each call traced afresh (eagerly, each operation of the loops compiled
+    # on its own); the registry is read at trace time
+    plain, plain_grad = jax.jit(jax.value_and_grad(loss))(q)
     kernel = kernels.register(
         kernels.Kernel(
             "dense reference",
@@ -50,16 +52,16 @@ def test_a_registered_kernel_replaces_the_loops_and_matches_them():
         )
     )
     try:
-        fused, fused_grad = jax.value_and_grad(loss)(q)
+        fused, fused_grad = jax.jit(jax.value_and_grad(loss))(q)
         assert len(calls) == 1 and calls[0].pattern.option("rows") == ("q",)
         assert_allclose(fused, plain, rtol=1e-5)
         assert_allclose(fused_grad, plain_grad, rtol=1e-4, atol=1e-6)
-        mw.attention(q, q, q, causal=True, chunk_size=4)  # declined: the loops ran
-        mw.attention(q, q, q, chunk_size=4, implementation="xla")  # not asked
-        assert len(calls) == 1
+        jax.jit(lambda q: mw.attention(q, q, q, causal=True, chunk_size=4))(q)  # declined
+        jax.jit(lambda q: mw.attention(q, q, q, chunk_size=4, implementation="xla"))(q)
+        assert len(calls) == 1  # the loops ran: the kernel declined, or was not asked
     finally:
         kernels.unregister(kernel)
-    mw.attention(q, q, q, chunk_size=4)
+    jax.jit(lambda q: mw.attention(q, q, q, chunk_size=4))(q)
     assert len(calls) == 1 and kernel not in kernels.registered()
 
 
@@ -200,8 +202,8 @@ def test_splash_attention_in_interpret_mode_bfloat16_and_heads_first():
     )(x)
     assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
     # outside differentiation the kernel's forward skips its log-sum-exp output
-    want = mw.attention(x, x, x, causal=True)
-    got = mw.attention(x, x, x, causal=True, implementation="pallas")
+    want = jax.jit(lambda x: mw.attention(x, x, x, causal=True))(x)
+    got = jax.jit(lambda x: mw.attention(x, x, x, causal=True, implementation="pallas"))(x)
     assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
 
 

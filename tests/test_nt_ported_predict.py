@@ -189,13 +189,15 @@ def test_zero_time_agreement(sizes):
     _, x_test, x_train, y_train = _inputs(out_logits, test_shape, (train_size, *input_shape))
     _, _, ker_fun = _build_network(input_shape, out_logits)
     predictor = predict.gradient_descent_mse_ensemble(ker_fun, x_train, y_train, diag_reg=1e-7)
+    # the reference kernel compiled (eagerly, each of its operations compiled on its own)
+    nngp = jax.jit(lambda x: ker_fun(x, None, get="nngp"))
     for x in (None, x_test):
         zero = predictor(t=0.0, x_test=x, get=("NTK", "NNGP"), compute_cov=True)
         if x is None:
-            k = ker_fun(x_train, None, get="nngp")
+            k = nngp(x_train)
             ref = (jnp.zeros_like(y_train, k.dtype), k)
         else:
-            ref = (jnp.zeros((test_shape[0], out_logits)), ker_fun(x_test, None, get="nngp"))
+            ref = (jnp.zeros((test_shape[0], out_logits)), nngp(x_test))
         close((ref,) * 2, zero, 5e-3, 5e-3)
         if x is None:
             close(
@@ -227,19 +229,21 @@ def test_ntk_ntknngp_agreement(sizes):
     reg = 1e-7
     predictor = predict.gradient_descent_mse_ensemble(ker_fun, x_train, y_train, diag_reg=reg)
     ts = jnp.logspace(-2, 8, 10).reshape((5, 2))
+    # built once (upstream builds them in the loop): each compiles per output kind and
+    # input shape, and the loop's cases share those programs
+    predictor_ntk = predict.gradient_descent_mse_ensemble(
+        _always(ker_fun, "ntk"), x_train, y_train, diag_reg=reg
+    )
+    predictor_nngp = predict.gradient_descent_mse_ensemble(
+        _always(ker_fun, "nngp"), x_train, y_train, diag_reg=reg
+    )
     for t in (None, ts):
         for x in (None, x_test):
             ntk = predictor(t=t, get="ntk", x_test=x)
             if t is not None:
                 each = jnp.array([predictor(t=s, get="ntk", x_test=x) for s in t.ravel()])
                 close(each.reshape(t.shape + ntk.shape[2:]), ntk, 5e-3, 5e-3)
-            predictor_ntk = predict.gradient_descent_mse_ensemble(
-                _always(ker_fun, "ntk"), x_train, y_train, diag_reg=reg
-            )
             close(ntk, predictor_ntk(t=t, get="nngp", x_test=x), 5e-3, 5e-3)
-            predictor_nngp = predict.gradient_descent_mse_ensemble(
-                _always(ker_fun, "nngp"), x_train, y_train, diag_reg=reg
-            )
             nngp_cov = predictor(t=t, get="nngp", x_test=x, compute_cov=True).covariance
             nngp_ntk_cov = predictor_nngp(t=t, get="ntk", x_test=x, compute_cov=True).covariance
             close(nngp_cov, nngp_ntk_cov, 5e-3, 5e-3)
@@ -302,10 +306,12 @@ def test_gp_inference(analytic):
         def kernel_fn(x1, x2, get):
             return empirical(x1, x2, get, params)
 
+    # One ensemble for every get (upstream builds it in the loop; it does not depend on
+    # get): its programs, compiled per output kind, serve every get (80 compilations: 16).
+    ensemble = predict.gradient_descent_mse_ensemble(kernel_fn, x_train, y_train, diag_reg=reg)
     for get in [None, "nngp", "ntk", ("nngp",), ("ntk",), ("nngp", "ntk"), ("ntk", "nngp")]:
         k_dd = kernel_fn(x_train, None, get)
         gp = predict.gp_inference(k_dd, y_train, diag_reg=reg)
-        ensemble = predict.gradient_descent_mse_ensemble(kernel_fn, x_train, y_train, diag_reg=reg)
         for x_test in (None, random.normal(key, (8, 2))):
             k_td = None if x_test is None else kernel_fn(x_test, x_train, get)
             for compute_cov in (True, False):

@@ -4,6 +4,8 @@ transformations and the errors."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,11 +158,15 @@ def test_an_explicit_init_is_where_the_steps_start():
     geom = pointcloud.PointCloud(x, y)
     problem = linear_problem.LinearProblem(geom, a, b)
     init = sinkhorn_lr.LRSinkhorn(3).initializer(problem, rng=jax.random.key(7))
-    ours = mw.ot.low_rank_sinkhorn(x, y, a, b, rank=3, init=init)
+    # compiled (eagerly, each step around the loops compiled on its own)
+    solve = jax.jit(functools.partial(mw.ot.low_rank_sinkhorn, rank=3))
+    ours = solve(x, y, a, b, init=init)
     with ott_reference():
-        theirs = sinkhorn_lr.LRSinkhorn(3)(problem, init=init)
+        theirs = jax.jit(lambda problem, init: sinkhorn_lr.LRSinkhorn(3)(problem, init=init))(
+            problem, init
+        )
     np.testing.assert_allclose(ours.reg_ot_cost, theirs.reg_ot_cost, rtol=1e-10)
-    by_key = mw.ot.low_rank_sinkhorn(x, y, a, b, rank=3, rng=jax.random.key(7))
+    by_key = solve(x, y, a, b, rng=jax.random.key(7))
     np.testing.assert_allclose(by_key.q, ours.q, rtol=1e-12)
 
 
@@ -228,7 +234,7 @@ def test_bad_input_is_one_clear_error():
         mw.ot.low_rank_sinkhorn(x, y[:, :2], rank=2)
     with pytest.raises(ValueError, match="a has negative weights"):
         mw.ot.low_rank_sinkhorn(x, y, -a, b, rank=2)
-    out = mw.ot.low_rank_sinkhorn(x, y, a, b, rank=2)
+    out = jax.jit(functools.partial(mw.ot.low_rank_sinkhorn, rank=2))(x, y, a, b)  # compiled
     with pytest.raises(ValueError, match="axis must be 0"):
         out.apply(a, axis=2)
 

@@ -7,6 +7,8 @@ dense computation (float32, ``precision="highest"``); its TPU lowering is checke
 exporting for the TPU. On a TPU (``make test-accelerator``) the same cases run compiled.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +25,12 @@ RNG = np.random.default_rng(0)
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """64 x 128 blocks: 300 x 260 points have a ragged last block on both axes."""
+    """64 x 128 blocks: 150 x 260 points have a ragged last block on both axes."""
     blocks = tpu_cross_entropy.Blocks(64, 128, 64, 128)
     monkeypatch.setattr(tpu_dot_scores, "pair_block_sizes", lambda *a: blocks)
 
 
-def _clouds(n=300, m=260, d=5):
+def _clouds(n=150, m=260, d=5):
     x = jnp.asarray(RNG.normal(size=(n, d)), jnp.float32)
     y = jnp.asarray(RNG.normal(size=(m, d)) + 0.5, jnp.float32)
     return x, y
@@ -39,7 +41,7 @@ def test_softmin_through_the_kernel_equals_the_dense_pass(small_blocks):
     x, y = _clouds()
     lw_y = jnp.asarray(RNG.normal(size=y.shape[0]), jnp.float32)
     lw_x = jnp.asarray(RNG.normal(size=x.shape[0]), jnp.float32)
-    where = passes.Placed(mw.tiling.tiling(300, 260, (64, 128)), implementation="pallas")
+    where = passes.Placed(mw.tiling.tiling(150, 260, (64, 128)), implementation="pallas")
     cost, consts = mw.ot.costs.resolve_cost("sqeuclidean", x, y)
 
     def kernel(x, y, lw_y, lw_x, eps):
@@ -105,8 +107,8 @@ def test_sinkhorn_through_the_kernel_equals_the_tiles(small_blocks):
 def test_gromov_wasserstein_through_the_kernel_equals_the_tiles(small_blocks, monkeypatch):
     # Each linear solve's cost is an inner product of augmented points: the kernel
     # serves its passes (the default on a TPU; asked for here), fused GW's too.
-    x, y = _clouds(300, 260, 3)
-    fx, fy = _clouds(300, 260, 2)
+    x, y = _clouds(150, 260, 3)
+    fx, fy = _clouds(150, 260, 2)
     threshold = 1e-6 if ON_CPU else 1e-4
 
     def cost(x, y, fx, fy, implementation):
@@ -119,7 +121,7 @@ def test_gromov_wasserstein_through_the_kernel_equals_the_tiles(small_blocks, mo
             # a TPU's exponential leaves the marginals about 1e-5 off
             sinkhorn_options=dict(implementation=implementation, threshold=threshold),
         )
-        return out.reg_gw_cost, (out.plan.apply(jnp.arange(300.0), axis=0), out.converged)
+        return out.reg_gw_cost, (out.plan.apply(jnp.arange(150.0), axis=0), out.converged)
 
     from jax.experimental import pallas as pl
 
@@ -153,8 +155,10 @@ def test_zero_weights_on_a_whole_first_block_stay_finite(small_blocks):
     b = jnp.ones(300).at[:128].set(0.0)
     b = b / jnp.sum(b)
     for args in ((x, y, None, b), (y, x, b, None)):
-        out = {
-            impl: mw.ot.sinkhorn(*args, epsilon=0.5, implementation=impl)
+        out = {  # compiled (eagerly, each step around the loop compiled on its own)
+            impl: jax.jit(functools.partial(mw.ot.sinkhorn, epsilon=0.5, implementation=impl))(
+                *args
+            )
             for impl in ("xla", "pallas")
         }
         assert bool(out["pallas"].converged)
@@ -169,9 +173,11 @@ def test_clouds_far_from_the_origin_keep_the_potentials_precision():
     # clouds' middle, on both paths.
     x = jnp.asarray(RNG.normal(size=(77, 3)) + 1000.0, jnp.float32)
     y = jnp.asarray(RNG.normal(size=(93, 3)) + 1000.0, jnp.float32)
-    centred = mw.ot.sinkhorn(x - 1000.0, y - 1000.0, epsilon=0.5, implementation="xla")
+    # compiled (eagerly, each step around the loop compiled on its own)
+    solve = functools.partial(mw.ot.sinkhorn, epsilon=0.5, max_iterations=500)
+    centred = jax.jit(functools.partial(solve, implementation="xla"))(x - 1000.0, y - 1000.0)
     for impl in ("pallas", "xla"):
-        out = mw.ot.sinkhorn(x, y, epsilon=0.5, implementation=impl, max_iterations=500)
+        out = jax.jit(functools.partial(solve, implementation=impl))(x, y)
         assert bool(out.converged), impl
         assert_allclose(out.reg_ot_cost, centred.reg_ot_cost, rtol=1e-4, err_msg=impl)
 

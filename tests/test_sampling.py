@@ -4,14 +4,21 @@ the slow tier."""
 import _grid
 
 
-def test_slow_sample_takes_a_share_of_each_file_and_at_least_one(monkeypatch):
+def test_slow_sample_takes_a_share_of_each_file_on_average(monkeypatch):
     monkeypatch.setenv("MEMWISE_TEST_SEED", "7")
     names = [f"t{i}" for i in range(10)]
     chosen = _grid.sample_slow(names, "tests/test_a.py", 0.3)
     assert len(chosen) == 3 and chosen == sorted(set(chosen))
     assert _grid.sample_slow(names, "tests/test_a.py", 0.3) == chosen  # the seed repeats it
-    assert len(_grid.sample_slow(names[:2], "tests/test_a.py", 0.3)) == 1
     assert _grid.sample_slow([], "tests/test_a.py") == []
+    # 0.3 of 2 tests: none, or one with probability 0.6; one at least for a file with no
+    # other test
+    counts = []
+    for s in range(400):
+        monkeypatch.setenv("MEMWISE_TEST_SEED", str(s))
+        counts.append(len(_grid.sample_slow(names[:2], "tests/test_a.py", 0.3)))
+        assert len(_grid.sample_slow(names[:2], "tests/test_a.py", 0.3, at_least_one=True)) == 1
+    assert set(counts) == {0, 1} and 0.5 < sum(counts) / len(counts) < 0.7
 
 
 def test_every_slow_test_is_chosen_by_some_seed(monkeypatch):
@@ -21,6 +28,11 @@ def test_every_slow_test_is_chosen_by_some_seed(monkeypatch):
         monkeypatch.setenv("MEMWISE_TEST_SEED", str(s))
         seen |= set(_grid.sample_slow(names, "tests/test_a.py", 0.3))
     assert seen == set(range(10))
+    seen = set()  # a file of few slow tests, each chosen in fewer runs
+    for s in range(100):
+        monkeypatch.setenv("MEMWISE_TEST_SEED", str(s))
+        seen |= set(_grid.sample_slow(names[:3], "tests/test_a.py", 0.1))
+    assert seen == set(range(3))
 
 
 def test_a_grid_sample_covers_every_value_of_every_parameter(monkeypatch):

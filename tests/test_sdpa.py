@@ -69,6 +69,7 @@ def test_segment_ids_with_causal_window_and_empty_segments():
         _check({"q_segment_ids": q_seg, "kv_segment_ids": kv_seg, **kw})
 
 
+@pytest.mark.slow  # memory at two lengths, up to 4,096 tokens: six compilations, 17-24 s
 def test_one_array_of_segment_ids_adds_no_buffer_of_the_queries_size():
     # Packed self-attention (one segment-id array for queries and keys, or only one of
     # them given): every query sees its own key, so the output needs no correction for
@@ -122,17 +123,20 @@ def test_dropout_same_mask_both_passes_any_tile():
     rng = jax.random.key(7)
     kw = {"dropout_rate": 0.25, "dropout_rng": rng, "is_causal": True}
     out = _check(kw)
-    # The mask depends on the key only, not on the tiles.
+    # The mask depends on the key only, not on the tiles. (Compiled: eagerly, each
+    # operation of the tile loops compiled on its own.)
     q, k, v = _qkv()
-    other = mw.dot_product_attention(q, k, v, **kw, chunk_size=(5, 7))
+    attention = jax.jit(
+        mw.dot_product_attention, static_argnames=("is_causal", "dropout_rate", "chunk_size")
+    )
+    other = attention(q, k, v, **kw, chunk_size=(5, 7))
     np.testing.assert_allclose(other, out, atol=1e-12)
     # About a quarter of the weights dropped, and another key drops others.
     kept = keep_mask(rng, 0.25, 2, 2, 2, 13, 11)
     assert 0.2 < 1 - float(kept.mean()) < 0.3
     assert not jnp.array_equal(kept, keep_mask(jax.random.key(8), 0.25, 2, 2, 2, 13, 11))
     assert not jnp.allclose(
-        mw.dot_product_attention(q, k, v, **{**kw, "dropout_rng": rng}),
-        mw.dot_product_attention(q, k, v, is_causal=True),
+        attention(q, k, v, **{**kw, "dropout_rng": rng}), attention(q, k, v, is_causal=True)
     )
 
 
@@ -380,12 +384,14 @@ def test_a_row_hidden_by_the_bias_is_a_masked_row():
     q = _draw.normal(jax.random.PRNGKey(1), (1, 4, 2, 8))
     k, v = _draw.normal(jax.random.PRNGKey(2), (2, 1, 5, 1, 8))
     bias = jnp.zeros((4, 5)).at[1].set(-jnp.inf)
-    alone = mw.dot_product_attention(q, k, v, bias)
-    masked = mw.dot_product_attention(q, k, v, bias, jnp.ones((4, 5), bool))
+    # compiled (eagerly, each operation of the tile loops compiled on its own)
+    attention = jax.jit(mw.dot_product_attention, static_argnames="return_residual")
+    alone = attention(q, k, v, bias)
+    masked = attention(q, k, v, bias, jnp.ones((4, 5), bool))
     np.testing.assert_allclose(alone, masked, atol=1e-6)
     np.testing.assert_allclose(alone[0, 1, 0], jnp.mean(v[0, :, 0], axis=0), atol=1e-6)
     empty = jnp.ones((2, 0, 1, 8))
-    _, lse = mw.dot_product_attention(q, empty[:1], empty[:1], return_residual=True)
+    _, lse = attention(q, empty[:1], empty[:1], return_residual=True)
     _, ref = jax.nn.dot_product_attention(
         q, empty[:1], empty[:1], return_residual=True, implementation="xla"
     )
@@ -399,14 +405,17 @@ def test_where_it_differs_from_jax_nn_a_minus_inf_bias_and_mixed_dtypes():
     q, k, v = (a.astype(jnp.float32) for a in _qkv(B=1, T=2, S=6, N=2, K=2))
     mask = jnp.ones((2, 6), bool).at[0, :3].set(False)
     hidden = jnp.zeros((2, 6), bool).at[0, 3:].set(True)
-    ours = mw.dot_product_attention(q, k, v, jnp.where(hidden, -jnp.inf, 0.0), mask)
+    # compiled, one program for both biases (eagerly, each operation of the tile loops
+    # compiled on its own)
+    attention = jax.jit(mw.dot_product_attention)
+    ours = attention(q, k, v, jnp.where(hidden, -jnp.inf, 0.0), mask)
     theirs = jax.nn.dot_product_attention(q, k, v, jnp.where(hidden, -jnp.inf, 0.0), mask)
     np.testing.assert_allclose(ours[0, 0], v[0].mean(0), atol=1e-6)
     np.testing.assert_allclose(theirs[0, 0], v[0, :3].mean(0), atol=1e-6)
     np.testing.assert_allclose(ours[0, 1], theirs[0, 1], atol=1e-6)
     finite = jnp.where(hidden, -1e9, 0.0)
     np.testing.assert_allclose(
-        mw.dot_product_attention(q, k, v, finite, mask),
+        attention(q, k, v, finite, mask),
         jax.nn.dot_product_attention(q, k, v, finite, mask),
         atol=1e-6,
     )

@@ -136,12 +136,15 @@ def test_segment_ids_bound_to_a_flax_layer_match_flax_with_the_segment_mask():
         def __call__(self, x, mask=None):
             return nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=self.fn)(x, mask=mask)
 
-    params = Block(bound).init(jax.random.key(0), x)
-    ours = Block(bound).apply(params, x)
+    # compiled (eagerly, each operation of the tile loops compiled on its own)
+    params = jax.jit(Block(bound).init)(jax.random.key(0), x)
+    ours = jax.jit(Block(bound).apply)(params, x)
     theirs = Block(nn.dot_product_attention).apply(params, x, mask=mask)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
     layer = nnx.MultiHeadAttention(num_heads=4, in_features=16, decode=False, rngs=nnx.Rngs(0))
     theirs = layer(x, mask=mask)
     layer.attention_fn = bound
-    np.testing.assert_allclose(layer(x), theirs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        nnx.jit(lambda layer, x: layer(x))(layer, x), theirs, rtol=1e-5, atol=1e-6
+    )

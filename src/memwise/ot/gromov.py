@@ -379,7 +379,8 @@ def gromov_wasserstein(
         >>> import jax, memwise as mw
         >>> x = jax.random.normal(jax.random.PRNGKey(0), (60, 2))
         >>> rotated = x @ jax.numpy.array([[0.0, -1.0], [1.0, 0.0]])  # same distances
-        >>> out = mw.ot.gromov_wasserstein(x, rotated, epsilon=0.05)
+        >>> solve = jax.jit(mw.ot.gromov_wasserstein)  # one program, not one per eager step
+        >>> out = solve(x, rotated, epsilon=0.05)
         >>> moved = out.plan.apply(rotated.T, axis=1).T * 60  # where each x_i is sent
         >>> bool(jax.numpy.mean(jax.numpy.sum((moved - rotated) ** 2, 1)) < 0.1)
         True
@@ -390,7 +391,7 @@ def gromov_wasserstein(
         >>> x = x[:30]
         >>> outliers = 4.0 + jax.random.normal(jax.random.PRNGKey(1), (8, 2))
         >>> y = jax.numpy.concatenate([x, outliers])
-        >>> out = mw.ot.gromov_wasserstein(x, y, epsilon=2.0, tau_a=0.9, tau_b=0.9)
+        >>> out = solve(x, y, epsilon=2.0, tau_a=0.9, tau_b=0.9)
         >>> received = out.plan.marginal(0)  # P^T 1, the mass each y_j receives
         >>> bool(received[30:].sum() < 1e-6 * received[:30].sum())
         True
