@@ -379,7 +379,7 @@ def gromov_wasserstein(
         >>> import jax, memwise as mw
         >>> x = jax.random.normal(jax.random.PRNGKey(0), (60, 2))
         >>> rotated = x @ jax.numpy.array([[0.0, -1.0], [1.0, 0.0]])  # same distances
-        >>> solve = jax.jit(mw.ot.gromov_wasserstein)  # one program, not one per eager step
+        >>> solve = jax.jit(mw.ot.gromov_wasserstein)  # one program, not one per step
         >>> out = solve(x, rotated, epsilon=0.05)
         >>> moved = out.plan.apply(rotated.T, axis=1).T * 60  # where each x_i is sent
         >>> bool(jax.numpy.mean(jax.numpy.sum((moved - rotated) ** 2, 1)) < 0.1)

@@ -309,7 +309,7 @@ def low_rank_sinkhorn(
         >>> import jax, memwise as mw
         >>> x = jax.random.normal(jax.random.key(0), (200, 2))
         >>> y = jax.random.normal(jax.random.key(1), (300, 2)) + 1.0
-        >>> solve = jax.jit(mw.ot.low_rank_sinkhorn, static_argnames="rank")  # one program
+        >>> solve = jax.jit(mw.ot.low_rank_sinkhorn, static_argnames="rank")
         >>> out = solve(x, y, rank=4)
         >>> out.q.shape, out.r.shape, out.g.shape
         ((200, 4), (300, 4), (4,))
