@@ -193,7 +193,8 @@ def scan(
         by ``lax.scan``'s own backward, so the device holds one segment's steps whatever
         the length, the host ``ceil(n / checkpoints)`` carries, and the body is evaluated
         2n times. On a CPU, where host and device memory are the same, it warns and runs
-        the same segments on the device.
+        the same segments on the device; under JAX's ``jax_remat3`` flag, whose
+        checkpoint does not apply offloading policies yet, it raises.
 
     Returns:
       ``(final_carry, ys)`` exactly as ``jax.lax.scan``.
@@ -286,6 +287,7 @@ def _to_host(offload: str | None) -> bool:
             stacklevel=3,
         )
         return False
+    _check_remat3()
     kinds = {m.kind for m in device.addressable_memories()}
     if "pinned_host" not in kinds:
         raise ValueError(
@@ -293,6 +295,17 @@ def _to_host(offload: str | None) -> bool:
             f"not expose to XLA (memory kinds: {sorted(kinds)}); drop offload="
         )
     return True
+
+
+def _check_remat3() -> None:
+    """JAX's next ``jax.checkpoint`` (``jax_remat3``, off by default in JAX 0.10) does not
+    apply offloading policies yet: the carries would stay on the device, silently."""
+    if getattr(jax.config, "jax_remat3", False):
+        raise ValueError(
+            "offload='host' keeps carries in host memory through jax.checkpoint's "
+            "offloading policy, which jax_remat3 (JAX's next checkpoint, turned on here) "
+            "does not apply yet; turn jax_remat3 off or drop offload="
+        )
 
 
 def _nested_plan(n: int, checkpoints: Any, offload: Any = None) -> schedule_lib.NestedSchedule:
