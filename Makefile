@@ -37,7 +37,7 @@ demo: $(VENV)/.installed
 # each: XLA:CPU has crashed after about 840 compilations in one process (Diffrax's
 # adjoint tests, about a hundred compilations of their own, crashed a worker of the first).
 # The conformance grids (tests marked `grid`: the matrix, the ported neural-tangents and
-# Diffrax tests) run a stratified sample, and of the other `slow` tests a tenth of each
+# Diffrax tests) run a stratified sample, and of the other `slow` tests 6% of each
 # file's on average (at least one where the file has no other test), chosen by a seed the
 # header prints (tests/_grid.py): every file runs, every slow test runs in some runs.
 # `make test-full` runs every test and case.

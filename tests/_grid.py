@@ -7,7 +7,7 @@ sample of its cases in ``make test`` and every case under ``make test-full``. Of
 tests marked ``slow`` (larger compilations: memory at two sizes, peers at their own sizes,
 several devices in a subprocess, the documentation's examples), ``make test`` runs a
 seeded :data:`SLOW_FRACTION` of each file's on average (:func:`sample_slow`: of ``n``,
-``floor(0.1 n)`` and one more with probability ``frac(0.1 n)``, so a file's few heavy
+``floor(0.06 n)`` and one more with probability ``frac(0.06 n)``, so a file's few heavy
 slow tests do not run one every time), and at least one where the file has no other
 test: every file runs in CI and every slow test has a chance in every run;
 ``make test-full`` runs them all. The fast lane (``-m "not slow"``) and every doctest
@@ -37,7 +37,7 @@ import random
 from collections.abc import Hashable, Sequence
 
 DEFAULT_FRACTION = 0.25
-SLOW_FRACTION = 0.1
+SLOW_FRACTION = 0.06
 _PLAIN = (str, int, float, bool, type(None))
 
 

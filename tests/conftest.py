@@ -72,7 +72,7 @@ def pytest_report_header(config):
     if _grid.mode() == "full":
         return "grids: full (MEMWISE_TEST_GRID=full)"
     return (
-        f"grids and slow tests: sampled, seed {_grid.seed()} (a tenth of each file's slow"
+        f"grids and slow tests: sampled, seed {_grid.seed()} ({_grid.SLOW_FRACTION:.0%} of each file's slow"
         " tests on average, at least one where the file has no other test;"
         f" MEMWISE_TEST_SEED={_grid.seed()} repeats this sample; MEMWISE_TEST_GRID=full runs"
         " every case)"
