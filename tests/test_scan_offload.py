@@ -15,7 +15,8 @@ import pytest
 from _close import ON_CPU, assert_tree_close
 
 import memwise as mw
-from memwise import schedule
+from memwise import knobs, schedule
+from memwise.measure import compiled_memory
 
 SCAN = sys.modules["memwise.scan"]  # the module (``memwise.scan`` is the function)
 
@@ -128,14 +129,15 @@ def test_on_a_cpu_it_warns_and_runs_the_same_segments_on_the_device():
     assert_tree_close(got, ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the option is checked, not silently ignored: a
-        with pytest.raises(ValueError, match="offload must be None or 'host'"):  # typo
+        with pytest.raises(ValueError, match="offload must be None, 'host' or 'auto'"):
             mw.scan(lambda h, x: (h, None), jnp.zeros(2), jnp.ones(3), offload="disk")
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"offload": "cpu"}, "offload must be None or 'host', got 'cpu'"),
+        ({"offload": "cpu"}, "offload must be None, 'host' or 'auto', got 'cpu'"),
+        ({"offload": "auto"}, "offload='auto' runs with schedule='nested'"),
         ({"offload": "host"}, "offload='host' runs with schedule='nested'"),
         ({"offload": "host", "schedule": "per_step"}, "not schedule='per_step'"),
         (
@@ -153,6 +155,70 @@ def test_bad_options_name_the_fix(kwargs, message):
         warnings.simplefilter("ignore")  # the CPU's notice
         with pytest.raises(ValueError, match=message):
             mw.scan(lambda h, x: (h, None), jnp.zeros(2), jnp.ones(3), **kwargs)
+
+
+def auto_loss(w, xs, h0):
+    return loss_with(
+        lambda *a, **k: mw.scan(*a, **k, schedule="nested", offload="auto", checkpoints=7)
+    )(w, xs, h0)
+
+
+def test_offload_auto_is_a_knob_between_the_device_and_host_memory(offloading, monkeypatch):
+    # Where the device has host memory (forced on a CPU), offload='auto' registers one
+    # knob, the device first; each plan runs the same 7-step segments, the second with
+    # their carries sent to host memory and back, and both give lax.scan's gradients.
+    monkeypatch.setattr(SCAN, "_offload_candidates", lambda: (None, "host"))
+    args = inputs(52)
+    want = jax.jit(jax.grad(loss_with(jax.lax.scan), argnums=(0, 1, 2)))(*args)
+    with knobs.recording() as found:
+        jax.make_jaxpr(auto_loss)(*args)
+    (knob,) = found
+    assert (knob.kind, knob.candidates, knob.default) == ("offload", (None, "host"), None)
+    assert knob.cost[0] == 1.0 < knob.cost[1] <= 1.1
+    for index, transfers in [(0, False), (1, True)]:
+        with knobs.recording(plan=[index], layout=found):
+            jaxpr = str(jax.make_jaxpr(jax.grad(auto_loss))(*args))
+            got = jax.jit(jax.grad(auto_loss, argnums=(0, 1, 2)))(*args)
+        assert ("device_put" in jaxpr) == transfers
+        assert_tree_close(got, want)
+    assert "device_put" not in str(jax.make_jaxpr(jax.grad(auto_loss))(*args))  # outside fit
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the CPU's behaviour")
+def test_offload_auto_on_a_cpu_is_no_knob_and_no_warning():
+    args = inputs(30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with knobs.recording() as found:
+            got = jax.grad(auto_loss)(*args)
+    assert found == []
+    assert_tree_close(got, jax.grad(loss_with(jax.lax.scan))(*args))
+
+
+@pytest.mark.skipif(ON_CPU or REMAT3, reason="host memory on an accelerator")
+def test_fit_offloads_the_segment_carries_when_the_budget_needs_it():
+    hidden, n = 256, 20_000
+
+    def loss(w, h0, offload="auto"):
+        h, _ = mw.scan(
+            lambda h, _: (jnp.tanh(h @ w), None),
+            h0,
+            length=n,
+            schedule="nested",
+            offload=offload,
+            checkpoints=100,
+        )
+        return jnp.sum(h)
+
+    w, h0 = jnp.eye(hidden) * 0.5, jnp.ones((8, hidden))
+    on_device = compiled_memory(loss, w, h0, grad=True).peak_bytes
+    on_host = compiled_memory(lambda w, h0: loss(w, h0, "host"), w, h0, grad=True).peak_bytes
+    assert on_host < on_device  # the 200 segment carries, 1.6 MiB, left the device
+    assert mw.fit(loss, budget=on_device, policies=False).plan_for(w, h0).values == (None,)
+    fitted = mw.fit(loss, budget=(on_host + on_device) // 2, policies=False)
+    assert fitted.plan_for(w, h0).values == ("host",)
+    want = jax.jit(jax.grad(lambda w, h0: loss(w, h0, None)))(w, h0)
+    assert_tree_close(jax.jit(jax.grad(fitted))(w, h0), want)
 
 
 @contextlib.contextmanager

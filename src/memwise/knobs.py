@@ -43,7 +43,7 @@ class Knob:
 
     Attributes:
       kind: what the knob sets: ``"checkpoints"``, ``"chunk_size"``, ``"microbatches"``,
-        ``"policy"`` or ``"ring"``.
+        ``"policy"``, ``"ring"`` or ``"offload"``.
       source: ``file:line`` of the user's call that left the knob as ``"auto"``.
       candidates: allowed values, fastest (most memory) first, leanest last.
       cost: predicted time of each candidate, relative to candidate 0 (1.0). Scans count
@@ -154,8 +154,8 @@ def auto(
     """Resolve an ``"auto"`` knob: its default outside ``fit``, the plan's value inside.
 
     Args:
-      kind: ``"checkpoints"``, ``"chunk_size"``, ``"microbatches"``, ``"policy"`` or
-        ``"ring"``.
+      kind: ``"checkpoints"``, ``"chunk_size"``, ``"microbatches"``, ``"policy"``,
+        ``"ring"`` or ``"offload"``.
       candidates: allowed values ordered fastest (most memory) first.
       cost: predicted relative time per candidate, or a function of a candidate
         (called only inside ``fit``, where the costs are used).

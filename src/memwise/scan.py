@@ -51,7 +51,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from memwise import _binomial
+from memwise import _binomial, knobs
 from memwise import schedule as schedule_lib
 from memwise._arguments import check_arrays, non_negative_int, positive_int
 from memwise._loop_inputs import (
@@ -194,7 +194,10 @@ def scan(
         the length, the host ``ceil(n / checkpoints)`` carries, and the body is evaluated
         2n times. On a CPU, where host and device memory are the same, it warns and runs
         the same segments on the device; under JAX's ``jax_remat3`` flag, whose
-        checkpoint does not apply offloading policies yet, it raises.
+        checkpoint does not apply offloading policies yet, it raises. ``"auto"``: the
+        same segments, their carries on the device or in host memory as
+        :func:`memwise.fit` chooses under its budget (on the device outside ``fit``, and
+        wherever ``"host"`` would not offload).
 
     Returns:
       ``(final_carry, ys)`` exactly as ``jax.lax.scan``.
@@ -248,7 +251,8 @@ def scan(
         return lax.scan(f, init, xs, length=0, reverse=reverse)
     if schedule == "nested":
         plan = _nested_plan(n, checkpoints, offload)
-        return _nested_scan(f, init, xs, plan, reverse, unroll, _to_host(offload))
+        to_host = _to_host(_offload_choice(offload))
+        return _nested_scan(f, init, xs, plan, reverse, unroll, to_host)
     c = resolve_checkpoints(checkpoints, n)
     return _binomial_scan(f, init, xs, n, c, reverse, unroll, read_only)
 
@@ -256,19 +260,54 @@ def scan(
 def _check_offload(offload: Any, schedule: str, inverse: Any) -> None:
     if offload is None:
         return
-    if offload != "host":
-        raise ValueError(f"offload must be None or 'host', got {offload!r}")
+    if offload not in ("host", "auto"):
+        raise ValueError(f"offload must be None, 'host' or 'auto', got {offload!r}")
     if inverse is not None:
         raise ValueError(
-            "offload='host' has nothing to offload with inverse=: the gradient rebuilds "
-            "each carry from the next instead of keeping it; drop offload="
+            f"offload={offload!r} has nothing to offload with inverse=: the gradient "
+            "rebuilds each carry from the next instead of keeping it; drop offload="
         )
     if schedule != "nested":
         raise ValueError(
-            f"offload='host' runs with schedule='nested' (segments whose starting carries "
-            f"live in host memory), not schedule={schedule!r}: binomial's backward pass "
-            "stores carries again as it goes; pass schedule='nested'"
+            f"offload={offload!r} runs with schedule='nested' (segments whose starting "
+            f"carries live in host memory), not schedule={schedule!r}: binomial's backward "
+            "pass stores carries again as it goes; pass schedule='nested'"
         )
+
+
+# The offloaded segments' predicted time against the same segments on the device: the
+# seed LSTM's gradient took 1.03x (10,000 steps) and 1.01x (100,000) on one TPU v5e
+# (BENCHMARKS.md, tpu: loops); a margin over that, since the transfers' overlap depends on
+# the carry's size against a segment's compute.
+OFFLOAD_COST = 1.05
+
+
+def _offload_candidates() -> tuple:
+    """Where ``offload="auto"`` may put the segment carries: host memory too only where
+    the device has memory XLA can address as ``pinned_host`` and the offloading policy
+    applies (not on a CPU, not under ``jax_remat3``)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu" or getattr(jax.config, "jax_remat3", False):
+        return (None,)
+    return (None, "host") if _has_host_memory(device) else (None,)
+
+
+def _has_host_memory(device: Any) -> bool:
+    return "pinned_host" in {m.kind for m in device.addressable_memories()}
+
+
+def _offload_choice(offload: str | None) -> str | None:
+    """``offload="auto"``: the ``"offload"`` knob :func:`memwise.fit` sets (on the device
+    first, then host memory; on the device outside ``fit`` and where there is no host
+    memory to use). Any other value is the user's."""
+    if offload != "auto":
+        return offload
+    candidates = _offload_candidates()
+    if len(candidates) == 1:
+        return candidates[0]
+    return knobs.auto(
+        "offload", candidates=candidates, cost=(1.0, OFFLOAD_COST), default=candidates[0]
+    )
 
 
 def _to_host(offload: str | None) -> bool:
@@ -288,8 +327,8 @@ def _to_host(offload: str | None) -> bool:
         )
         return False
     _check_remat3()
-    kinds = {m.kind for m in device.addressable_memories()}
-    if "pinned_host" not in kinds:
+    if not _has_host_memory(device):
+        kinds = {m.kind for m in device.addressable_memories()}
         raise ValueError(
             f"offload='host' needs pinned host memory, which {device.platform} devices do "
             f"not expose to XLA (memory kinds: {sorted(kinds)}); drop offload="

@@ -2,7 +2,8 @@
 
 Each ``"auto"`` knob a function's trace reaches registers itself (``memwise.knobs``) with
 its candidates, ordered from the most memory to the least, and a predicted time per
-candidate: body evaluations for scans, a roofline for chunk sizes (XLA's cost analysis of
+candidate: body evaluations for scans, the measured cost of host offload for a nested
+scan's segment carries (``offload="auto"``, on an accelerator), a roofline for chunk sizes (XLA's cost analysis of
 one tile body and the machine's measured balance, ``memwise.costmodel``). With
 ``policies=True`` the function as a whole (when ``fit`` plans its gradient) and every
 block marked with :func:`region` become one more knob each, whose candidates are

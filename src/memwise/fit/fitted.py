@@ -402,7 +402,9 @@ def fit(
 
     Args:
       fn: the function; its ``mw.scan(checkpoints="auto")``, ``chunk_size="auto"``,
-        ``microbatches="auto"`` and ``mw.region`` blocks are the knobs.
+        ``microbatches="auto"``, ``mw.region`` blocks and, on an accelerator with host
+        memory, ``mw.scan(schedule="nested", offload="auto")`` (segment carries on the
+        device or in host memory) are the knobs.
       budget: bytes (an int, or a string such as ``"8GiB"``, ``"2.5 GB"``, ``"1e9"``,
         ``"1,000,000"``), or a fraction of the device's memory such as ``0.8``.
       argnums: arguments differentiated when ``grad=True`` (never static ones).
