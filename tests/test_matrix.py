@@ -201,7 +201,7 @@ def _scan_inverse(n, chunk, dtype):
     return f, dense, (xs, w, b0)
 
 
-def _while_loop(n, chunk, dtype):
+def _while_loop(n, chunk, dtype, schedule="online"):
     (w,) = _inputs(dtype, (3, 3))
     h0 = jnp.ones(3, dtype) * 0.5
 
@@ -210,7 +210,12 @@ def _while_loop(n, chunk, dtype):
 
     def f(w, h0):
         return mw.while_loop(
-            lambda s: s[1] < n, body(w), (h0, 0), max_steps=n + 2, checkpoints=chunk
+            lambda s: s[1] < n,
+            body(w),
+            (h0, 0),
+            max_steps=n + 2,
+            checkpoints=chunk,
+            schedule=schedule,
         )[0]
 
     def dense(w, h0):
@@ -622,6 +627,8 @@ CASES = {
     "scan_nested": Case(_scan("nested"), forward_mode=True),
     "scan_inverse": Case(_scan_inverse),
     "while_loop": Case(_while_loop),
+    # segments of `chunk` steps, two past the loop's end: the last steps pass through
+    "while_loop_nested": Case(functools.partial(_while_loop, schedule="nested"), forward_mode=True),
     "while_loop_buffers": Case(_while_loop_buffers(zero_steps=False)),
     "while_loop_buffers_zero_steps": Case(_while_loop_buffers(zero_steps=True)),
     "sinkhorn_divergence": Case(_divergence, min_tolerance=1e-5),

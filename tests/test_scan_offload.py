@@ -146,7 +146,7 @@ def test_on_a_cpu_it_warns_and_runs_the_same_segments_on_the_device():
         ),
         (
             {"offload": "host", "schedule": "nested", "checkpoints": 0},
-            "checkpoints.*steps per segment with offload='host'",
+            "checkpoints.*steps per segment",
         ),
     ],
 )
@@ -219,6 +219,57 @@ def test_fit_offloads_the_segment_carries_when_the_budget_needs_it():
     assert fitted.plan_for(w, h0).values == ("host",)
     want = jax.jit(jax.grad(lambda w, h0: loss(w, h0, None)))(w, h0)
     assert_tree_close(jax.jit(jax.grad(fitted))(w, h0), want)
+
+
+def newton_loop(a, limit, max_steps, **kwargs):
+    x, i = mw.while_loop(
+        lambda s: s[1] < limit,
+        lambda s: (0.5 * (s[0] + a / s[0]), s[1] + 1),
+        (a, 0),
+        max_steps=max_steps,
+        schedule="nested",
+        **kwargs,
+    )
+    return x
+
+
+@pytest.mark.parametrize("limit", [0, 13, 40])
+def test_a_nested_while_loop_offloads_its_segment_carries(offloading, limit):
+    # max_steps 40 in segments of 6 (the last of 4): stopping before any step, inside a
+    # segment, and at max_steps.
+    def reference(a):
+        return jax.lax.fori_loop(0, limit, lambda i, x: 0.5 * (x + a / x), a)
+
+    ours = lambda a: newton_loop(a, limit, 40, checkpoints=6, offload="host")  # noqa: E731
+    got = jax.jit(jax.value_and_grad(ours))(3.0)
+    assert_tree_close(got, jax.jit(jax.value_and_grad(reference))(3.0))
+    assert "device_put" in str(jax.make_jaxpr(jax.grad(ours))(3.0))
+
+
+@pytest.mark.skipif(ON_CPU, reason="a CPU has no separate host memory")
+def test_a_nested_while_loops_device_memory_does_not_grow_with_max_steps():
+    hidden = 256
+
+    def compiled(max_steps):
+        def loss(w, h0):
+            h, _ = mw.while_loop(
+                lambda s: s[1] < 1_500,
+                lambda s: (jnp.tanh(s[0] @ w), s[1] + 1),
+                (h0, 0),
+                max_steps=max_steps,
+                schedule="nested",
+                offload="host",
+                checkpoints=100,
+            )
+            return jnp.sum(h)
+
+        w, h0 = jnp.eye(hidden) * 0.5, jnp.ones((8, hidden))
+        return jax.jit(jax.grad(loss)).lower(w, h0).compile().memory_analysis()
+
+    small, large = compiled(2_000), compiled(20_000)
+    carry = 8 * hidden * 4 + 4
+    assert large.temp_size_in_bytes <= small.temp_size_in_bytes + 2 * carry
+    assert large.host_temp_size_in_bytes >= 200 * carry  # the 200 segment carries
 
 
 @contextlib.contextmanager

@@ -49,6 +49,8 @@ def while_loop(
     max_steps: int | None = None,
     checkpoints: int | str | None = None,
     buffers: Callable[[Any], Any] | None = None,
+    schedule: str = "online",
+    offload: str | None = None,
 ) -> Any:
     """``jax.lax.while_loop`` that is reverse-differentiable with O(checkpoints) memory.
 
@@ -82,6 +84,23 @@ def while_loop(
         ``TypeError``; a static index out of range raises an ``IndexError``; a traced one
         is dropped, as in ``jax.numpy`` (its value gets a zero gradient). Of two writes
         at one index the later one wins and alone receives a gradient, as in JAX.
+      schedule: ``"online"`` (default: the placement above) or ``"nested"``, for a
+        bounded loop (``max_steps``): ``max_steps`` steps as segments of ``checkpoints``
+        steps (default about sqrt(max_steps)) in a ``lax.scan``, a segment skipped whole
+        once the loop has stopped, and each replayed and differentiated by
+        ``lax.scan``'s own backward under ``jax.checkpoint``:
+        ``ceil(max_steps / checkpoints)`` segment carries, one segment's residuals, and
+        2 body evaluations per step of every segment the loop entered. Every
+        transformation works (``jvp`` and ``grad`` of ``grad`` too), and on an
+        accelerator a step costs what a ``lax.scan`` step costs, where the online
+        placement's per-step decisions cost more than a small body. The steps of the
+        last segment after the loop stops evaluate ``body_fun`` on the final carry and
+        keep the carry (a select, as ``lax.while_loop`` under ``vmap`` treats finished
+        lanes): a body that is not finite there can make gradients NaN. No ``buffers``.
+      offload: with ``schedule="nested"``, ``"host"`` keeps the segment carries in the
+        accelerator's host memory and ``"auto"`` lets :func:`memwise.fit` choose, as
+        :func:`memwise.scan`'s ``offload`` (on a CPU ``"host"`` warns and keeps them on
+        the device).
 
     Returns:
       The final carry, as ``lax.while_loop``.
@@ -105,9 +124,69 @@ def while_loop(
         >>> round(float(jax.grad(newton)(4.0)), 4)  # d sqrt(a)/da = 1/(2 sqrt(a))
         0.25
     """
+    if schedule == "nested":
+        return _nested_while_loop(
+            cond_fun, body_fun, init, max_steps, checkpoints, buffers, offload
+        )
+    if schedule != "online":
+        raise ValueError(f"schedule must be 'online' or 'nested', got {schedule!r}")
+    if offload is not None:
+        raise ValueError(
+            f"offload={offload!r} runs with schedule='nested' (segments whose starting "
+            "carries live in host memory) and max_steps; the online placement moves its "
+            "carries as it goes: pass schedule='nested', max_steps=..."
+        )
     return checked_while_loop(
         cond_fun, body_fun, init, max_steps=max_steps, checkpoints=checkpoints, buffers=buffers
     )
+
+
+def _nested_while_loop(cond_fun, body_fun, init, max_steps, checkpoints, buffers, offload):
+    """``schedule="nested"``: ``max_steps`` guarded steps run as the nested scan's
+    segments (:func:`memwise.scan`'s executor, its host offload included); a step runs
+    while the loop has not stopped, and a stopped loop's carry never changes, so the
+    steps after it, and whole segments, pass it through."""
+    from memwise.scan import _check_offload, _nested_plan, _nested_scan, _offload_choice, _to_host
+
+    check_callable(cond_fun, "cond_fun")
+    check_callable(body_fun, "body_fun")
+    if max_steps is None:
+        raise ValueError(
+            "schedule='nested' runs max_steps steps as segments of a lax.scan: pass "
+            "max_steps=<int>, a bound on the trip count, or use schedule='online'"
+        )
+    max_steps = positive_int(max_steps, "max_steps", accepts=" with schedule='nested'")
+    if buffers is not None:
+        raise ValueError(
+            "buffers= runs with schedule='online': the nested schedule keeps whole carries "
+            "at its segments' starts, so write-only buffers would be stored with each; "
+            "keep them in the carry or use schedule='online'"
+        )
+    _check_offload(offload, "nested", None)
+    check_arrays(init, "init")
+    init, _ = strong_carry(lambda c, _: (body_fun(c), None), init, None, name="body_fun")
+    _check_predicate(cond_fun, init)
+
+    def step(carry, _):
+        # A select, not a lax.cond: differentiated in a scan, a cond keeps the arrays
+        # body_fun closes over (its parameters) as residuals of every step.
+        go = cond_fun(carry)
+        new = body_fun(carry)
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(go, a, b), new, carry), None
+
+    plan = _nested_plan(max_steps, checkpoints, True)
+    to_host = _to_host(_offload_choice(offload))
+    guard = lambda c: jnp.asarray(cond_fun(c))
+    return _nested_scan(step, init, None, plan, False, 1, to_host, guard=guard)[0]
+
+
+def _check_predicate(cond_of: Callable, carry: Any) -> None:
+    pred = jax.eval_shape(cond_of, carry)
+    if getattr(pred, "shape", None) != () or pred.dtype != jnp.bool_:
+        raise TypeError(
+            f"cond_fun must return a boolean scalar, got {getattr(pred, 'dtype', pred)}"
+            f"{list(getattr(pred, 'shape', []))}"
+        )
 
 
 def checked_while_loop(
@@ -168,12 +247,7 @@ def checked_while_loop(
             jax.tree_util.tree_unflatten(carry_def, fill(leaves, is_buffer, cond_views))
         )
 
-    pred = jax.eval_shape(cond_of, carry_leaves)
-    if getattr(pred, "shape", None) != () or pred.dtype != jnp.bool_:
-        raise TypeError(
-            f"cond_fun must return a boolean scalar, got {getattr(pred, 'dtype', pred)}"
-            f"{list(getattr(pred, 'shape', []))}"
-        )
+    _check_predicate(cond_of, carry_leaves)
     state_leaves = select(carry_leaves, state_mask)
     state_read_only = select(read_only, state_mask)
     moving = [not r for r in state_read_only]

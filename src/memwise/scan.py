@@ -245,12 +245,12 @@ def scan(
         return lax.scan(body, init, xs, length=n, reverse=reverse, unroll=unroll)
     if n == 0:  # nothing to checkpoint; lax.scan returns init and empty ys
         if schedule == "nested":
-            _nested_plan(1, checkpoints, offload)
+            _nested_plan(1, checkpoints, offload is not None)
         elif checkpoints != "auto":
             resolve_checkpoints(checkpoints, 1)
         return lax.scan(f, init, xs, length=0, reverse=reverse)
     if schedule == "nested":
-        plan = _nested_plan(n, checkpoints, offload)
+        plan = _nested_plan(n, checkpoints, offload is not None)
         to_host = _to_host(_offload_choice(offload))
         return _nested_scan(f, init, xs, plan, reverse, unroll, to_host)
     c = resolve_checkpoints(checkpoints, n)
@@ -319,7 +319,7 @@ def _to_host(offload: str | None) -> bool:
     device = jax.devices()[0]
     if device.platform == "cpu":
         warnings.warn(
-            "memwise.scan(offload='host') on a CPU: host and device memory are the same "
+            "offload='host' on a CPU: host and device memory are the same "
             "there, so the segments' carries stay where they are (the same segmented "
             "schedule runs)",
             UserWarning,
@@ -347,13 +347,13 @@ def _check_remat3() -> None:
         )
 
 
-def _nested_plan(n: int, checkpoints: Any, offload: Any = None) -> schedule_lib.NestedSchedule:
-    if offload is not None:
+def _nested_plan(n: int, checkpoints: Any, segmented: bool = False) -> schedule_lib.NestedSchedule:
+    """The nested plan for n steps; ``segmented``: two levels whose segments are
+    ``checkpoints`` steps long (about sqrt(n) by default), as host offload runs them."""
+    if segmented:
         if checkpoints is None:
             return schedule_lib.segmented(n, schedule_lib.nested(n, 2).chunk)
-        steps = positive_int(
-            checkpoints, "checkpoints", accepts=" (steps per segment with offload='host')"
-        )
+        steps = positive_int(checkpoints, "checkpoints", accepts=" (steps per segment)")
         return schedule_lib.segmented(n, steps)
     if checkpoints is None:
         return schedule_lib.nested(n, 2)
@@ -374,17 +374,31 @@ def _nested_plan(n: int, checkpoints: Any, offload: Any = None) -> schedule_lib.
 _HOST_CARRY = "memwise.scan.host_carry"
 
 
-def _nested_scan(f, init, xs, plan, reverse, unroll, to_host=False):
+def _nested_scan(f, init, xs, plan, reverse, unroll, to_host=False, guard=None):
+    """``plan`` run as nested scans; ``to_host``: the top level's segment carries in host
+    memory; ``guard(carry) -> bool``: a chunk whose first carry fails it is skipped, its
+    carry passed through (a while loop that has stopped; ``f`` then returns no ys).
+
+    The guard's ``lax.cond`` sits inside the chunk's ``jax.checkpoint``: differentiated
+    outside one, a ``cond`` keeps the arrays its branch closes over as residuals of
+    every iteration (a copy of the body's parameters per chunk); inside, the
+    checkpoint's residuals are its inputs, which the enclosing scan keeps once."""
+
+    def guarded(fn):
+        if guard is None:
+            return fn
+        return lambda c, x: lax.cond(guard(c), fn, lambda c, x: (c, None), c, x)
+
     def run(carry, xs, plan, name=None):
         if plan.levels == 1:
             return lax.scan(f, carry, xs, length=plan.n_steps, reverse=reverse, unroll=unroll)
         q, k = plan.n_chunks, plan.chunk
         main = jax.tree_util.tree_map(lambda a: a[: q * k].reshape((q, k) + a.shape[1:]), xs)
         rest = jax.tree_util.tree_map(lambda a: a[q * k :], xs)
-        chunk_fn = jax.checkpoint(lambda c, x: run(c, x, plan.inner), prevent_cse=False)
+        chunk_fn = jax.checkpoint(guarded(lambda c, x: run(c, x, plan.inner)), prevent_cse=False)
         rest_fn = None
         if plan.remainder_inner is not None:
-            rest_fn = lambda c, x: run(c, x, plan.remainder_inner)
+            rest_fn = guarded(lambda c, x: run(c, x, plan.remainder_inner))
             # Under the offloading policy the remainder is replayed once for its
             # residuals; a checkpoint of its own would replay it a second time.
             rest_fn = rest_fn if name else jax.checkpoint(rest_fn, prevent_cse=False)
