@@ -37,13 +37,15 @@ def offloading(monkeypatch):
 
 
 def loss_with(scan_fn, reverse=False, **kwargs):
+    # The carry has a scalar leaf: a TPU cannot offload one (it stays on the device).
     def loss(w, xs, h0):
-        def body(h, x):
+        def body(carry, x):
+            h, total = carry
             h = jnp.tanh(w @ h + x)
-            return h, jnp.sum(h**2)
+            return (h, total + jnp.sum(h)), jnp.sum(h**2)
 
-        h, ys = scan_fn(body, h0, xs, reverse=reverse, **kwargs)
-        return jnp.sum(h**2) + jnp.sum(jnp.sin(ys))
+        (h, total), ys = scan_fn(body, (h0, jnp.float32(0)), xs, reverse=reverse, **kwargs)
+        return jnp.sum(h**2) + jnp.sum(jnp.sin(ys)) + jnp.sin(total)
 
     return loss
 
@@ -71,7 +73,8 @@ def test_values_and_gradients_equal_lax_scan(offloading, reverse, checkpoints):
     ref = loss_with(jax.lax.scan, reverse)
     got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(*args)
     want = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2)))(*args)
-    assert_tree_close(got, want)
+    # w's gradient sums 103 steps' terms of up to about 10 in float32, in another order
+    assert_tree_close(got, want, atol=2e-5)
     # the carries do go to host memory and back: one device_put each way per segment loop
     jaxpr = jax.make_jaxpr(jax.grad(ours))(*args)
     assert str(jaxpr).count("device_put") >= 2
@@ -197,7 +200,9 @@ def test_offload_auto_on_a_cpu_is_no_knob_and_no_warning():
 
 @pytest.mark.skipif(ON_CPU or REMAT3, reason="host memory on an accelerator")
 def test_fit_offloads_the_segment_carries_when_the_budget_needs_it():
-    hidden, n = 256, 20_000
+    # 2,000 steps in segments of 10: 200 segment carries of 256 KiB (50 MiB) against one
+    # segment's residuals.
+    hidden, n = 1024, 2_000
 
     def loss(w, h0, offload="auto"):
         h, _ = mw.scan(
@@ -206,22 +211,26 @@ def test_fit_offloads_the_segment_carries_when_the_budget_needs_it():
             length=n,
             schedule="nested",
             offload=offload,
-            checkpoints=100,
+            checkpoints=10,
         )
         return jnp.sum(h)
 
-    w, h0 = jnp.eye(hidden) * 0.5, jnp.ones((8, hidden))
+    w, h0 = jnp.eye(hidden) * 0.5, jnp.ones((64, hidden))
     on_device = compiled_memory(loss, w, h0, grad=True).peak_bytes
     on_host = compiled_memory(lambda w, h0: loss(w, h0, "host"), w, h0, grad=True).peak_bytes
-    assert on_host < on_device  # the 200 segment carries, 1.6 MiB, left the device
+    assert on_host < on_device - 150 * 64 * hidden * 4  # most segment carries left
     assert mw.fit(loss, budget=on_device, policies=False).plan_for(w, h0).values == (None,)
     fitted = mw.fit(loss, budget=(on_host + on_device) // 2, policies=False)
     assert fitted.plan_for(w, h0).values == ("host",)
-    want = jax.jit(jax.grad(lambda w, h0: loss(w, h0, None)))(w, h0)
-    assert_tree_close(jax.jit(jax.grad(fitted))(w, h0), want)
+
+    def reference(w, h0):
+        return jnp.sum(jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), h0, length=n)[0])
+
+    assert_tree_close(jax.jit(jax.grad(fitted))(w, h0), jax.jit(jax.grad(reference))(w, h0))
 
 
 def newton_loop(a, limit, max_steps, **kwargs):
+    # a vector: a TPU offloads the carry's vectors (its scalar counter stays on the device)
     x, i = mw.while_loop(
         lambda s: s[1] < limit,
         lambda s: (0.5 * (s[0] + a / s[0]), s[1] + 1),
@@ -238,12 +247,15 @@ def test_a_nested_while_loop_offloads_its_segment_carries(offloading, limit):
     # max_steps 40 in segments of 6 (the last of 4): stopping before any step, inside a
     # segment, and at max_steps.
     def reference(a):
-        return jax.lax.fori_loop(0, limit, lambda i, x: 0.5 * (x + a / x), a)
+        return jnp.sum(jax.lax.fori_loop(0, limit, lambda i, x: 0.5 * (x + a / x), a))
 
-    ours = lambda a: newton_loop(a, limit, 40, checkpoints=6, offload="host")  # noqa: E731
-    got = jax.jit(jax.value_and_grad(ours))(3.0)
-    assert_tree_close(got, jax.jit(jax.value_and_grad(reference))(3.0))
-    assert "device_put" in str(jax.make_jaxpr(jax.grad(ours))(3.0))
+    def ours(a):
+        return jnp.sum(newton_loop(a, limit, 40, checkpoints=6, offload="host"))
+
+    a = jnp.array([2.0, 3.0, 5.0, 7.0])
+    got = jax.jit(jax.value_and_grad(ours))(a)
+    assert_tree_close(got, jax.jit(jax.value_and_grad(reference))(a))
+    assert "device_put" in str(jax.make_jaxpr(jax.grad(ours))(a))
 
 
 @pytest.mark.skipif(ON_CPU, reason="a CPU has no separate host memory")
@@ -267,7 +279,7 @@ def test_a_nested_while_loops_device_memory_does_not_grow_with_max_steps():
         return jax.jit(jax.grad(loss)).lower(w, h0).compile().memory_analysis()
 
     small, large = compiled(2_000), compiled(20_000)
-    carry = 8 * hidden * 4 + 4
+    carry = 8 * hidden * 4  # the counter, a scalar, stays on the device
     assert large.temp_size_in_bytes <= small.temp_size_in_bytes + 2 * carry
     assert large.host_temp_size_in_bytes >= 200 * carry  # the 200 segment carries
 

@@ -85,18 +85,18 @@ def while_loop(
         is dropped, as in ``jax.numpy`` (its value gets a zero gradient). Of two writes
         at one index the later one wins and alone receives a gradient, as in JAX.
       schedule: ``"online"`` (default: the placement above) or ``"nested"``, for a
-        bounded loop (``max_steps``): ``max_steps`` steps as segments of ``checkpoints``
-        steps (default about sqrt(max_steps)) in a ``lax.scan``, a segment skipped whole
-        once the loop has stopped, and each replayed and differentiated by
-        ``lax.scan``'s own backward under ``jax.checkpoint``:
-        ``ceil(max_steps / checkpoints)`` segment carries, one segment's residuals, and
-        2 body evaluations per step of every segment the loop entered. Every
-        transformation works (``jvp`` and ``grad`` of ``grad`` too), and on an
-        accelerator a step costs what a ``lax.scan`` step costs, where the online
-        placement's per-step decisions cost more than a small body. The steps of the
-        last segment after the loop stops evaluate ``body_fun`` on the final carry and
-        keep the carry (a select, as ``lax.while_loop`` under ``vmap`` treats finished
-        lanes): a body that is not finite there can make gradients NaN. No ``buffers``.
+        bounded loop (``max_steps``): all ``max_steps`` steps as segments of
+        ``checkpoints`` steps (default about sqrt(max_steps)) in a ``lax.scan``, each
+        step a select that keeps the carry once ``cond_fun`` is false, each segment
+        replayed and differentiated by ``lax.scan``'s own backward under
+        ``jax.checkpoint``: ``ceil(max_steps / checkpoints)`` segment carries, one
+        segment's residuals, 2 ``max_steps`` body evaluations whenever the loop stops.
+        For loops that run close to their bound: on an accelerator its steps cost what
+        ``lax.scan``'s do, where the online placement's per-step decisions cost more than
+        a small body, and every transformation works (``jvp``, ``grad`` of ``grad``).
+        The steps after the stop evaluate ``body_fun`` on the final carry and discard
+        the result (as ``lax.while_loop`` under ``vmap`` treats finished lanes): a body
+        that is not finite there can make gradients NaN. No ``buffers``.
       offload: with ``schedule="nested"``, ``"host"`` keeps the segment carries in the
         accelerator's host memory and ``"auto"`` lets :func:`memwise.fit` choose, as
         :func:`memwise.scan`'s ``offload`` (on a CPU ``"host"`` warns and keeps them on
@@ -142,10 +142,14 @@ def while_loop(
 
 
 def _nested_while_loop(cond_fun, body_fun, init, max_steps, checkpoints, buffers, offload):
-    """``schedule="nested"``: ``max_steps`` guarded steps run as the nested scan's
-    segments (:func:`memwise.scan`'s executor, its host offload included); a step runs
-    while the loop has not stopped, and a stopped loop's carry never changes, so the
-    steps after it, and whole segments, pass it through."""
+    """``schedule="nested"``: ``max_steps`` selected steps run as the nested scan's
+    segments (:func:`memwise.scan`'s executor, its host offload included); a stopped
+    loop's carry never changes, so the steps after the stop keep it.
+
+    Skipping the segments after the stop (a ``lax.cond`` per segment, inside its
+    checkpoint) made Dormand-Prince under a bound of 4,096 steps 5.6x faster on CPU; on
+    a TPU v5e it made a 10,000-step LSTM's gradient 2.3x slower and its temporaries grow
+    with the steps (73.6 MiB against 0.6), so every step runs."""
     from memwise.scan import _check_offload, _nested_plan, _nested_scan, _offload_choice, _to_host
 
     check_callable(cond_fun, "cond_fun")
@@ -176,8 +180,7 @@ def _nested_while_loop(cond_fun, body_fun, init, max_steps, checkpoints, buffers
 
     plan = _nested_plan(max_steps, checkpoints, True)
     to_host = _to_host(_offload_choice(offload))
-    guard = lambda c: jnp.asarray(cond_fun(c))
-    return _nested_scan(step, init, None, plan, False, 1, to_host, guard=guard)[0]
+    return _nested_scan(step, init, None, plan, False, 1, to_host)[0]
 
 
 def _check_predicate(cond_of: Callable, carry: Any) -> None:

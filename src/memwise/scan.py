@@ -372,22 +372,15 @@ def _nested_plan(n: int, checkpoints: Any, segmented: bool = False) -> schedule_
 
 
 _HOST_CARRY = "memwise.scan.host_carry"
+# XLA:TPU cannot write one element of a host array asynchronously ("Lane slice updating
+# is not supported in async dynamic update slice"), which is what storing a scalar carry
+# leaf per segment would be: those stay on the device (a few bytes per segment).
+_DEVICE_CARRY = "memwise.scan.device_carry"
 
 
-def _nested_scan(f, init, xs, plan, reverse, unroll, to_host=False, guard=None):
+def _nested_scan(f, init, xs, plan, reverse, unroll, to_host=False):
     """``plan`` run as nested scans; ``to_host``: the top level's segment carries in host
-    memory; ``guard(carry) -> bool``: a chunk whose first carry fails it is skipped, its
-    carry passed through (a while loop that has stopped; ``f`` then returns no ys).
-
-    The guard's ``lax.cond`` sits inside the chunk's ``jax.checkpoint``: differentiated
-    outside one, a ``cond`` keeps the arrays its branch closes over as residuals of
-    every iteration (a copy of the body's parameters per chunk); inside, the
-    checkpoint's residuals are its inputs, which the enclosing scan keeps once."""
-
-    def guarded(fn):
-        if guard is None:
-            return fn
-        return lambda c, x: lax.cond(guard(c), fn, lambda c, x: (c, None), c, x)
+    memory."""
 
     def run(carry, xs, plan, name=None):
         if plan.levels == 1:
@@ -395,10 +388,10 @@ def _nested_scan(f, init, xs, plan, reverse, unroll, to_host=False, guard=None):
         q, k = plan.n_chunks, plan.chunk
         main = jax.tree_util.tree_map(lambda a: a[: q * k].reshape((q, k) + a.shape[1:]), xs)
         rest = jax.tree_util.tree_map(lambda a: a[q * k :], xs)
-        chunk_fn = jax.checkpoint(guarded(lambda c, x: run(c, x, plan.inner)), prevent_cse=False)
+        chunk_fn = jax.checkpoint(lambda c, x: run(c, x, plan.inner), prevent_cse=False)
         rest_fn = None
         if plan.remainder_inner is not None:
-            rest_fn = guarded(lambda c, x: run(c, x, plan.remainder_inner))
+            rest_fn = lambda c, x: run(c, x, plan.remainder_inner)
             # Under the offloading policy the remainder is replayed once for its
             # residuals; a checkpoint of its own would replay it a second time.
             rest_fn = rest_fn if name else jax.checkpoint(rest_fn, prevent_cse=False)
@@ -421,12 +414,13 @@ def _nested_scan(f, init, xs, plan, reverse, unroll, to_host=False, guard=None):
     # and offloads that name, JAX stores those carries in host memory and XLA fetches
     # each back (asynchronously) for its segment's backward; everything else is replayed.
     policy = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[],
+        names_which_can_be_saved=[_DEVICE_CARRY],
         names_which_can_be_offloaded=[_HOST_CARRY],
         offload_src="device",
         offload_dst="pinned_host",
     )
-    name = lambda c: jax.tree_util.tree_map(lambda a: checkpoint_name(a, _HOST_CARRY), c)
+    where = lambda a: _HOST_CARRY if jnp.ndim(a) else _DEVICE_CARRY
+    name = lambda c: jax.tree_util.tree_map(lambda a: checkpoint_name(a, where(a)), c)
     offloaded = jax.checkpoint(lambda c, x: run(c, x, plan, name), policy=policy, prevent_cse=False)
     return offloaded(init, xs)
 
