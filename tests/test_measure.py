@@ -563,3 +563,7 @@ def test_host_memory_is_left_out_of_the_devices_peak():
     # no host memory: unchanged (a CPU's stats)
     stats.host_temp_size_in_bytes, stats.peak_memory_in_bytes = 0, 63_320_576
     assert measure.CompiledMemory.from_stats(stats).peak_bytes == 63_320_576
+    # a host alias alone (hand-written stats) is no negative host memory
+    stats.host_alias_size_in_bytes = 40
+    memory = measure.CompiledMemory.from_stats(stats)
+    assert (memory.host_bytes, memory.peak_bytes) == (0, 63_320_576)

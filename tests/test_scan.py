@@ -1153,3 +1153,25 @@ def test_nested_while_loop_bad_inputs_name_the_fix():
         mw.while_loop(lambda s: s, body, 0.0, max_steps=3, schedule="nested")
     with pytest.raises(TypeError, match="body_fun"):
         mw.while_loop(cond, lambda s: (s, s), 0.0, max_steps=3, schedule="nested")
+
+
+def test_a_nested_while_loop_names_an_enclosing_loops_buffer_in_its_carry():
+    def outer(w):
+        def body(s):
+            h, buf, k = mw.while_loop(
+                lambda t: t[2] < 1,
+                lambda t: (jnp.sin(t[0] * w), t[1].at[s["i"]].set(t[0]), t[2] + 1),
+                (s["h"], s["buf"], 0),
+                max_steps=2,
+                schedule="nested",
+            )
+            return {"h": h, "i": s["i"] + 1, "buf": buf}
+
+        init = {"h": jnp.ones(2), "i": 0, "buf": jnp.zeros((4, 2))}
+        out = mw.while_loop(
+            lambda s: s["i"] < 4, body, init, checkpoints=2, max_steps=4, buffers=lambda s: s["buf"]
+        )
+        return out["buf"].sum()
+
+    with pytest.raises(ValueError, match="buffer of an enclosing loop.*schedule='online'"):
+        jax.grad(outer)(0.9)

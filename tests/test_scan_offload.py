@@ -33,7 +33,7 @@ def offloading(monkeypatch):
             "raises there (test_under_jax_remat3_offload_raises_naming_the_flag)"
         )
     if ON_CPU:
-        monkeypatch.setattr(SCAN, "_to_host", lambda offload: offload is not None)
+        monkeypatch.setattr(SCAN, "_to_host", lambda offload, stacklevel=3: offload is not None)
 
 
 def loss_with(scan_fn, reverse=False, **kwargs):
@@ -134,6 +134,16 @@ def test_on_a_cpu_it_warns_and_runs_the_same_segments_on_the_device():
         warnings.simplefilter("error")  # the option is checked, not silently ignored: a
         with pytest.raises(ValueError, match="offload must be None, 'host' or 'auto'"):
             mw.scan(lambda h, x: (h, None), jnp.zeros(2), jnp.ones(3), offload="disk")
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the CPU's behaviour")
+def test_the_cpu_notice_points_at_the_callers_line():
+    with pytest.warns(UserWarning, match="on a CPU") as scan_warning:
+        mw.scan(lambda h, x: (h + x, None), 0.0, jnp.ones(3), schedule="nested", offload="host")
+    with pytest.warns(UserWarning, match="on a CPU") as while_warning:
+        newton_loop(jnp.ones(2), 3, 5, offload="host")
+    assert scan_warning[0].filename == __file__
+    assert while_warning[0].filename == __file__
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """``while_loop``: ``jax.lax.while_loop`` whose reverse mode keeps O(checkpoints) carries.
 
 A while loop does not know its trip count while it runs, so it cannot use the offline
-binomial schedule of :func:`memwise.scan`: it places its checkpoints online
+binomial schedule of :func:`memwise.scan`: by default it places its checkpoints online
 (:class:`memwise.schedule.OnlineCheckpointer`, Stumm & Walther 2010, executed by
 :mod:`memwise._online`) and reverses each stretch between kept carries with revolve, so
 its memory, program and recomputation follow the steps that ran, never ``max_steps``
@@ -9,7 +9,9 @@ its memory, program and recomputation follow the steps that ran, never ``max_ste
 within 5% of it at c >= 4 up to 10,000 steps. Its ``buffers=`` (arrays the body only
 writes, e.g. an ODE solution at save times) stay outside the checkpoints
 (:mod:`memwise._buffers`). The carry checks and the closure conversion of the body are
-the ones ``scan`` uses (:mod:`memwise._loop_inputs`).
+the ones ``scan`` uses (:mod:`memwise._loop_inputs`). A bounded loop can instead run
+all of its ``max_steps`` steps as ``scan``'s nested segments (``schedule="nested"``,
+whose costs follow ``max_steps``, not the steps that ran).
 """
 
 from __future__ import annotations
@@ -66,14 +68,16 @@ def while_loop(
       body_fun: ``carry -> carry`` (same structure, shapes, dtypes); may close over
         arrays, which get gradients.
       init: initial carry (pytree).
-      max_steps: None (no bound) or an int >= 1 bounding the trip count. It changes no
-        cost: memory, compile time and the schedule follow the steps that actually ran
+      max_steps: None (no bound) or an int >= 1 bounding the trip count. With the
+        online schedule it changes no cost: memory, compile time and the schedule follow
+        the steps that actually ran
         (a bounded loop uses the same online schedule: planning the offline optimum for
         ``max_steps`` pays off only when the loop runs nearly all of them, and then saves
         at most a few percent).
       checkpoints: carries kept for the backward pass (x_0 included): an int >= 1, or
         with ``max_steps``, ``None``/``"auto"``/``"all"`` as in :func:`scan` for
-        ``max_steps`` steps. Unbounded loops need an int.
+        ``max_steps`` steps. Unbounded loops need an int. With ``schedule="nested"``:
+        the steps of a segment, an int >= 1 or None (about sqrt(max_steps)).
       buffers: None, or ``carry -> the carry's write-only buffers`` (a leaf or a pytree
         of leaves of the carry, e.g. ``lambda s: s.saved``), as Equinox's checkpointed
         ``while_loop`` takes it: arrays the body writes at traced indices
@@ -105,13 +109,15 @@ def while_loop(
     Returns:
       The final carry, as ``lax.while_loop``.
 
-    Memory/compute: ``checkpoints`` carries and O(checkpoints) integers, whatever the
-    trip count N or ``max_steps``. The gradient evaluates the body
+    Memory/compute (the online schedule; ``schedule="nested"`` is described above):
+    ``checkpoints`` carries and O(checkpoints) integers, whatever the trip count N or
+    ``max_steps``. The gradient evaluates the body
     ``memwise.schedule.online_evaluations(N, c)`` times: exactly the offline optimum
     ``evaluations(N, c)`` while N < (c+1)(c+2)/2, and measured within 5.0%, 4.0%, 2.0%,
     0.1% of it for every N <= 10,000 at c = 4, 8, 16, 64 (``benchmarks/while_loop.py``;
     Equinox's checkpointed while loop needs more at equal c). Reverse mode only:
-    forward mode raises a ``TypeError`` pointing to ``jax.lax.while_loop``.
+    forward mode raises a ``TypeError`` pointing to ``jax.lax.while_loop`` (or use
+    ``schedule="nested"`` with ``max_steps``, which every transformation goes through).
 
     Example::
 
@@ -167,6 +173,13 @@ def _nested_while_loop(cond_fun, body_fun, init, max_steps, checkpoints, buffers
             "keep them in the carry or use schedule='online'"
         )
     _check_offload(offload, "nested", None)
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(init)):
+        if isinstance(leaf, _buffers.WriteOnlyBuffer):
+            raise ValueError(
+                f"carry leaf {i} is a buffer of an enclosing loop, which schedule='nested' "
+                "cannot carry (it keeps whole carries at its segments' starts and takes no "
+                "buffers=); use schedule='online' and name it in buffers="
+            )
     check_arrays(init, "init")
     init, _ = strong_carry(lambda c, _: (body_fun(c), None), init, None, name="body_fun")
     _check_predicate(cond_fun, init)
@@ -179,7 +192,7 @@ def _nested_while_loop(cond_fun, body_fun, init, max_steps, checkpoints, buffers
         return jax.tree_util.tree_map(lambda a, b: jnp.where(go, a, b), new, carry), None
 
     plan = _nested_plan(max_steps, checkpoints, True)
-    to_host = _to_host(_offload_choice(offload))
+    to_host = _to_host(_offload_choice(offload), stacklevel=4)
     return _nested_scan(step, init, None, plan, False, 1, to_host)[0]
 
 

@@ -173,7 +173,8 @@ def scan(
       schedule: ``"binomial"`` (optimal; reverse mode and forward-over-reverse),
         ``"nested"`` (nested ``lax.scan`` + ``jax.checkpoint``: works under ``jvp``,
         ``vmap``, ``grad(grad)``; ``checkpoints`` bounds its carries, default two
-        levels), ``"per_step"``
+        levels; with ``offload=`` given, any value, it is the steps of a segment),
+        ``"per_step"``
         (``lax.scan(jax.checkpoint(f))``: n carries, 2n evaluations) or ``"none"``
         (plain ``lax.scan``: all residuals, n evaluations).
       reverse: as in ``lax.scan``: run the loop from the last step to the first.
@@ -193,8 +194,9 @@ def scan(
         by ``lax.scan``'s own backward, so the device holds one segment's steps whatever
         the length, the host ``ceil(n / checkpoints)`` carries, and the body is evaluated
         2n times. On a CPU, where host and device memory are the same, it warns and runs
-        the same segments on the device; under JAX's ``jax_remat3`` flag, whose
-        checkpoint does not apply offloading policies yet, it raises. ``"auto"``: the
+        the same segments on the device; on an accelerator under JAX's
+        ``jax_remat3`` flag, whose checkpoint does not apply offloading policies yet, it
+        raises. ``"auto"``: the
         same segments, their carries on the device or in host memory as
         :func:`memwise.fit` chooses under its budget (on the device outside ``fit``, and
         wherever ``"host"`` would not offload).
@@ -310,10 +312,10 @@ def _offload_choice(offload: str | None) -> str | None:
     )
 
 
-def _to_host(offload: str | None) -> bool:
+def _to_host(offload: str | None, stacklevel: int = 3) -> bool:
     """Whether the segment carries go to host memory: not on a CPU, where host and
-    device memory are the same (warned once); an error on a backend without host
-    memory addressable by XLA."""
+    device memory are the same (warned, at the user's call ``stacklevel`` frames up);
+    an error on a backend without host memory addressable by XLA."""
     if offload is None:
         return False
     device = jax.devices()[0]
@@ -323,7 +325,7 @@ def _to_host(offload: str | None) -> bool:
             "there, so the segments' carries stay where they are (the same segmented "
             "schedule runs)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
         return False
     _check_remat3()

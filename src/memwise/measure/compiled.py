@@ -93,6 +93,7 @@ class CompiledMemory:
             int(getattr(stats, f"host_{field}_size_in_bytes", 0) or 0)
             for field in ("argument", "output", "temp")
         ) - int(getattr(stats, "host_alias_size_in_bytes", 0) or 0)
+        host = max(host, 0)  # an alias is part of the arguments and outputs
         device = argument + output - alias + temp
         reported_peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
         if host and reported_peak >= device + host:
