@@ -126,9 +126,9 @@ def test_device_memory_does_not_grow_with_length_or_host_carries():
 @pytest.mark.skipif(not ON_CPU, reason="the CPU's behaviour")
 def test_on_a_cpu_it_warns_and_runs_the_same_segments_on_the_device():
     args = inputs(50)
-    ref = jax.grad(loss_with(jax.lax.scan))(*args)
+    ref = jax.jit(jax.grad(loss_with(jax.lax.scan)))(*args)
     with pytest.warns(UserWarning, match="offload='host'.* on a CPU"):
-        got = jax.grad(loss_with(lambda *a, **k: offloaded(*a, **k, checkpoints=5)))(*args)
+        got = jax.jit(jax.grad(loss_with(lambda *a, **k: offloaded(*a, **k, checkpoints=5))))(*args)
     assert_tree_close(got, ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the option is checked, not silently ignored: a
@@ -203,9 +203,9 @@ def test_offload_auto_on_a_cpu_is_no_knob_and_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with knobs.recording() as found:
-            got = jax.grad(auto_loss)(*args)
+            got = jax.jit(jax.grad(auto_loss))(*args)
     assert found == []
-    assert_tree_close(got, jax.grad(loss_with(jax.lax.scan))(*args))
+    assert_tree_close(got, jax.jit(jax.grad(loss_with(jax.lax.scan)))(*args))
 
 
 @pytest.mark.skipif(ON_CPU or REMAT3, reason="host memory on an accelerator")
