@@ -60,7 +60,7 @@ test-full:
 ACCELERATOR_TESTS := tests/test_sdpa_jax.py tests/test_engine.py tests/test_pairwise.py \
 	tests/test_vjp.py tests/test_cross_entropy.py tests/test_chunked.py tests/test_accumulate.py \
 	tests/test_kernels.py tests/test_cross_entropy_kernel.py tests/test_pairwise_kernel.py \
-	tests/test_scan_offload.py
+	tests/test_pair_function_kernel.py tests/test_scan_offload.py
 test-accelerator: $(VENV)/.installed-test
 	$(BIN)/python -c 'import jax, sys; sys.exit(0 if jax.default_backend() != "cpu" else "test-accelerator: JAX finds no accelerator (jax.devices() is CPU)")'
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(ACCELERATOR_TESTS)

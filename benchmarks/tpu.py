@@ -50,7 +50,11 @@ Sinkhorn iterations at 20,000 and 50,000 points in 64 dimensions (epsilon 0.1): 
 JAX where the matrix fits (a ``fori_loop`` over the stored cost for Sinkhorn), memwise's
 XLA tiles, its held matrix (``chunk_size=None``) and its fused kernel; pairs per second
 and the chip's floors (the matrix unit's and the vector unit's); a sweep of the kernel's
-blocks and its error against float64 at each matmul precision.
+blocks and its error against float64 at each matmul precision; a pair function of the
+user's (the L1 cost's soft c-transform through ``mw.pairwise_reduce``, 20,000 points, d
+= 3) and 100 Sinkhorn iterations of the Euclidean cost (20,000 points, d = 3), both
+through the pair function's kernel. ``--cases`` picks the cases whose titles hold one
+of its comma-separated words.
 
 Usage: ``python benchmarks/tpu.py [--suite attention|cross_entropy|loops|pairwise] [--cases 4k,16k,64k]
 [--full] [--variants memwise] [--cpu]`` (``python -m benchmarks tpu`` on a TPU host;
@@ -382,6 +386,9 @@ def tables(cases: dict) -> list[dict]:
     return out
 
 
+_ATTENTION_CASES = "4k,16k,64k"
+
+
 def main(argv=None, quick: bool = False) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -389,7 +396,11 @@ def main(argv=None, quick: bool = False) -> int:
         default="attention",
         choices=("attention", "cross_entropy", "loops", "pairwise", "ot"),
     )
-    parser.add_argument("--cases", default="4k,16k,64k")
+    parser.add_argument(
+        "--cases",
+        default=_ATTENTION_CASES,
+        help="attention: its lengths; other suites: only cases whose titles hold one of these",
+    )
     parser.add_argument(
         "--full", action="store_true", help="also full (non-causal) and head dim 64"
     )
@@ -467,7 +478,10 @@ def _main_section(args, name: str, notes: str, cases: list, tables) -> int:
     section["notes"] = notes
     section.setdefault("cases", {})
     only = [v for v in args.variants.split(",") if v]
+    picked = [] if args.cases == _ATTENTION_CASES else args.cases.split(",")
     for case, run in cases:
+        if picked and not any(p in case for p in picked):
+            continue
         # rows of variants this run did not measure (``--variants``) are kept
         fresh = run(only)
         if fresh is None:  # a case with none of the variants asked for
@@ -823,6 +837,69 @@ def run_softmin(
     return rows
 
 
+def _laplace_score(eps):
+    """A pair function of the user's: the L1 (Laplacian) cost's score, no inner product."""
+    return lambda a, b: -jnp.sum(jnp.abs(a - b)) / eps
+
+
+def run_pair_function(n, d, *, repeats, only=(), sweep=()):
+    """``-eps log sum_j exp(-|x_i - y_j|_1 / eps)``: dense, the XLA tiles and the pair
+    function's kernel, forward and value_and_grad; ``sweep``: the kernel's blocks."""
+    from memwise.engine import tpu_pair_function as tpf
+
+    kx, ky = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (n, d), jnp.float32)
+    y = jax.random.normal(ky, (n, d), jnp.float32) + 0.5
+    eps = jnp.float32(1.0)
+
+    def dense(x, y):
+        c = jnp.sum(jnp.abs(x[:, None, :] - y[None]), axis=-1)
+        return -eps * jax.nn.logsumexp(-c / eps, axis=1)
+
+    def tiles(implementation):
+        return lambda x, y: (
+            -eps
+            * mw.pairwise_reduce(
+                _laplace_score(eps), x, y, reduce="logsumexp", implementation=implementation
+            )
+        )
+
+    configs = [("dense", dense, None), ("memwise xla", tiles("xla"), None)]
+    configs += [("memwise pallas", tiles("pallas"), None)]
+    configs += [(f"memwise pallas {r}x{c}", tiles("pallas"), (r, c)) for r, c in sweep]
+    original = tpf.block_sizes
+    rows = []
+    for name, fn, blocks in configs:
+        if only and not name.startswith(tuple(only)):
+            continue
+        if blocks is not None:
+            tpf.block_sizes = lambda *a, b=blocks: tpf.Blocks(*b, *b)
+        try:
+            for mode in ("forward", "value_and_grad"):
+                # a new function for each configuration: jit would reuse another's program
+                g = functools.partial(fn)
+                f = (
+                    g
+                    if mode == "forward"
+                    else jax.value_and_grad(lambda x, y, g=g: jnp.sum(g(x, y)), (0, 1))
+                )
+                r = _measure(f, (x, y), 0.0, repeats)
+                r.pop("tflops", None)
+                vjp = mode != "forward"
+                row = {"variant": name, "mode": mode, **r}
+                if "ms" in r:
+                    row["gpairs_s"] = n * n * (3 if vjp else 1) / (r["ms"] * 1e-3) / 1e9
+                # per pair: 2 d + (d - 1) + 5 forward; each backward pass re-forms the
+                # pair (about 3 d + 6) and weighs its derivative (about 4 d)
+                ops = 7 * d + 6 if vjp else 3 * d + 4
+                row.update(_floors(n * n, d, 3 if vjp else 1, ops, False))
+                rows.append(row)
+                print(json.dumps({"n": n, "d": d, **row}), flush=True)
+        finally:
+            tpf.block_sizes = original
+    return rows
+
+
 def dense_potentials(c, log_a, log_b, eps, iterations):
     """``iterations`` log-domain Sinkhorn iterations on a held cost matrix ``c``."""
 
@@ -835,18 +912,21 @@ def dense_potentials(c, log_a, log_b, eps, iterations):
     return jax.lax.fori_loop(0, iterations, step, (jnp.zeros_like(log_a), jnp.zeros_like(log_b)))
 
 
-def _dense_sinkhorn(x, y, eps, iterations):
+def _dense_sinkhorn(x, y, eps, iterations, cost="sqeuclidean"):
     c = jnp.sum(x * x, 1)[:, None] + jnp.sum(y * y, 1)[None] - 2 * x @ y.T
+    if cost == "euclidean":
+        c = jnp.sqrt(jnp.maximum(c, 0.0))
     log_a = jnp.full(x.shape[0], -jnp.log(x.shape[0]), x.dtype)
     log_b = jnp.full(y.shape[0], -jnp.log(y.shape[0]), y.dtype)
     f, g = dense_potentials(c, log_a, log_b, eps, iterations)
     return jnp.sum(jnp.exp(log_a) * f) + jnp.sum(jnp.exp(log_b) * g)
 
 
-def _memwise_sinkhorn(x, y, eps, iterations, chunk_size, implementation):
+def _memwise_sinkhorn(x, y, eps, iterations, chunk_size, implementation, cost="sqeuclidean"):
     out = mw.ot.sinkhorn(
         x,
         y,
+        cost=cost,
         epsilon=eps,
         chunk_size=chunk_size,
         max_iterations=iterations,
@@ -856,7 +936,9 @@ def _memwise_sinkhorn(x, y, eps, iterations, chunk_size, implementation):
     return out.reg_ot_cost
 
 
-def run_sinkhorn(n, d, *, repeats, only=(), iterations=100, dense=True, xla=True, sweep=()):
+def run_sinkhorn(
+    n, d, *, repeats, only=(), iterations=100, dense=True, xla=True, sweep=(), cost="sqeuclidean"
+):
     from memwise.engine import tpu_cross_entropy as tce
     from memwise.engine import tpu_dot_scores as tds
 
@@ -865,25 +947,21 @@ def run_sinkhorn(n, d, *, repeats, only=(), iterations=100, dense=True, xla=True
     y = jax.random.normal(ky, (n, d), jnp.float32) / d**0.5 + 0.1
     eps = 0.1
     variants = {}
+    solve = functools.partial(_memwise_sinkhorn, cost=cost)
     if dense:
-        variants["dense"] = lambda x, y: _dense_sinkhorn(x, y, eps, iterations)
+        variants["dense"] = lambda x, y: _dense_sinkhorn(x, y, eps, iterations, cost)
     if xla:
-        variants["memwise xla"] = lambda x, y: _memwise_sinkhorn(
-            x, y, eps, iterations, "auto", "xla"
-        )
-        if dense:
-            variants["memwise held"] = lambda x, y: _memwise_sinkhorn(
-                x, y, eps, iterations, None, "xla"
-            )
-    variants["memwise pallas"] = lambda x, y: _memwise_sinkhorn(
-        x, y, eps, iterations, "auto", "pallas"
-    )
+        variants["memwise xla"] = lambda x, y: solve(x, y, eps, iterations, "auto", "xla")
+        if dense and cost == "sqeuclidean":
+            variants["memwise held"] = lambda x, y: solve(x, y, eps, iterations, None, "xla")
+    variants["memwise pallas"] = lambda x, y: solve(x, y, eps, iterations, "auto", "pallas")
 
     def highest(x, y):
         with jax.default_matmul_precision("highest"):
-            return _memwise_sinkhorn(x, y, eps, iterations, "auto", "pallas")
+            return solve(x, y, eps, iterations, "auto", "pallas")
 
-    variants["memwise pallas, highest precision"] = highest
+    if cost == "sqeuclidean":  # the other costs' kernel computes in float32 alone
+        variants["memwise pallas, highest precision"] = highest
     rows = []
     original = tds.pair_block_sizes
     configs = [(name, None) for name in variants] + [
@@ -904,7 +982,8 @@ def run_sinkhorn(n, d, *, repeats, only=(), iterations=100, dense=True, xla=True
         row = {"variant": name, "mode": "forward", **r}
         if "ms" in r:
             row["gpairs_s"] = 2 * iterations * n * n / (r["ms"] * 1e-3) / 1e9
-        row.update(_floors(n * n, d, 2 * iterations, 5, False))
+        ops = 5 if cost == "sqeuclidean" else 3 * d + 6  # differences, squares, sqrt
+        row.update(_floors(n * n, d if cost == "sqeuclidean" else 0, 2 * iterations, ops, False))
         rows.append(row)
         print(json.dumps({"n": n, "d": d, "iterations": iterations, **row}), flush=True)
     return rows
@@ -947,7 +1026,14 @@ PAIRWISE_NOTES = (
     "matrix unit's (2 d flops per pair at 197 TFLOP/s) and the vector unit's (about 5 "
     "operations per pair forward, 6 backward, at 6.1e12 a second, or one exponential "
     "per pair at 1.5e12 a second, whichever is slower). Default matmul precision unless "
-    "stated."
+    "stated. A pair function's softmin: the L1 cost -eps log sum_j exp(-|x_i - y_j|_1 / "
+    "eps) at epsilon 1 written as a function of two points for mw.pairwise_reduce (no "
+    "inner product in it): dense the n x m matrix by broadcasting; memwise pallas its "
+    "pair-function kernel (the function traced into the kernel, evaluated per feature; "
+    "rows x columns the blocks of both passes where given); its vector-unit floor counts "
+    "3 d + 4 operations a pair forward, 7 d + 6 with gradients. Euclidean Sinkhorn: "
+    "cost='euclidean' (sqrt of the squared distance: no matrix-unit form), the pair "
+    "function's kernel in memwise pallas."
 )
 
 
@@ -1003,6 +1089,16 @@ def _main_pairwise(args) -> int:
         cases = [
             ("softmin, 512 x 512, d = 3", lambda only: run_softmin(512, 3, repeats=1, only=only)),
             (
+                "a pair function's softmin (L1 cost), 512 x 512, d = 3",
+                lambda only: run_pair_function(512, 3, repeats=1, only=only),
+            ),
+            (
+                "100 Sinkhorn iterations, Euclidean cost, 512 x 512, d = 3",
+                lambda only: run_sinkhorn(
+                    512, 3, repeats=1, only=only, iterations=3, cost="euclidean"
+                ),
+            ),
+            (
                 "100 Sinkhorn iterations, 512 x 512, d = 64",
                 lambda only: run_sinkhorn(512, 64, repeats=1, only=only, iterations=3),
             ),
@@ -1028,6 +1124,20 @@ def _main_pairwise(args) -> int:
                     dense=False,
                     sweep=((512, 2048), (1000, 1024), (1000, 4096), (2000, 2048)),
                 ),
+            ),
+            (
+                "a pair function's softmin (L1 cost), 20,000 x 20,000, d = 3",
+                lambda only: run_pair_function(
+                    20_000,
+                    3,
+                    repeats=repeats,
+                    only=only,
+                    sweep=((256, 1024), (512, 1024), (256, 2048)),
+                ),
+            ),
+            (
+                "100 Sinkhorn iterations, Euclidean cost, 20,000 x 20,000, d = 3",
+                lambda only: run_sinkhorn(20_000, 3, repeats=repeats, only=only, cost="euclidean"),
             ),
             (
                 "softmin, 1,000,000 x 1,000,000, d = 3",

@@ -257,9 +257,16 @@ def test_nan_propagates_like_jnp():
 
 
 def _lse_loss(x, y, chunk_size):
+    # the XLA tiles' memory (on a TPU the default is the pair function's kernel:
+    # tests/test_pair_function_kernel.py states its memory)
     return jnp.sum(
         mw.pairwise_reduce(
-            lambda a, b: -jnp.sum((a - b) ** 2), x, y, reduce="logsumexp", chunk_size=chunk_size
+            lambda a, b: -jnp.sum((a - b) ** 2),
+            x,
+            y,
+            reduce="logsumexp",
+            chunk_size=chunk_size,
+            implementation="xla",
         )
     )
 

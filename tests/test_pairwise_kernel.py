@@ -204,8 +204,8 @@ def test_pallas_names_what_the_kernel_cannot_serve():
     x, y = _clouds(20, 30, 2)
     with pytest.raises(ValueError, match="implementation must be None"):
         mw.ot.sinkhorn(x, y, implementation="triton")
-    with pytest.raises(ValueError, match="other costs"):
-        mw.ot.sinkhorn(x, y, cost="euclidean", implementation="pallas")
+    with pytest.raises(ValueError, match="operation sort in the pair function"):
+        mw.ot.sinkhorn(x, y, cost=lambda a, b: jnp.sort(a - b)[0] ** 2, implementation="pallas")
     with pytest.raises(ValueError, match="held cost matrix"):
         mw.ot.sinkhorn(x, y, chunk_size=None, implementation="pallas")
     with jax.enable_x64(True), pytest.raises(ValueError, match="dtype float64"):
@@ -236,11 +236,13 @@ def test_the_default_on_a_cpu_only_machine_traces_no_kernel(monkeypatch):
 
 
 def test_the_default_chooses_the_kernel_where_a_tpu_is_present(monkeypatch):
-    # As on a TPU host: the squared Euclidean passes hold both the kernel and the tiles,
-    # and lowering keeps the platform's branch; other costs run the tiles alone.
+    # As on a TPU host: the squared Euclidean passes (the inner products' kernel) and the
+    # Euclidean ones (the pair function's) hold both a kernel and the tiles, and lowering
+    # keeps the platform's branch; a cost no kernel evaluates runs the tiles alone.
     monkeypatch.setattr(kernels, "_platform_present", lambda platform: True)
     x, y = _clouds(40, 30, 2)
-    for cost, kernel in (("sqeuclidean", True), ("euclidean", False)):
+    sort = lambda a, b: jnp.sort(a - b)[0] ** 2  # noqa: E731
+    for cost, kernel in (("sqeuclidean", True), ("euclidean", True), (sort, False)):
         loss = lambda x, cost=cost: mw.ot.sinkhorn(x, y, epsilon=1.0, cost=cost).reg_ot_cost  # noqa: E731
         text = str(jax.make_jaxpr(jax.value_and_grad(loss))(x))
         assert ("platform_index" in text) == kernel, cost

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from memwise._arguments import check_arrays
 from memwise.engine import REDUCTIONS, Ring, tiled_reduce
-from memwise.engine.kernels import Pattern
+from memwise.engine.kernels import Pattern, check_implementation, may_serve
 from memwise.sharding import (
     check_divisible,
     convert,
@@ -67,6 +67,7 @@ _KINDS = {
     "argmin": _Kind("max", sign=-1.0, index=True),
 }
 _PAIRWISE = tuple(_KINDS)
+_KERNEL_REDUCTIONS = ("sum", "logsumexp")  # a user's fn in the TPU kernel
 
 
 def pairwise_reduce(
@@ -81,6 +82,7 @@ def pairwise_reduce(
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     ring: bool | None = None,
+    implementation: str | None = None,
 ) -> jax.Array:
     """``reduce_j fn(x_i, y_j) [* or + weights_j]`` without ever holding an n x m array.
 
@@ -140,6 +142,16 @@ def pairwise_reduce(
         under a budget (a ``ring`` knob); never a ring when m does not divide evenly over the
         devices or ``y`` is declared whole on every device (a replicated
         ``NamedSharding``). ``True``: a ring, or a ``ValueError``.
+      implementation: ``None`` (the default): on a TPU, ``"sum"`` and ``"logsumexp"``
+        run in a fused Pallas kernel where it serves the call
+        (:mod:`memwise.engine.tpu_pair_function`: ``fn`` traced once and evaluated per
+        feature over tiles of pairs; points one ``(n,)`` or ``(n, d)`` array a side, at
+        most 32 features, a scalar per pair, elementwise operations, sums, slices and
+        broadcasts of the features), the XLA tiles otherwise and on other platforms.
+        ``"xla"``: the tiles everywhere. ``"pallas"``: the kernel (in Pallas's interpret
+        mode where no TPU is present), or a ``ValueError`` naming what it does not serve.
+        The kernel computes ``fn`` in float32 and ignores ``chunk_size`` (its blocks are
+        its own).
 
     Returns:
       Array of shape ``(n,) + out`` (``(m,) + out`` for ``axis=0``).
@@ -164,6 +176,7 @@ def pairwise_reduce(
         mesh=mesh,
         axis_name=axis_name,
         ring=ring,
+        implementation=implementation,
     )
 
 
@@ -193,6 +206,12 @@ def reduce_pairs(
         raise ValueError(f"axis must be 1 (reduce over y) or 0 (reduce over x), got {axis!r}")
     if not callable(fn):
         raise TypeError(f"fn must be a callable of two points, got {type(fn).__name__}")
+    check_implementation(implementation)
+    if implementation == "pallas" and pattern is None and reduce not in _KERNEL_REDUCTIONS:
+        raise ValueError(
+            f"implementation='pallas' serves reduce='sum' and 'logsumexp', not {reduce!r}: "
+            "pass implementation=None or 'xla'"
+        )
     check_arrays(x, "x")
     check_arrays(y, "y")
     if weights is not None:
@@ -356,6 +375,13 @@ def _pairwise_local(
     cols: dict = {"y": y}
     if weights is not None:
         cols["w"] = weights
+    pattern, implementation = seam
+    if (
+        pattern is None
+        and kind.engine in _KERNEL_REDUCTIONS
+        and may_serve("pair_function", kind.engine, implementation)
+    ):
+        pattern = Pattern("pair_function", (("fn", converted), ("weights", kind.weights)))
 
     def tile_fn(xb, cb, _pairs, k, _rids, _cids):
         s = jax.vmap(jax.vmap(lambda a, b: converted(a, b, *k), (None, 0)), (0, None))(xb, cb["y"])
@@ -385,8 +411,8 @@ def _pairwise_local(
         vary_consts=vary_consts,
         ring=ring,
         forward_mode_error=_FORWARD_MODE,
-        pattern=seam[0],
-        implementation=seam[1],
+        pattern=pattern,
+        implementation=implementation,
     )
     if kind.engine != "max":
         return out

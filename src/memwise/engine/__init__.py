@@ -56,6 +56,7 @@ from memwise.engine import (
     tpu_attention,  # noqa: F401, E402  (registers its kernel)
     tpu_cross_entropy,  # noqa: F401, E402  (registers its kernels)
     tpu_dot_scores,  # noqa: F401, E402  (registers its kernel)
+    tpu_pair_function,  # noqa: F401, E402  (registers its kernels)
 )
 from memwise.engine.api import tiled_reduce
 from memwise.engine.reductions import REDUCTIONS, Reduction

@@ -50,6 +50,7 @@ __all__ = [
     "find",
     "first_order",
     "may_serve",
+    "points_on_one_device",
     "register",
     "registered",
     "trace_config",
@@ -177,6 +178,16 @@ def find(
     return None, reasons
 
 
+def points_on_one_device(call: KernelCall) -> str | None:
+    """What a kernel over the pairs of two point sets on one device declines in
+    ``call``: points split over devices (a ring) or batch dims; else ``None``."""
+    if call.ring is not None:
+        return "points split over devices (it runs on one device)"
+    if call.batch:
+        return "batch dims"
+    return None
+
+
 def may_serve(pattern: str, reduce: str, implementation: str | None) -> bool:
     """Whether a call of ``pattern`` and ``reduce`` with ``implementation`` may run a
     kernel in this process: ``"pallas"`` always (interpret mode where no platform of the
@@ -247,11 +258,15 @@ def trace_config(dtype: Any) -> Iterator[None]:
         yield
 
 
-def one_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+def one_at_a_time(
+    fn: Callable[..., Any], when: Callable[[tuple], bool] | None = None
+) -> Callable[..., Any]:
     """``fn`` whose ``vmap`` is a loop over the batch (``lax.map``), not a batched Pallas
     call: for a kernel whose TPU lowering cannot take the batch as one more grid axis (a
-    buffer it addresses by hand in HBM, ``memory_space=ANY``), and that fills the chip
-    alone at each batch element."""
+    buffer it addresses by hand in HBM, ``memory_space=ANY``, or reads whole from SMEM),
+    and that fills the chip alone at each batch element. ``when(in_batched)`` (the
+    arguments' batched flags, shaped like the arguments): loop only where it holds, else
+    ``fn``'s own ``vmap``."""
 
     @jax.custom_batching.custom_vmap
     def call(*args: Any) -> Any:
@@ -260,6 +275,10 @@ def one_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
     @call.def_vmap
     def _vmap(axis_size: int, in_batched: Any, *args: Any) -> tuple[Any, Any]:
         del axis_size
+        if when is not None and not when(tuple(in_batched)):
+            axes = jax.tree.map(lambda b: 0 if b else None, tuple(in_batched))
+            out = jax.vmap(fn, in_axes=axes)(*args)
+            return out, jax.tree.map(lambda _: True, out)
         leaves, tree = jax.tree.flatten(args)
         flags = jax.tree.leaves(in_batched)
 

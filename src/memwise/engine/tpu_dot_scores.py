@@ -41,10 +41,9 @@ def _operands(rows: Any, cols: Any) -> tuple[Any, Any, Any]:
 def _declines(
     call: kernels.KernelCall, rows: Any, cols: Any, pairs: Any, consts: Any
 ) -> str | None:
-    if call.ring is not None:
-        return "points split over devices (it runs on one device)"
-    if call.batch:
-        return "batch dims"
+    why = kernels.points_on_one_device(call)
+    if why is not None:
+        return why
     if pairs or jax.tree.leaves(consts):
         return "pair or constant operands"
     x, y, w = _operands(rows, cols)

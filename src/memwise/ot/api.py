@@ -180,12 +180,15 @@ def sinkhorn(
         point of its updates), ``"envelope"`` holds the potentials fixed (OTT-JAX's
         default ``use_danskin=True``: its numbers, in the balanced gradient's memory,
         but not the derivative). Balanced problems: both are the exact envelope gradient.
-      implementation: what runs the chunked passes of the ``"sqeuclidean"`` cost (its
-        soft c-transforms and their gradients): ``None`` (the default) a fused Pallas
-        kernel where one is compiled for the platform and serves the points (float32 or
-        bfloat16, one device), the XLA tiles elsewhere; ``"xla"`` the tiles; ``"pallas"``
-        the kernel (Pallas's interpret mode on a platform it is not compiled for, a
-        ``ValueError`` naming what it lacks). Other costs run the tiles.
+      implementation: what runs the chunked soft c-transforms and their gradients:
+        ``None`` (the default) a fused Pallas kernel where one is compiled for the
+        platform and serves the call (one device; for ``"sqeuclidean"`` float32 or
+        bfloat16 points and a log-sum-exp of inner products, for other costs the cost
+        traced into the pair function's kernel: :func:`memwise.pairwise_reduce`), the
+        XLA tiles elsewhere; ``"xla"`` the tiles; ``"pallas"`` the kernel (Pallas's
+        interpret mode on a platform it is not compiled for, a ``ValueError`` naming
+        what it lacks). The solve's other passes run a kernel where one serves them
+        unless ``"xla"`` is asked for.
 
     Returns:
       A :class:`SinkhornResult`.

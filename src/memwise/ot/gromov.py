@@ -70,6 +70,7 @@ from memwise.ot.api import sinkhorn
 from memwise.ot.costs import InnerProduct
 from memwise.ot.gradients import reg_ot_cost, reverse_mode_only
 from memwise.ot.marginals import Side, held_potential
+from memwise.ot.passes import auxiliary
 from memwise.ot.plan import TransportPlan
 from memwise.ot.problem import _check_points, _check_tau, _check_weights, check_scalar, side_of
 from memwise.pairwise import pairwise_reduce
@@ -130,8 +131,10 @@ def _fourth(xi: Array, xk: Array) -> Array:
     return jnp.square(jnp.sum(xi * xi) + jnp.sum(xk * xk) - 2.0 * jnp.dot(xi, xk))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _squared_distances_applied(x: Array, weights: Array, chunk_size: Any) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _squared_distances_applied(
+    x: Array, weights: Array, chunk_size: Any, implementation: str | None
+) -> Array:
     """``(Cx^2 w)_i = sum_k |x_i - x_k|^4 w_k``: one chunked sum over pairs.
 
     Its gradient uses the symmetry of ``|x_i - x_k|^4``: ``x`` is both operands, so the
@@ -140,20 +143,36 @@ def _squared_distances_applied(x: Array, weights: Array, chunk_size: Any) -> Arr
     row operand's gradient of one pass with the two weights ``(w, c)`` as columns, and
     row cotangents ``(c, w)``.
     """
-    return pairwise_reduce(_fourth, x, x, reduce="sum", weights=weights, chunk_size=chunk_size)
+    return pairwise_reduce(
+        _fourth,
+        x,
+        x,
+        reduce="sum",
+        weights=weights,
+        chunk_size=chunk_size,
+        implementation=auxiliary(implementation),
+    )
 
 
-def _squared_distances_applied_fwd(x, weights, chunk_size):
-    return _squared_distances_applied(x, weights, chunk_size), (x, weights)
+def _squared_distances_applied_fwd(x, weights, chunk_size, implementation):
+    return _squared_distances_applied(x, weights, chunk_size, implementation), (x, weights)
 
 
-def _squared_distances_applied_bwd(chunk_size, residuals, ct):
+def _squared_distances_applied_bwd(chunk_size, implementation, residuals, ct):
     x, weights = residuals
     held = jax.lax.stop_gradient(x)
 
     def both(x):  # [n, 2]: sum_k f(x_i, x_k) w_k and sum_k f(x_i, x_k) c_k
         pair = jnp.stack([weights, ct], axis=1)
-        return pairwise_reduce(_fourth, x, held, reduce="sum", weights=pair, chunk_size=chunk_size)
+        return pairwise_reduce(
+            _fourth,
+            x,
+            held,
+            reduce="sum",
+            weights=pair,
+            chunk_size=chunk_size,
+            implementation=auxiliary(implementation),
+        )
 
     sums, vjp = jax.vjp(both, x)
     (ct_x,) = vjp(jnp.stack([ct, weights], axis=1))
@@ -190,7 +209,7 @@ def _held_apply_bwd(plan, ct):
 _held_apply.defvjp(_held_apply_fwd, _held_apply_bwd)
 
 
-def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size, shift=0.0):
+def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size, shift=0.0, implementation=None):
     """The augmented points whose inner products are the linearised cost at ``plan``
     (marginals ``p = P 1``, ``q = P^T 1``; see the module docstring), plus the constant
     ``shift`` (unbalanced GW's correction, :mod:`memwise.ot.gromov_unbalanced`).
@@ -206,8 +225,8 @@ def _linearised(x, y, fx, fy, penalty, plan, p, q, chunk_size, shift=0.0):
         applied = plan.apply(columns.T, axis=1).T
     else:
         applied = _held_apply(plan, columns)  # [P |y|^2, P y]: [n, d' + 1]
-    u = _squared_distances_applied(x, p, chunk_size) + shift
-    v = _squared_distances_applied(y, q, chunk_size)
+    u = _squared_distances_applied(x, p, chunk_size, implementation) + shift
+    v = _squared_distances_applied(y, q, chunk_size, implementation)
     return _augmented(x, y, fx, fy, jnp.asarray(penalty, x.dtype), applied, p, u, v)
 
 
@@ -453,6 +472,7 @@ def gromov_wasserstein(
                 f"{sorted(_SINKHORN_OPTIONS - _SET_HERE)}"
             )
     options.setdefault("chunk_size", chunk_size)
+    impl = options.get("implementation")
 
     # A traced tau is relaxed and held (not differentiated), as in mw.ot.sinkhorn.
     def side(tau: Any) -> Side:
@@ -476,14 +496,18 @@ def gromov_wasserstein(
         was taken at (rescaled when unbalanced) and that plan's mass before rescaling."""
         if not relaxed:
             p, q = plan.marginal(1), plan.marginal(0)
-            points = _linearised(x, y, fx, fy, fused_penalty, plan, p, q, chunk_size)
+            points = _linearised(
+                x, y, fx, fy, fused_penalty, plan, p, q, chunk_size, implementation=impl
+            )
             return points, eps, plan, old_mass
         scale, p, q, mass = unbalanced.rescale(plan, old_mass)
         plan = plan_of(plan.x, plan.y, plan.f + plan.eps * jnp.log(scale), plan.g, plan.eps,
                        weights=(plan.a, plan.b))  # fmt: skip
         eps = eps * jax.lax.stop_gradient(jnp.sum(p))
         shift = unbalanced.correction(sides, eps, plan, p, q)
-        points = _linearised(x, y, fx, fy, fused_penalty * scale, plan, p, q, chunk_size, shift)
+        points = _linearised(
+            x, y, fx, fy, fused_penalty * scale, plan, p, q, chunk_size, shift, impl
+        )
         return points, eps, plan, mass
 
     sx, sy, sfx, sfy = jax.lax.stop_gradient((x, y, fx, fy))
@@ -494,7 +518,7 @@ def gromov_wasserstein(
     eps = held_eps * mass if relaxed else held_eps
     shift = unbalanced.product_correction(sides, eps, a, b) if relaxed else 0.0
     first = solve(
-        _linearised(sx, sy, sfx, sfy, fused_penalty, product, a, b, chunk_size, shift), eps
+        _linearised(sx, sy, sfx, sfy, fused_penalty, product, a, b, chunk_size, shift, impl), eps
     )
 
     template = first.plan  # the cost and tiling every solve shares

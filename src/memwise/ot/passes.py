@@ -64,9 +64,24 @@ class Placed(NamedTuple):
 
 def _placed(where: Placed) -> dict:
     """``pairwise_reduce`` keyword arguments for a pass placed at ``where``: split, the
-    second cloud always travels on a ring (every pass of a solve, no all-gather)."""
+    second cloud always travels on a ring (every pass of a solve, no all-gather); the
+    pass's implementation :func:`auxiliary`."""
     ring = None if where.mesh is None else True
-    return dict(chunk_size=where.tiles, mesh=where.mesh, axis_name=where.axes, ring=ring)
+    return dict(
+        chunk_size=where.tiles,
+        mesh=where.mesh,
+        axis_name=where.axes,
+        ring=ring,
+        implementation=auxiliary(where.implementation),
+    )
+
+
+def auxiliary(implementation: str | None) -> str | None:
+    """The implementation of a pass outside the solve's soft c-transforms (a plan
+    applied, a cost summed): the tiles where the caller asked for them, else a kernel
+    where one serves the pass (``implementation="pallas"`` is about the solve's passes:
+    another pass no kernel serves runs the tiles)."""
+    return "xla" if implementation == "xla" else None
 
 
 def placement(x: Array, y: Array, tiles: Tiling, held: bool = False) -> Placed:
@@ -124,7 +139,7 @@ def softmin(
         reduce="logsumexp",
         weights=log_weights,
         axis=axis,
-        **_placed(chunk_size),
+        **{**_placed(chunk_size), "implementation": chunk_size.implementation},
     )
 
 
@@ -152,8 +167,7 @@ def _inner_product_softmin(x, y, log_weights, eps, where, axis, squared):
         weights=shift.astype(kept.dtype),
         axis=axis,
         pattern=Pattern("dot_scores"),
-        implementation=where.implementation,
-        **_placed(where),
+        **{**_placed(where), "implementation": where.implementation},
     )
     if not squared:
         return (-eps * lse).astype(lse.dtype)

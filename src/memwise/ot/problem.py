@@ -31,7 +31,7 @@ import numpy as np
 
 from memwise._arguments import non_negative_int, positive_int
 from memwise.engine.kernels import check_implementation
-from memwise.ot.costs import CostFn, InnerProduct, center, cost_exponent, resolve_cost
+from memwise.ot.costs import CostFn, center, cost_exponent, resolve_cost
 from memwise.ot.gradients import reverse_mode_only
 from memwise.ot.marginals import HARD, Side
 from memwise.ot.passes import Placed, default_epsilon, placement
@@ -133,16 +133,11 @@ def prepare(
             f"the potentials held fixed, exact only when balanced), got {cost_gradient!r}"
         )
     check_implementation(implementation)
-    kernel_cost = isinstance(cost, InnerProduct) or (
-        isinstance(cost, str) and cost == "sqeuclidean"
-    )
-    if implementation == "pallas" and (not kernel_cost or chunk_size is None):
+    if implementation == "pallas" and chunk_size is None:
         raise ValueError(
-            "implementation='pallas' runs the chunked passes of cost='sqeuclidean' and of "
-            "Gromov-Wasserstein's linear solves (a fused log-sum-exp of inner products); got "
-            f"cost={cost!r} with chunk_size="
-            f"{chunk_size!r}: pass implementation=None or 'xla' for "
-            + ("a held cost matrix" if chunk_size is None else "other costs")
+            "implementation='pallas' runs the chunked passes (a fused kernel over tiles of "
+            "pairs); chunk_size=None holds the cost matrix: pass implementation=None or "
+            "'xla' for a held cost matrix, or a chunk_size"
         )
     relaxed = _check_relaxation(tau_a, tau_b, reach, cost)
     x, y = _check_points("x", x), _check_points("y", y)
