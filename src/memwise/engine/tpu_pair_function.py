@@ -383,7 +383,9 @@ def _no_custom_vjp(jaxpr: Any) -> None:
     by each pair's weight, which holds for JAX's own derivatives (linear in the
     cotangent) but not for a ``jax.custom_vjp`` rule (gradient clipping, say)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name.startswith("custom_vjp"):
+        # JAX_CUSTOM_VJP3 traces a custom_vjp as a hijax primitive's call
+        hi = type(eqn.params.get("_prim")).__name__
+        if eqn.primitive.name.startswith("custom_vjp") or "VJP" in hi:
             raise Unsupported(
                 "custom_vjp (a backward rule need not be linear in the cotangent, which the "
                 "kernel scales by each pair's weight)"
