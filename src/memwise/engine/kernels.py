@@ -178,13 +178,16 @@ def find(
     return None, reasons
 
 
-def points_on_one_device(call: KernelCall) -> str | None:
+def points_on_one_device(call: KernelCall, pairs: Any) -> str | None:
     """What a kernel over the pairs of two point sets on one device declines in
-    ``call``: points split over devices (a ring) or batch dims; else ``None``."""
+    ``call``: points split over devices (a ring), batch dims, or pair operands; else
+    ``None``."""
     if call.ring is not None:
         return "points split over devices (it runs on one device)"
     if call.batch:
         return "batch dims"
+    if pairs:
+        return "pair operands"
     return None
 
 
@@ -276,9 +279,7 @@ def one_at_a_time(
     def _vmap(axis_size: int, in_batched: Any, *args: Any) -> tuple[Any, Any]:
         del axis_size
         if when is not None and not when(tuple(in_batched)):
-            axes = jax.tree.map(lambda b: 0 if b else None, tuple(in_batched))
-            out = jax.vmap(fn, in_axes=axes)(*args)
-            return out, jax.tree.map(lambda _: True, out)
+            return _own_vmap(fn, tuple(in_batched), args)
         leaves, tree = jax.tree.flatten(args)
         flags = jax.tree.leaves(in_batched)
 
@@ -317,11 +318,16 @@ def _empty_batches(fn: Callable[..., Any]) -> Callable[..., Any]:
             out = jax.eval_shape(fn, *shapes)
             empty = jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), out)
             return empty, jax.tree.map(lambda _: True, out)
-        axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
-        out = jax.vmap(fn, in_axes=axes)(*args)
-        return out, jax.tree.map(lambda _: True, out)
+        return _own_vmap(fn, in_batched, args)
 
     return call
+
+
+def _own_vmap(fn: Callable[..., Any], in_batched: tuple, args: tuple) -> tuple[Any, Any]:
+    """A ``custom_vmap`` rule's answer from ``fn``'s own ``vmap``: every output batched."""
+    axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
+    out = jax.vmap(fn, in_axes=axes)(*args)
+    return out, jax.tree.map(lambda _: True, out)
 
 
 def first_order(message: str, fn: Callable[..., Any], *args: Any) -> Any:

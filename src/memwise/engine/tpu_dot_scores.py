@@ -41,11 +41,11 @@ def _operands(rows: Any, cols: Any) -> tuple[Any, Any, Any]:
 def _declines(
     call: kernels.KernelCall, rows: Any, cols: Any, pairs: Any, consts: Any
 ) -> str | None:
-    why = kernels.points_on_one_device(call)
+    why = kernels.points_on_one_device(call, pairs)
     if why is not None:
         return why
-    if pairs or jax.tree.leaves(consts):
-        return "pair or constant operands"
+    if jax.tree.leaves(consts):
+        return "constant operands"
     x, y, w = _operands(rows, cols)
     if x.ndim != 2 or y.ndim != 2 or (w is not None and w.ndim != 1):
         return "points other than (n, d) and (m, d) arrays with (m,) weights"

@@ -62,17 +62,18 @@ class Placed(NamedTuple):
     implementation: str | None = None
 
 
-def _placed(where: Placed) -> dict:
+def _placed(where: Placed, solve: bool = False) -> dict:
     """``pairwise_reduce`` keyword arguments for a pass placed at ``where``: split, the
     second cloud always travels on a ring (every pass of a solve, no all-gather); the
-    pass's implementation :func:`auxiliary`."""
+    caller's implementation for the solve's soft c-transforms (``solve``), else
+    :func:`auxiliary`."""
     ring = None if where.mesh is None else True
     return dict(
         chunk_size=where.tiles,
         mesh=where.mesh,
         axis_name=where.axes,
         ring=ring,
-        implementation=auxiliary(where.implementation),
+        implementation=where.implementation if solve else auxiliary(where.implementation),
     )
 
 
@@ -139,7 +140,7 @@ def softmin(
         reduce="logsumexp",
         weights=log_weights,
         axis=axis,
-        **{**_placed(chunk_size), "implementation": chunk_size.implementation},
+        **_placed(chunk_size, solve=True),
     )
 
 
@@ -167,7 +168,7 @@ def _inner_product_softmin(x, y, log_weights, eps, where, axis, squared):
         weights=shift.astype(kept.dtype),
         axis=axis,
         pattern=Pattern("dot_scores"),
-        **{**_placed(where), "implementation": where.implementation},
+        **_placed(where, solve=True),
     )
     if not squared:
         return (-eps * lse).astype(lse.dtype)
