@@ -89,18 +89,22 @@ def _plain(value, otherwise: str) -> Hashable:
 def sample(cases: Sequence[frozenset], fraction: float, key: str) -> list[int]:
     """Positions of the chosen cases, in their original order.
 
-    Every (parameter, value) pair in ``cases`` is covered by a chosen case; then cases
-    are added in a shuffled order (seeded by the run's seed and ``key``, the test's
-    name) until ``ceil(fraction * len(cases))`` are chosen.
+    Every (parameter, value) pair in ``cases`` is covered by a chosen case, in few cases:
+    each next one is the case that covers the most pairs not yet covered (the greedy set
+    cover; ties go to the earlier case in a shuffled order seeded by the run's seed and
+    ``key``, the test's name). Then cases are added in that order until
+    ``ceil(fraction * len(cases))`` are chosen.
     """
     order = list(range(len(cases)))
     random.Random(f"{seed()}:{key}").shuffle(order)
     chosen: list[int] = []
     covered: set = set()
-    for i in order:
-        if not cases[i] <= covered:
-            chosen.append(i)
-            covered |= cases[i]
+    while True:
+        best = max(order, key=lambda i: len(cases[i] - covered))  # the first of the best
+        if cases[best] <= covered:
+            break
+        chosen.append(best)
+        covered |= cases[best]
     target = math.ceil(fraction * len(cases))
     taken = set(chosen)
     rest = [i for i in order if i not in taken]

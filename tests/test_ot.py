@@ -552,9 +552,8 @@ _SHARDED = textwrap.dedent(
 
 @pytest.mark.slow
 def test_sharded_points_on_four_devices():
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-    )
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300
     )
