@@ -20,9 +20,15 @@ Large-Vocabulary Language Models* (arXiv:2411.09009):
   derivative) cast to the inputs' dtype, and takes two products: ``dW_blk += x_blk^T g``
   in a float32 VMEM accumulator, written once in ``W``'s dtype when its pass over the
   tokens ends (no float32 buffer of ``W``'s size), and ``dx_blk += g W_blk^T``, summed
-  over vocabulary blocks in a float32 ``(tokens, d)`` buffer in HBM (each block read
-  and written back by explicit copies that overlap the products). Four matrix products in all against the dense
-  program's three: the floor is 4/3 of its time.
+  over vocabulary blocks in HBM (each block read and written back by explicit copies
+  that overlap the products), each addition in float32: for float32 inputs in a float32
+  ``(tokens, d)`` buffer, for bfloat16 inputs as two bfloat16 buffers ``hi + lo`` (a
+  double-bfloat16 sum, as in double-double arithmetic: ``hi`` is the sum rounded and, after
+  the last block, ``dx`` itself; ``lo`` the rounding's remainder), which holds the sum to
+  2**-18 of itself, 64 times float32's rounding and 2**9 times below the result's own,
+  in half a float32 buffer's bytes (at 8,192 tokens and d = 4,096: 64 MiB of
+  temporaries, not 128). Four matrix products in all against the dense program's three:
+  the floor is 4/3 of its time.
 
 The default on a TPU (``implementation=None``): measured on a TPU v5e at 8,192 x 4,096 x
 128,256 in bfloat16 it is 2x faster than the XLA tiles, forward and backward (the
@@ -91,7 +97,7 @@ def block_sizes(tokens: int, words: int, d: int, itemsize: int) -> Blocks:
     target holds, tokens first (each word block is read once per token block).
 
     The backward's word blocks hold 8 MiB of weights (in bfloat16 1,024 words at d = 4,096,
-    2,048 at d = 2,048): every word block reads and writes the float32 ``dx`` once, so
+    2,048 at d = 2,048): every word block reads and writes ``dx``'s running sum once, so
     wider blocks cut that traffic until the block's ``dW`` accumulator crowds VMEM. Its
     token blocks are 256: measured on a TPU v5e at 8,192 x 4,096 x 128,256 (bfloat16),
     256 x 1,024 (a ragged last word block) took 161 ms, 512 x 768 193 ms, 512 x 1,024
@@ -141,6 +147,7 @@ class Config:
     words: int
     blocks: Blocks
     interpret: bool
+    split_dx: bool = False  # the backward's dx summed as bfloat16 hi + lo (set by _backward)
 
 
 def _w_spec(cfg: Config, d: int, words: int, word_index: Any) -> Any:
@@ -275,6 +282,21 @@ def _forward(cfg: Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
         )(*args)
 
 
+class _Together:
+    """DMA copies started and waited for together: one per part of ``dx``'s running sum."""
+
+    def __init__(self, copies: list) -> None:
+        self.copies = copies
+
+    def start(self) -> None:
+        for copy in self.copies:
+            copy.start()
+
+    def wait(self) -> None:
+        for copy in self.copies:
+            copy.wait()
+
+
 def _backward_kernel(cfg: Config, *refs: Any) -> None:
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -289,9 +311,13 @@ def _backward_kernel(cfg: Config, *refs: Any) -> None:
     dlse_ref: Any = next(it) if softmax else None
     dpick_ref: Any = next(it) if pick else None
     dsum_ref: Any = None if softmax else next(it)
-    dx_hbm, dw_ref = next(it), next(it)
+    parts = 2 if cfg.split_dx else 1  # dx's running sum: one float32 array, or hi + lo
+    dx_hbm = [next(it) for _ in range(parts)]
+    dw_ref = next(it)
     db_ref = next(it) if cfg.has_bias else None
-    dw_acc, db_acc, dx_buf, reads, writes = (next(it) for _ in range(5))
+    dw_acc, db_acc = next(it), next(it)
+    dx_buf = [next(it) for _ in range(parts)]
+    reads, writes = next(it), next(it)
 
     bt, bv = cfg.blocks.tokens_bwd, cfg.blocks.words_bwd
     j, i = pl.program_id(0), pl.program_id(1)
@@ -299,15 +325,37 @@ def _backward_kernel(cfg: Config, *refs: Any) -> None:
     step = j * nt + i
     slot = step % 2
 
-    def read(block, slot):
-        return pltpu.make_async_copy(
-            dx_hbm.at[pl.ds(block * bt, bt)], dx_buf.at[slot], reads.at[slot]
+    def copies(block, slot, sems, to_hbm):
+        pairs = [(hbm.at[pl.ds(block * bt, bt)], buf.at[slot]) for hbm, buf in zip(dx_hbm, dx_buf)]
+        return _Together(
+            [
+                pltpu.make_async_copy(*(pair[::-1] if to_hbm else pair), sems.at[k, slot])
+                for k, pair in enumerate(pairs)
+            ]
         )
 
+    def read(block, slot):
+        return copies(block, slot, reads, to_hbm=False)
+
     def write(block, slot):
-        return pltpu.make_async_copy(
-            dx_buf.at[slot], dx_hbm.at[pl.ds(block * bt, bt)], writes.at[slot]
-        )
+        return copies(block, slot, writes, to_hbm=True)
+
+    def store(total):
+        """The running sum into this step's slot: in float32, or (bfloat16 inputs) as
+        ``hi + lo``, two bfloat16 arrays: ``hi`` the sum rounded (the result, once the
+        last word block is added), ``lo`` what rounding left out, rounded in turn. The
+        pair holds the sum to 2**-18 of itself (float32: 2**-24); each block's addition
+        is in float32."""
+        if not cfg.split_dx:
+            dx_buf[0][slot] = total
+            return
+        hi = total.astype(dx_buf[0].dtype)
+        dx_buf[0][slot] = hi
+        dx_buf[1][slot] = (total - hi.astype(jnp.float32)).astype(dx_buf[1].dtype)
+
+    def running():
+        total = dx_buf[0][slot].astype(jnp.float32)
+        return total + dx_buf[1][slot].astype(jnp.float32) if cfg.split_dx else total
 
     # dx's block for this step. Each step's write is waited for two steps later (its
     # slot is reused then), so at this step every write up to two steps back is done:
@@ -372,12 +420,12 @@ def _backward_kernel(cfg: Config, *refs: Any) -> None:
 
     @pl.when(j == 0)
     def _():
-        dx_buf[slot] = dx
+        store(dx)
 
     @pl.when(j > 0)
     def _():
         read(i, slot).wait()
-        dx_buf[slot] += dx
+        store(running() + dx)
 
     write(i, slot).start()
 
@@ -402,8 +450,8 @@ def _backward(
 ) -> tuple[Any, Any, Any]:
     """``(dx, dW, db)``: one pass over word blocks, each over every token block.
 
-    ``dx`` is summed over word blocks in a float32 ``(tokens, d)`` buffer in HBM, one
-    token block at a time through two VMEM slots by explicit copies: a block's running
+    ``dx`` is summed over word blocks in HBM (float32, or bfloat16 ``hi + lo``: see
+    the module's docstring), one token block at a time through two VMEM slots by explicit copies: a block's running
     sum is read while the step's products run and written back while the next step's
     run. The pipeline's own blocks cannot carry it: an aliased input is prefetched a step
     ahead of the previous write, and interpret mode reads such an input unchanged.
@@ -412,6 +460,8 @@ def _backward(
     from jax.experimental.pallas import tpu as pltpu
 
     n, d = x.shape
+    cfg = dataclasses.replace(cfg, split_dx=x.dtype != jnp.float32)
+    parts = (x.dtype, x.dtype) if cfg.split_dx else (jnp.float32,)
     bt, bv = cfg.blocks.tokens_bwd, cfg.blocks.words_bwd
     nt = pl.cdiv(n, bt)
     grid = (pl.cdiv(cfg.words, bv), nt)
@@ -435,11 +485,12 @@ def _backward(
         per = [lanes(cots)]
     in_specs += [per_token] * len(per)
     args += per
-    out_specs = [pl.BlockSpec(memory_space=pl.ANY), _w_spec(cfg, d, bv, lambda j, i: j)]
-    out_shape = [
-        jax.ShapeDtypeStruct((nt * bt, d), jnp.float32),  # whole blocks: every copy alike
-        jax.ShapeDtypeStruct(w.shape, w.dtype),
+    out_specs = [pl.BlockSpec(memory_space=pl.ANY)] * len(parts)
+    out_specs.append(_w_spec(cfg, d, bv, lambda j, i: j))
+    out_shape = [  # whole blocks: every copy alike
+        jax.ShapeDtypeStruct((nt * bt, d), dtype) for dtype in parts
     ]
+    out_shape.append(jax.ShapeDtypeStruct(w.shape, w.dtype))
     if cfg.has_bias:
         out_specs.append(pl.BlockSpec((1, bv), lambda j, i: (0, j)))
         out_shape.append(jax.ShapeDtypeStruct((1, cfg.words), jnp.float32))
@@ -454,9 +505,9 @@ def _backward(
             scratch_shapes=[
                 pltpu.VMEM(dw_shape, jnp.float32),
                 pltpu.VMEM((1, bv), jnp.float32),
-                pltpu.VMEM((2, bt, d), jnp.float32),
-                pltpu.SemaphoreType.DMA((2,)),
-                pltpu.SemaphoreType.DMA((2,)),
+                *[pltpu.VMEM((2, bt, d), dtype) for dtype in parts],
+                pltpu.SemaphoreType.DMA((len(parts), 2)),
+                pltpu.SemaphoreType.DMA((len(parts), 2)),
             ],
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("arbitrary", "arbitrary"),
@@ -465,8 +516,8 @@ def _backward(
             interpret=cfg.interpret,
             name=f"memwise_cross_entropy_{cfg.mode}_bwd",
         )(*args)
-    dx, dw = out[0], out[1]
-    db = out[2].reshape(cfg.words).astype(bias.dtype) if cfg.has_bias else None
+    dx, dw = out[0], out[len(parts)]
+    db = out[len(parts) + 1].reshape(cfg.words).astype(bias.dtype) if cfg.has_bias else None
     return dx[:n].astype(x.dtype), dw, db
 
 
