@@ -6,14 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # worksteal: a worker that runs out of tests takes the other's, so one long test at the
 # end of a run does not leave a core idle.
-# XLA_FLAGS: the CPU suite's programs compiled at LLVM's lowest optimization level. Most
-# of the suite's time is XLA:CPU compiling small programs that then run once; the level
-# changes code generation only (not the HLO, its buffer assignment or memory_analysis(),
-# nor the arithmetic: no fast math at any level). Measured on the 2-core machine, cold
-# compilation cache: test_ot, test_engine, test_sdpa 149 s -> 110 s; make test's first
-# run 13 min 16 s -> 9 min 48 s, all four 22 min 39 s -> 17 min 24 s.
-PYTEST := env XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" \
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 .PHONY: demo test test-full test-accelerator durations test-fast test-next-jax lint typecheck docs floor floor-venv ci bench bench-peers clean
 
