@@ -147,7 +147,6 @@ class Config:
     words: int
     blocks: Blocks
     interpret: bool
-    split_dx: bool = False  # the backward's dx summed as bfloat16 hi + lo (set by _backward)
 
 
 def _w_spec(cfg: Config, d: int, words: int, word_index: Any) -> Any:
@@ -282,6 +281,12 @@ def _forward(cfg: Config, x: Any, w: Any, bias: Any, labels: Any) -> Any:
         )(*args)
 
 
+def _dx_parts(dtype: Any) -> tuple:
+    """The dtypes of the backward's running sum of ``dx``: float32 for float32 inputs,
+    else ``hi`` and ``lo`` in the inputs' dtype (see the module's docstring)."""
+    return (jnp.float32,) if dtype == jnp.float32 else (dtype, dtype)
+
+
 class _Together:
     """DMA copies started and waited for together: one per part of ``dx``'s running sum."""
 
@@ -311,7 +316,7 @@ def _backward_kernel(cfg: Config, *refs: Any) -> None:
     dlse_ref: Any = next(it) if softmax else None
     dpick_ref: Any = next(it) if pick else None
     dsum_ref: Any = None if softmax else next(it)
-    parts = 2 if cfg.split_dx else 1  # dx's running sum: one float32 array, or hi + lo
+    parts = len(_dx_parts(x_ref.dtype))  # dx's running sum: one float32 array, or hi + lo
     dx_hbm = [next(it) for _ in range(parts)]
     dw_ref = next(it)
     db_ref = next(it) if cfg.has_bias else None
@@ -346,7 +351,7 @@ def _backward_kernel(cfg: Config, *refs: Any) -> None:
         last word block is added), ``lo`` what rounding left out, rounded in turn. The
         pair holds the sum to 2**-18 of itself (float32: 2**-24); each block's addition
         is in float32."""
-        if not cfg.split_dx:
+        if parts == 1:
             dx_buf[0][slot] = total
             return
         hi = total.astype(dx_buf[0].dtype)
@@ -355,7 +360,7 @@ def _backward_kernel(cfg: Config, *refs: Any) -> None:
 
     def running():
         total = dx_buf[0][slot].astype(jnp.float32)
-        return total + dx_buf[1][slot].astype(jnp.float32) if cfg.split_dx else total
+        return total if parts == 1 else total + dx_buf[1][slot].astype(jnp.float32)
 
     # dx's block for this step. Each step's write is waited for two steps later (its
     # slot is reused then), so at this step every write up to two steps back is done:
@@ -460,8 +465,7 @@ def _backward(
     from jax.experimental.pallas import tpu as pltpu
 
     n, d = x.shape
-    cfg = dataclasses.replace(cfg, split_dx=x.dtype != jnp.float32)
-    parts = (x.dtype, x.dtype) if cfg.split_dx else (jnp.float32,)
+    parts = _dx_parts(x.dtype)
     bt, bv = cfg.blocks.tokens_bwd, cfg.blocks.words_bwd
     nt = pl.cdiv(n, bt)
     grid = (pl.cdiv(cfg.words, bv), nt)
