@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import subprocess
-import sys
 import textwrap
 
 import _draw
@@ -14,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _multidevice import run_on_devices
 from ott.geometry import costs as ott_costs  # noqa: E402
 from ott.geometry import pointcloud  # noqa: E402
 from ott.problems.linear import linear_problem  # noqa: E402
@@ -552,13 +550,7 @@ _SHARDED = textwrap.dedent(
 
 @pytest.mark.slow
 def test_sharded_points_on_four_devices():
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "OK" in proc.stdout
+    assert "OK" in run_on_devices(_SHARDED, n_devices=4)
 
 
 def test_public_names():
